@@ -1,0 +1,1 @@
+"""Offload engine: placement, host store, slots, policies, manager."""

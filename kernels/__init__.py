@@ -1,0 +1,1 @@
+"""Grouped-GEMM MoE FFN kernels behind one dispatch (imported as jmoe.kernels)."""
