@@ -1,0 +1,63 @@
+"""The one public entry point: validate shapes/dtypes, pick a backend, call it."""
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.kernels.activations import get_activation
+from jmoe.kernels.reference import moe_ffn_reference
+
+BACKENDS = ("auto", "reference")
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def validate_inputs(x, slot_ids, weights, w_gate_up, w_down):
+    """Raise ValueError saying what was expected and what was found."""
+
+    def fail(msg):
+        raise ValueError(f"moe_ffn: {msg}")
+
+    for name, arr, rank in (
+        ("x", x, 2),
+        ("slot_ids", slot_ids, 2),
+        ("weights", weights, 2),
+        ("w_gate_up", w_gate_up, 3),
+        ("w_down", w_down, 3),
+    ):
+        if arr.ndim != rank:
+            fail(f"{name} must have rank {rank}, got shape {tuple(arr.shape)}")
+    t, d = x.shape
+    s, d_gu, two_f = w_gate_up.shape
+    if slot_ids.shape[0] != t:
+        fail(f"slot_ids must be [T={t}, k], got {tuple(slot_ids.shape)}")
+    if weights.shape != slot_ids.shape:
+        fail(f"weights must match slot_ids {tuple(slot_ids.shape)}, got {tuple(weights.shape)}")
+    if d_gu != d:
+        fail(f"w_gate_up must be [S, d={d}, 2f], got {tuple(w_gate_up.shape)}")
+    if two_f % 2:
+        fail(f"w_gate_up last axis must be 2*f (gate then up), got odd {two_f}")
+    f = two_f // 2
+    if w_down.shape != (s, f, d):
+        fail(f"w_down must be [S={s}, f={f}, d={d}], got {tuple(w_down.shape)}")
+    if slot_ids.dtype != jnp.int32:
+        fail(f"slot_ids must be int32, got {slot_ids.dtype}")
+    if x.dtype not in _FLOAT_DTYPES:
+        fail(f"x must be float32 or bfloat16, got {x.dtype}")
+    for name, arr in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if arr.dtype != x.dtype:
+            fail(f"{name} dtype must equal x dtype {x.dtype}, got {arr.dtype}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        fail(f"weights must be floating point, got {weights.dtype}")
+
+
+def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activation="swiglu"):
+    """y[t] = sum_j weights[t, j] * (act(x_t Wg, x_t Wu)) Wd for slot slot_ids[t, j].
+
+    x [T, d]; slot_ids int32 [T, k] (-1 contributes nothing and is never read);
+    weights [T, k]; w_gate_up [S, d, 2f] (gate then up); w_down [S, f, d].
+    Returns [T, d] in x.dtype, accumulated in float32.
+    """
+    validate_inputs(x, slot_ids, weights, w_gate_up, w_down)
+    get_activation(activation)
+    if backend not in BACKENDS:
+        raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
+    return moe_ffn_reference(x, slot_ids, weights, w_gate_up, w_down, activation=activation)

@@ -1,0 +1,31 @@
+"""Reference MoE FFN: plain gather + einsum in float32 at HIGHEST precision (the test oracle,
+and the path the model uses to match Hugging Face fp32 logits)."""
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.kernels.activations import get_activation
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def moe_ffn_reference(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+    act = get_activation(activation)
+    f = w_down.shape[1]
+    valid = slot_ids >= 0
+    # -1 must never select real weights: clamp to slot 0 for the gather, then drop the
+    # contribution with a select (not a multiply, so NaN/Inf in slot 0 cannot leak in).
+    safe_ids = jnp.where(valid, slot_ids, 0)
+    w_gu = w_gate_up[safe_ids]  # [T, k, d, 2f]
+    w_d = w_down[safe_ids]  # [T, k, f, d]
+    gate_up = jnp.einsum(
+        "td,tkdn->tkn", x, w_gu, precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+    h = act(gate_up[..., :f], gate_up[..., f:]).astype(x.dtype)
+    out = jnp.einsum(
+        "tkf,tkfd->tkd", h, w_d, precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+    # HF order: router weight applied after the down projection, then summed over k.
+    out = out * weights.astype(jnp.float32)[..., None]
+    out = jnp.where(valid[..., None], out, 0.0)
+    return out.sum(axis=1).astype(x.dtype)
