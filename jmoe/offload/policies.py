@@ -1,0 +1,382 @@
+"""Expert-cache policies: which experts are worth keeping in each MoE layer's device slots.
+
+A policy sees, after every step (a decode step, or a prefill chunk), how many tokens each expert
+of each layer served, and ranks the experts by a priority. It never moves anything itself: the
+offload manager (and ``bench/replay.py``) turn priorities into evictions with the one shared
+rule in :func:`choose_victims` / :func:`eviction_order`:
+
+    on a miss, evict the resident expert with the LOWEST priority among those the current step
+    does not need; ties are broken by evicting the LOWER expert id.
+
+Everything is vectorised over ``[num_layers, num_experts]`` because the manager runs between
+decode steps in Python and has a budget of ~200 us per step for 24 layers x 32 experts: no
+Python loop over layers here.
+
+What "counts" means to each policy (``counts[l, e]`` = tokens routed to expert ``e`` of layer
+``l`` in the step just finished; at batch-1 decode it is 0 or 1):
+
+- ``lru``: only whether an expert was used (``counts > 0``); priority = last step used.
+- ``lfu``: the counts themselves, summed over all steps; a prefill chunk that sends 300 tokens
+  to an expert counts 300, because that is how many token-computations would have missed.
+- ``lfru``: counts, exponentially decayed per step, divided by ``1 + recency_weight * recency``.
+- ``static``: ignores what it observes; ranks by a frequency table given up front and never
+  admits a missed expert (``admits_misses = False``).
+
+Subclassing: override :meth:`CachePolicy.update` (called by :meth:`CachePolicy.observe` with
+validated counts, before the clock advances) and :meth:`CachePolicy.priority`; optionally
+register the class with :func:`register_policy` so ``make_policy`` finds it by name.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+__all__ = [
+    "CachePolicy",
+    "LRUPolicy",
+    "LFUPolicy",
+    "LFRUPolicy",
+    "StaticPolicy",
+    "choose_victims",
+    "eviction_order",
+    "initial_residents",
+    "make_policy",
+    "register_policy",
+    "policy_names",
+]
+
+
+class CachePolicy:
+    """Decides which experts are worth keeping in each MoE layer's device slots.
+
+    Contract:
+      * ``observe(counts)``: ``counts`` is an integer array ``[num_layers, num_experts]`` of
+        accesses per expert in the step just finished (0 = unused). Advances ``self.step``.
+      * ``priority()``: float array ``[num_layers, num_experts]``, higher = more worth keeping.
+        It must be finite or +/-inf (no NaN). The caller may keep a reference only until the
+        next ``observe``.
+      * ``admits_misses``: if False, a missed expert is served from scratch and never enters
+        the cache; the cache then holds :func:`initial_residents` of the first priority.
+    """
+
+    name: str = "base"
+    admits_misses: bool = True
+
+    def __init__(self, num_layers: int, num_experts: int):
+        if int(num_layers) <= 0 or int(num_experts) <= 0:
+            raise ValueError(
+                f"{type(self).__name__}: expected num_layers > 0 and num_experts > 0, "
+                f"found num_layers={num_layers}, num_experts={num_experts}"
+            )
+        self.num_layers = int(num_layers)
+        self.num_experts = int(num_experts)
+        self.step = 0  # number of observed steps; the step just observed has index step - 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_layers, self.num_experts)
+
+    def observe(self, counts: np.ndarray) -> None:
+        """Record the step just finished and advance the clock by one step."""
+        counts = np.asarray(counts)
+        if counts.shape != self.shape:
+            raise ValueError(
+                f"{self.name} policy: expected counts of shape [num_layers, num_experts] = "
+                f"{list(self.shape)}, found {list(counts.shape)}"
+            )
+        self.update(counts)
+        self.step += 1
+
+    def update(self, counts: np.ndarray) -> None:
+        """Subclass hook: fold one step's counts into the policy state (``self.step`` is the
+        index of that step)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement update(counts)")
+
+    def priority(self) -> np.ndarray:
+        """Float ``[num_layers, num_experts]``: higher = more worth keeping."""
+        raise NotImplementedError(f"{type(self).__name__} must implement priority()")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_layers={self.num_layers}, num_experts={self.num_experts})"
+
+
+class LRUPolicy(CachePolicy):
+    """Least recently used: priority = index of the last step that used the expert (-1 = never)."""
+
+    name = "lru"
+
+    def __init__(self, num_layers: int, num_experts: int):
+        super().__init__(num_layers, num_experts)
+        self._last_used = np.full(self.shape, -1.0)
+
+    def update(self, counts: np.ndarray) -> None:
+        # Only "was it used" matters for recency; how many tokens used it does not.
+        self._last_used[counts > 0] = self.step
+
+    def priority(self) -> np.ndarray:
+        return self._last_used
+
+
+class LFUPolicy(CachePolicy):
+    """Least frequently used: priority = total tokens served since the start (no decay)."""
+
+    name = "lfu"
+
+    def __init__(self, num_layers: int, num_experts: int):
+        super().__init__(num_layers, num_experts)
+        self._total = np.zeros(self.shape)
+
+    def update(self, counts: np.ndarray) -> None:
+        self._total += counts
+
+    def priority(self) -> np.ndarray:
+        return self._total
+
+
+class LFRUPolicy(CachePolicy):
+    """Frequency with decay, weighed against recency.
+
+    After each step: ``freq = decay * freq + counts``; ``recency`` = steps since the expert was
+    last used (0 = used in the step just observed). Priority::
+
+        freq / (1 + recency_weight * recency)
+
+    Never-used experts have ``freq = 0`` and so the lowest priority. Frequency alone keeps
+    experts that are hot on average (LRU thrashes them out when a few steps go elsewhere);
+    the decay and the recency term let the cache follow a change of topic.
+
+    Defaults were tuned on the GPT-OSS-20B trace's tuning split only (sequences from
+    ``mmlu*`` datasets); see ``bench/results/replay_tuning.md`` and ``bench/replay.py --tune``.
+    """
+
+    name = "lfru"
+    DEFAULT_DECAY = 0.95
+    DEFAULT_RECENCY_WEIGHT = 1.0
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        decay: float = DEFAULT_DECAY,
+        recency_weight: float = DEFAULT_RECENCY_WEIGHT,
+    ):
+        super().__init__(num_layers, num_experts)
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"lfru policy: expected 0 < decay <= 1, found decay={decay}")
+        if recency_weight < 0.0:
+            raise ValueError(
+                f"lfru policy: expected recency_weight >= 0, found recency_weight={recency_weight}"
+            )
+        self.decay = float(decay)
+        self.recency_weight = float(recency_weight)
+        self._freq = np.zeros(self.shape)
+        self._last_used = np.full(self.shape, -1.0)
+        self._score = np.zeros(self.shape)
+
+    def update(self, counts: np.ndarray) -> None:
+        self._freq *= self.decay
+        self._freq += counts
+        self._last_used[counts > 0] = self.step
+
+    def priority(self) -> np.ndarray:
+        recency = (self.step - 1) - self._last_used  # never used: freq is 0, recency irrelevant
+        np.divide(self._freq, 1.0 + self.recency_weight * recency, out=self._score)
+        return self._score
+
+    def __repr__(self) -> str:
+        return (
+            f"LFRUPolicy(num_layers={self.num_layers}, num_experts={self.num_experts}, "
+            f"decay={self.decay}, recency_weight={self.recency_weight})"
+        )
+
+
+class StaticPolicy(CachePolicy):
+    """Pins, per layer, the experts with the highest frequency in a table given up front.
+
+    ``frequency`` is ``[num_layers, num_experts]`` (a profile, a trace's tuning split, prefill
+    counts ...). The pinned set of a cache of C slots is the C most frequent experts per layer
+    (:func:`initial_residents`). It never changes: ``observe`` only advances the clock, and
+    ``admits_misses = False`` tells the manager to serve a missed expert from scratch without
+    evicting anything.
+    """
+
+    name = "static"
+    admits_misses = False
+
+    def __init__(self, num_layers: int, num_experts: int, frequency: np.ndarray | None = None):
+        super().__init__(num_layers, num_experts)
+        if frequency is None:
+            raise ValueError(
+                "static policy: expected frequency=<array [num_layers, num_experts]> of expert "
+                "use counts (e.g. from a profile or a trace's tuning split), found none; pass "
+                "make_policy('static', L, E, frequency=table)"
+            )
+        frequency = np.asarray(frequency, dtype=np.float64)
+        if frequency.shape != self.shape:
+            raise ValueError(
+                f"static policy: expected frequency of shape {list(self.shape)}, "
+                f"found {list(frequency.shape)}"
+            )
+        if not np.isfinite(frequency).all():
+            raise ValueError("static policy: frequency table contains NaN or inf")
+        self._frequency = frequency.copy()
+        self._frequency.setflags(write=False)
+
+    def update(self, counts: np.ndarray) -> None:
+        pass  # a static cache learns nothing at run time, by definition
+
+    def priority(self) -> np.ndarray:
+        return self._frequency
+
+    def pinned(self, capacity: int) -> np.ndarray:
+        """Bool ``[num_layers, num_experts]``: the experts this policy keeps in ``capacity`` slots."""
+        return initial_residents(self._frequency, capacity)
+
+
+# ----------------------------------------------------------------------------------------------
+# The eviction rule, shared by the engine's manager and the trace replay.
+
+_FLOAT_MAX = np.finfo(np.float64).max
+
+
+def choose_victims(
+    priority: np.ndarray,
+    resident: np.ndarray,
+    needed: np.ndarray,
+    num_victims: np.ndarray | int,
+) -> np.ndarray:
+    """Vectorised eviction over layers.
+
+    Args:
+      priority: float ``[L, E]``, higher = more worth keeping.
+      resident: bool ``[L, E]``, experts currently in a slot.
+      needed: bool ``[L, E]``, experts the current step needs (never evicted).
+      num_victims: int ``[L]`` (or a scalar), how many experts each layer must evict.
+
+    Returns:
+      bool ``[L, E]``: the victims. In each layer they are the ``num_victims[l]`` resident,
+      not-needed experts of lowest priority; among equal priorities the lower expert id goes
+      first.
+
+    Raises ValueError when a layer has fewer evictable experts than it must evict.
+    """
+    priority = np.asarray(priority)
+    candidate = resident & ~needed
+    num_victims = np.broadcast_to(np.asarray(num_victims), priority.shape[:1])
+    short = candidate.sum(axis=1) < num_victims
+    if short.any():
+        layer = int(np.flatnonzero(short)[0])
+        raise ValueError(
+            f"choose_victims: layer {layer} must evict {int(num_victims[layer])} experts but only "
+            f"{int(candidate[layer].sum())} are resident and not needed by this step; the cache "
+            f"must have at least as many slots as experts one step needs"
+        )
+    # Non-candidates sort after every candidate (key +inf; candidates' +inf priorities are
+    # clipped to the largest finite float). The stable sort keeps equal priorities in ascending
+    # expert-id order, so the lower id is evicted first.
+    key = np.where(candidate, np.minimum(priority, _FLOAT_MAX), np.inf)
+    order = np.argsort(key, axis=-1, kind="stable")
+    take = np.arange(priority.shape[-1])[None, :] < num_victims[:, None]  # in sorted position
+    victims = np.zeros(priority.shape, dtype=bool)
+    np.put_along_axis(victims, order, take, axis=-1)
+    return victims
+
+
+def eviction_order(
+    priority_row: np.ndarray,
+    resident_expert_ids: np.ndarray,
+    needed_expert_ids: np.ndarray | None = None,
+) -> np.ndarray:
+    """One layer: the resident expert ids that may be evicted, first victim first.
+
+    Experts in ``needed_expert_ids`` are left out (the current step needs them). The rest are
+    ordered by ascending ``priority_row[id]``, ties by ascending id. Same rule as
+    :func:`choose_victims`.
+    """
+    ids = np.unique(np.asarray(resident_expert_ids, dtype=np.int64))  # unique also sorts by id
+    if needed_expert_ids is not None:
+        ids = ids[~np.isin(ids, np.asarray(needed_expert_ids, dtype=np.int64))]
+    priority_row = np.asarray(priority_row)
+    order = np.argsort(priority_row[ids], kind="stable")  # stable: ties keep ascending id
+    return ids[order]
+
+
+def initial_residents(priority: np.ndarray, capacity: int) -> np.ndarray:
+    """Bool ``[L, E]``: the ``capacity`` experts per layer the eviction rule would keep last.
+
+    Used to fill the cache of a policy that does not admit misses (static). Consistent with
+    :func:`choose_victims`: it is what remains after evicting ``E - capacity`` experts from a
+    full cache when nothing is needed.
+    """
+    priority = np.asarray(priority)
+    num_layers, num_experts = priority.shape
+    if not 0 <= capacity <= num_experts:
+        raise ValueError(
+            f"initial_residents: expected 0 <= capacity <= num_experts={num_experts}, "
+            f"found {capacity}"
+        )
+    everything = np.ones(priority.shape, dtype=bool)
+    nothing = np.zeros(priority.shape, dtype=bool)
+    victims = choose_victims(priority, everything, nothing, np.full(num_layers, num_experts - capacity))
+    return ~victims
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry.
+
+_REGISTRY: dict[str, Callable[..., CachePolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "lfru": LFRUPolicy,
+    "static": StaticPolicy,
+}
+
+
+def policy_names() -> list[str]:
+    """The names ``make_policy`` knows."""
+    return sorted(_REGISTRY)
+
+
+def register_policy(name: str, factory: Callable[..., CachePolicy]) -> None:
+    """Make ``make_policy(name, L, E, **kw)`` call ``factory(L, E, **kw)``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_policy: expected a non-empty name, found {name!r}")
+    _REGISTRY[name.lower()] = factory
+
+
+def make_policy(
+    name: str | CachePolicy | type, num_layers: int, num_experts: int, **kwargs
+) -> CachePolicy:
+    """Build a policy by name (``"lru"``, ``"lfu"``, ``"lfru"``, ``"static"``, or registered),
+    or accept a user's :class:`CachePolicy` instance / subclass.
+
+    ``kwargs`` go to the constructor (``decay=``, ``recency_weight=`` for lfru;
+    ``frequency=`` for static).
+    """
+    if isinstance(name, CachePolicy):
+        if kwargs:
+            raise ValueError(
+                f"make_policy: got a policy instance and keyword arguments {sorted(kwargs)}; "
+                f"configure the instance when constructing it instead"
+            )
+        if name.shape != (num_layers, num_experts):
+            raise ValueError(
+                f"make_policy: policy {name!r} is for [num_layers, num_experts] = "
+                f"{list(name.shape)}, expected {[num_layers, num_experts]}"
+            )
+        return name
+    if isinstance(name, type) and issubclass(name, CachePolicy):
+        return name(num_layers, num_experts, **kwargs)
+    if not isinstance(name, str):
+        raise ValueError(
+            f"make_policy: expected a policy name or a CachePolicy, found {type(name).__name__}"
+        )
+    factory = _REGISTRY.get(name.lower())
+    if factory is None:
+        raise ValueError(
+            f"unknown cache policy {name!r}; known policies: {', '.join(policy_names())} "
+            f"(or pass a CachePolicy subclass instance)"
+        )
+    return factory(num_layers, num_experts, **kwargs)
