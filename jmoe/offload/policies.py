@@ -113,7 +113,7 @@ class LRUPolicy(CachePolicy):
 
     def update(self, counts: np.ndarray) -> None:
         # Only "was it used" matters for recency; how many tokens used it does not.
-        self._last_used[counts > 0] = self.step
+        np.copyto(self._last_used, self.step, where=counts > 0)
 
     def priority(self) -> np.ndarray:
         return self._last_used
@@ -147,8 +147,10 @@ class LFRUPolicy(CachePolicy):
     experts that are hot on average (LRU thrashes them out when a few steps go elsewhere);
     the decay and the recency term let the cache follow a change of topic.
 
-    Defaults were tuned on the GPT-OSS-20B trace's tuning split only (sequences from
-    ``mmlu*`` datasets); see ``bench/results/replay_tuning.md`` and ``bench/replay.py --tune``.
+    ``decay`` and ``recency_weight`` are numbers, or arrays of shape ``[num_layers]`` for
+    per-layer constants. Defaults were tuned on the GPT-OSS-20B trace's tuning split only
+    (sequences from ``mmlu*`` datasets); see ``bench/results/replay_tuning.md`` and
+    ``bench/replay.py --tune``.
     """
 
     name = "lfru"
@@ -159,26 +161,38 @@ class LFRUPolicy(CachePolicy):
         self,
         num_layers: int,
         num_experts: int,
-        decay: float = DEFAULT_DECAY,
-        recency_weight: float = DEFAULT_RECENCY_WEIGHT,
+        decay: float | np.ndarray = DEFAULT_DECAY,
+        recency_weight: float | np.ndarray = DEFAULT_RECENCY_WEIGHT,
     ):
         super().__init__(num_layers, num_experts)
-        if not 0.0 < decay <= 1.0:
+        self.decay = self._per_layer("decay", decay)
+        self.recency_weight = self._per_layer("recency_weight", recency_weight)
+        if not np.all((self.decay > 0.0) & (self.decay <= 1.0)):
             raise ValueError(f"lfru policy: expected 0 < decay <= 1, found decay={decay}")
-        if recency_weight < 0.0:
+        if not np.all(self.recency_weight >= 0.0):
             raise ValueError(
                 f"lfru policy: expected recency_weight >= 0, found recency_weight={recency_weight}"
             )
-        self.decay = float(decay)
-        self.recency_weight = float(recency_weight)
         self._freq = np.zeros(self.shape)
         self._last_used = np.full(self.shape, -1.0)
         self._score = np.zeros(self.shape)
 
+    def _per_layer(self, what: str, value) -> float | np.ndarray:
+        """A float, or (per-layer constants) an array of shape [num_layers] kept as [L, 1]."""
+        array = np.asarray(value, dtype=np.float64)
+        if array.ndim == 0:
+            return float(array)
+        if array.shape != (self.num_layers,):
+            raise ValueError(
+                f"lfru policy: expected {what} to be a number or an array of shape "
+                f"[num_layers] = [{self.num_layers}], found shape {list(array.shape)}"
+            )
+        return array[:, None]
+
     def update(self, counts: np.ndarray) -> None:
         self._freq *= self.decay
         self._freq += counts
-        self._last_used[counts > 0] = self.step
+        np.copyto(self._last_used, self.step, where=counts > 0)
 
     def priority(self) -> np.ndarray:
         recency = (self.step - 1) - self._last_used  # never used: freq is 0, recency irrelevant
@@ -263,25 +277,30 @@ def choose_victims(
     Raises ValueError when a layer has fewer evictable experts than it must evict.
     """
     priority = np.asarray(priority)
+    num_layers, num_experts = priority.shape
     candidate = resident & ~needed
-    num_victims = np.broadcast_to(np.asarray(num_victims), priority.shape[:1])
-    short = candidate.sum(axis=1) < num_victims
-    if short.any():
-        layer = int(np.flatnonzero(short)[0])
+    num_victims = np.asarray(num_victims)
+    if num_victims.ndim == 0:
+        num_victims = np.full(num_layers, num_victims)
+    evictable = candidate.sum(axis=1)
+    if (evictable < num_victims).any():
+        layer = int(np.flatnonzero(evictable < num_victims)[0])
         raise ValueError(
             f"choose_victims: layer {layer} must evict {int(num_victims[layer])} experts but only "
-            f"{int(candidate[layer].sum())} are resident and not needed by this step; the cache "
+            f"{int(evictable[layer])} are resident and not needed by this step; the cache "
             f"must have at least as many slots as experts one step needs"
         )
     # Non-candidates sort after every candidate (key +inf; candidates' +inf priorities are
     # clipped to the largest finite float). The stable sort keeps equal priorities in ascending
     # expert-id order, so the lower id is evicted first.
-    key = np.where(candidate, np.minimum(priority, _FLOAT_MAX), np.inf)
+    key = np.full(priority.shape, np.inf)
+    np.minimum(priority, _FLOAT_MAX, out=key, where=candidate)
     order = np.argsort(key, axis=-1, kind="stable")
-    take = np.arange(priority.shape[-1])[None, :] < num_victims[:, None]  # in sorted position
-    victims = np.zeros(priority.shape, dtype=bool)
-    np.put_along_axis(victims, order, take, axis=-1)
-    return victims
+    take = np.arange(num_experts) < num_victims[:, None]  # the first num_victims sorted positions
+    order += np.arange(0, num_layers * num_experts, num_experts)[:, None]  # flat indices
+    victims = np.zeros(num_layers * num_experts, dtype=bool)
+    victims[order[take]] = True
+    return victims.reshape(num_layers, num_experts)
 
 
 def eviction_order(
