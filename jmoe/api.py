@@ -1,0 +1,140 @@
+"""The public entry points: `jmoe.load` and the `Model` it returns."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig, load_config
+from jmoe.errors import InputError
+from jmoe.expert_engine import ResidentEngine
+from jmoe.generation import TokenCallback, as_rows, check_token_ids, generate_tokens
+from jmoe.loading import load_model
+from jmoe.model import MoETransformer
+from jmoe.sampling import SamplingParams
+from jmoe.steps import make_logits_fn, make_step_fn
+from jmoe.tokenizer import TextStream, TextTokenizer, load_tokenizer
+
+
+class Model:
+    """A loaded MoE language model with its expert engine and (optionally) its tokenizer."""
+
+    def __init__(self, module: MoETransformer, config: ModelConfig, engine, tokenizer: TextTokenizer | None = None,
+                 source: Path | None = None):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.source = source
+        self.graphdef, self.params = nnx.split(module)
+        self.kv_dtype = module.embed[...].dtype
+        self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
+        self._step_fns: dict[SamplingParams, object] = {}
+        self._sampling = SamplingParams()
+
+    def module(self) -> MoETransformer:
+        """The Flax NNX module (for research code: inspect, fine-tune, call directly)."""
+        return nnx.merge(self.graphdef, self.params)
+
+    def _finish_step(self, engine_state, routing, extra=()):
+        """The one device-to-host read of a step: engine tables, routing and whatever the caller needs."""
+        tables, routing_host, extra_host = jax.device_get((self.engine.readback(engine_state), routing, extra))
+        self.engine.after_step(engine_state, tables, routing_host)
+        return extra_host
+
+    def logits(self, token_ids) -> jax.Array:
+        """int [B, T] -> float32 logits [B, T, vocab] from one full forward (no padding, no cache reuse)."""
+        rows = as_rows(token_ids)
+        check_token_ids(self.config, rows, "logits")
+        if len({len(r) for r in rows}) != 1:
+            raise InputError(f"logits: all rows must have the same length, found lengths "
+                             f"{sorted({len(r) for r in rows})}; pad them yourself or call once per row")
+        tokens = jnp.asarray(rows, jnp.int32)
+        logits, routing, state = self._logits_fn(self.params, self.engine.state, tokens)
+        self._finish_step(state, routing)
+        return logits
+
+    def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int):
+        """One jitted generation step; returns (next tokens as NumPy [B], the updated kv cache)."""
+        fn = self._step_fns.get(self._sampling)
+        if fn is None:
+            fn = self._step_fns[self._sampling] = make_step_fn(self.graphdef, self.engine, self._sampling)
+        next_tokens, routing, kv_cache, state = fn(self.params, self.engine.state, tokens, kv_cache,
+                                                   jnp.int32(write_index), pad_len, key, jnp.int32(step))
+        return self._finish_step(state, routing, next_tokens), kv_cache
+
+    def generate(self, prompt_ids, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, on_tokens: TokenCallback | None = None) -> list[list[int]]:
+        """New token ids for each prompt (a list of ints, or a batch of them of any lengths).
+
+        Stops a row at an EOS id of config.json / generation_config.json (the EOS is included) or after
+        `max_new_tokens`. `on_tokens` is called after every step with the tokens so far.
+        """
+        return self.generate_detailed(as_rows(prompt_ids), max_new_tokens, SamplingParams(temperature, top_k, top_p),
+                                      seed, on_tokens).tokens
+
+    def generate_detailed(self, rows: list[list[int]], max_new_tokens: int, sampling: SamplingParams, seed: int = 0,
+                          on_tokens: TokenCallback | None = None):
+        """Like generate, returning a GenerationResult with timings (used by the CLI and benchmarks)."""
+        self._sampling = sampling
+        return generate_tokens(self, rows, max_new_tokens, seed, on_tokens)
+
+    def require_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise InputError(f"{self.source}: no tokenizer.json in the model directory; text generation needs "
+                             f"one (or pass token ids to generate())")
+        return self.tokenizer
+
+    def generate_text(self, prompt: str | Sequence[str], max_new_tokens: int = 32, temperature: float = 0.0,
+                      top_k: int = 0, top_p: float = 1.0, seed: int = 0, stream: bool = False) -> str | list[str]:
+        """Generated text for one prompt (str) or several (list of str). `stream` prints text as it arrives."""
+        tokenizer = self.require_tokenizer()
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if any(not p for p in prompts):
+            raise InputError("generate_text: empty prompt; give some text to continue")
+        if stream and len(prompts) != 1:
+            raise InputError(f"generate_text: stream=True needs exactly one prompt, found {len(prompts)}")
+        printer = None
+        if stream:
+            text_stream = TextStream(tokenizer)
+
+            def printer(tokens):
+                sys.stdout.write(text_stream.delta(tokens[0]))
+                sys.stdout.flush()
+
+        ids = self.generate([tokenizer.encode(p) for p in prompts], max_new_tokens, temperature, top_k, top_p,
+                            seed, printer)
+        texts = [tokenizer.decode(t) for t in ids]
+        return texts[0] if isinstance(prompt, str) else texts
+
+    def stats(self) -> list[dict]:
+        """Per MoE layer: hits, misses, evictions, bytes moved (empty when every expert is resident)."""
+        return self.engine.stats()
+
+
+def load(path: str | Path, cache: int | None = None, *, dtype: str | None = None, backend: str = "auto",
+         progress: bool = True) -> Model:
+    """Load a Hugging Face MoE checkpoint directory.
+
+    cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all.
+    dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
+    backend: expert kernel backend for jmoe.kernels.moe_ffn.
+    """
+    model_dir = Path(path)
+    config = load_config(model_dir)
+    if cache is not None and cache < config.num_experts:
+        raise InputError(f"cache={cache} < {config.num_experts} experts needs the offload engine, which is "
+                         f"not available in this version; use cache=None")
+    module = load_model(model_dir, config, dtype=dtype, progress=progress)
+    return Model(module, config, ResidentEngine(config, backend), load_tokenizer(model_dir), model_dir)
+
+
+def random_model(config: ModelConfig, seed: int = 0, backend: str = "auto") -> Model:
+    """A randomly initialised model (for tests, benchmarks and training)."""
+    return Model(MoETransformer(config, rngs=nnx.Rngs(seed)), config, ResidentEngine(config, backend))
+
+

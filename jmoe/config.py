@@ -1,0 +1,230 @@
+"""Model configuration: a frozen, hashable description parsed from a Hugging Face config.json.
+
+Per-family differences live in `FAMILIES`, one `Family` entry per `model_type`: the config keys it
+uses and the few architectural switches (router normalisation, q/k norm, biases, shared expert).
+A new family (DeepSeek-V3, GPT-OSS) is a new entry plus whatever new switch it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from jmoe.errors import ConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model needs to know, static and hashable (usable as a jit static argument)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_linear_factor: float  # 1.0 unless rope_type == "linear"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    dense_intermediate_size: int  # width of the plain MLP in layers that are not MoE
+    moe_layers: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP (False)
+    sliding_windows: tuple[int | None, ...]  # per layer: attention window, None = full
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    qk_norm: str = "none"  # "none" | "per_head" (RMSNorm over head_dim) | "full" (over the projection)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, is_moe in enumerate(self.moe_layers) if is_moe)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _get(hf: dict, key: str, source: str, default: Any = ...) -> Any:
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is ...:
+        raise ConfigError(f"{source}: missing required key {key!r} for model_type {hf.get('model_type')!r}; "
+                          f"add it to config.json")
+    return default
+
+
+def _rope(hf: dict, source: str) -> tuple[float, float]:
+    """(theta, linear factor) from transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{source}: unsupported rope scaling type {rope_type!r}; "
+                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    factor = 1.0
+    if rope_type == "linear":
+        factor = float(params.get("factor", scaling.get("factor", 1.0)))
+    return float(theta), factor
+
+
+def _sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+    """Qwen-style layer selection: MoE every `decoder_sparse_step` layers except `mlp_only_layers`."""
+    step = int(hf.get("decoder_sparse_step") or 1)
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    return tuple(num_experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _all_moe(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+    return (True,) * num_layers
+
+
+def _sliding_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
+    if "use_sliding_window" in hf and not hf["use_sliding_window"]:
+        return (None,) * num_layers
+    return (window if window else None,) * num_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one `model_type` spells its config and which architectural switches it uses."""
+
+    num_experts_keys: tuple[str, ...]  # the first one present is used
+    expert_width_key: str
+    moe_layers: Callable[[dict, int, int], tuple[bool, ...]]
+    norm_topk_prob: Callable[[dict], bool]
+    qk_norm: str = "none"
+    qkv_bias: Callable[[dict], bool] = lambda hf: bool(hf.get("attention_bias", False))
+    o_bias: Callable[[dict], bool] = lambda hf: bool(hf.get("attention_bias", False))
+    has_shared_expert: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family(
+        num_experts_keys=("num_local_experts",), expert_width_key="intermediate_size",
+        moe_layers=_all_moe, norm_topk_prob=lambda hf: True,
+        qkv_bias=lambda hf: False, o_bias=lambda hf: False),
+    "qwen2_moe": Family(
+        num_experts_keys=("num_experts", "num_local_experts"), expert_width_key="moe_intermediate_size",
+        moe_layers=_sparse_layers, norm_topk_prob=lambda hf: bool(hf.get("norm_topk_prob", False)),
+        qkv_bias=lambda hf: bool(hf.get("qkv_bias", True)), o_bias=lambda hf: False,
+        has_shared_expert=True),
+    "qwen3_moe": Family(
+        num_experts_keys=("num_experts", "num_local_experts"), expert_width_key="moe_intermediate_size",
+        moe_layers=_sparse_layers, norm_topk_prob=lambda hf: bool(hf.get("norm_topk_prob", False)),
+        qk_norm="per_head"),
+    "olmoe": Family(
+        num_experts_keys=("num_experts", "num_local_experts"), expert_width_key="intermediate_size",
+        moe_layers=_all_moe, norm_topk_prob=lambda hf: bool(hf.get("norm_topk_prob", False)),
+        qk_norm="full"),
+}
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def parse_config(hf: dict, source: str = "config.json", generation: dict | None = None) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF config dict (and optional generation_config dict)."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported model types: "
+                          f"{', '.join(sorted(FAMILIES))}")
+    fam = FAMILIES[model_type]
+    hidden = int(_get(hf, "hidden_size", source))
+    num_layers = int(_get(hf, "num_hidden_layers", source))
+    num_heads = int(_get(hf, "num_attention_heads", source))
+    num_kv_heads = int(_get(hf, "num_key_value_heads", source, num_heads))
+    head_dim = int(_get(hf, "head_dim", source, hidden // num_heads))
+    experts_key = next((k for k in fam.num_experts_keys if hf.get(k) is not None), fam.num_experts_keys[0])
+    num_experts = int(_get(hf, experts_key, source))
+    top_k = int(_get(hf, "num_experts_per_tok", source))
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
+                          f"num_key_value_heads ({num_kv_heads})")
+    if not 0 < top_k <= num_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok must be in 1..{experts_key} "
+                          f"({num_experts}), found {top_k}")
+    theta, linear_factor = _rope(hf, source)
+    eos = _eos_ids(hf.get("eos_token_id"))
+    if generation is not None and generation.get("eos_token_id") is not None:
+        eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"])))
+    vocab = int(_get(hf, "vocab_size", source))
+    eos = tuple(e for e in eos if 0 <= e < vocab)
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    return ModelConfig(
+        family=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(_get(hf, "rms_norm_eps", source, 1e-6)),
+        rope_theta=theta,
+        rope_linear_factor=linear_factor,
+        max_position_embeddings=int(_get(hf, "max_position_embeddings", source)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        expert_intermediate_size=int(_get(hf, fam.expert_width_key, source)),
+        dense_intermediate_size=int(hf.get("intermediate_size") or 0),
+        moe_layers=fam.moe_layers(hf, num_layers, num_experts),
+        sliding_windows=_sliding_windows(hf, num_layers),
+        shared_expert_intermediate_size=(int(hf.get("shared_expert_intermediate_size") or 0)
+                                         if fam.has_shared_expert else 0),
+        norm_topk_prob=fam.norm_topk_prob(hf),
+        qk_norm=fam.qk_norm,
+        qkv_bias=fam.qkv_bias(hf),
+        o_bias=fam.o_bias(hf),
+        clip_qkv=hf.get("clip_qkv"),
+        eos_token_ids=eos,
+        pad_token_id=hf.get("pad_token_id"),
+        dtype=dtype,
+    )
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: {what} is not valid JSON ({e}); re-export it from the source model") from e
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read config.json (and generation_config.json when present) from a model directory."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json found; expected a Hugging Face model directory "
+                          f"containing config.json and *.safetensors (pass it with --model)")
+    hf = read_json(config_path, "config.json")
+    gen_path = model_dir / "generation_config.json"
+    generation = read_json(gen_path, "generation_config.json") if gen_path.is_file() else None
+    return parse_config(hf, str(config_path), generation)

@@ -1,0 +1,94 @@
+"""Command line: `python -m jmoe.generate --model DIR --prompt "..."`.
+
+Streams the generated text to stdout, or with --json prints one JSON object (prompt, token ids, text,
+timing). Without --model it runs the default model shipped in the repository's checkpoints/ folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jmoe.errors import JmoeError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
+DEFAULT_PROMPT = "def "
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jmoe.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None,
+                   help=f"Hugging Face model directory (default: the shipped model, {DEFAULT_MODEL_DIR})")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto", help="expert kernel backend (jmoe.kernels.moe_ffn)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return p
+
+
+def resolve_model_dir(model: Path | None) -> Path:
+    if model is not None:
+        return model
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise JmoeError(f"no --model given and the default model is not present at {DEFAULT_MODEL_DIR}; "
+                        f"pass --model DIR with a Hugging Face MoE checkpoint directory")
+    return DEFAULT_MODEL_DIR
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jmoe
+    from jmoe.sampling import SamplingParams
+    from jmoe.tokenizer import TextStream
+
+    model_dir = resolve_model_dir(args.model)
+    model = jmoe.load(model_dir, backend=args.backend, progress=not args.json)
+    tokenizer = model.require_tokenizer()
+    if not args.prompt:
+        raise JmoeError("--prompt is empty; give some text to continue")
+    prompt_ids = tokenizer.encode(args.prompt)
+    on_tokens = None
+    if not args.json:
+        stream = TextStream(tokenizer)
+        sys.stdout.write(args.prompt)
+
+        def on_tokens(tokens):
+            sys.stdout.write(stream.delta(tokens[0]))
+            sys.stdout.flush()
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    result = model.generate_detailed([prompt_ids], args.max_new_tokens, sampling, args.seed, on_tokens)
+    tokens = result.tokens[0]
+    decode_tps = result.decode_steps / result.decode_seconds if result.decode_seconds > 0 else None
+    return {
+        "model": str(model_dir),
+        "prompt": args.prompt,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": tokens,
+        "text": tokenizer.decode(tokens),
+        "timing": {"prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
+                   "decode_steps": result.decode_steps, "decode_tokens_per_second": decode_tps},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except JmoeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The generation loop: pad a batch of prompts, prefill, then decode one jitted step at a time.
+
+Between steps Python does one device-to-host read (the sampled tokens, the routing ids and the expert
+engine's small tables together), hands the routing to the expert engine, checks stop conditions and
+streams tokens to the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.config import ModelConfig
+from jmoe.errors import InputError
+from jmoe.model import empty_kv_cache
+
+# Called after every step with the tokens generated so far for each row.
+TokenCallback = Callable[[list[list[int]]], None]
+
+
+def bucket_length(n: int, minimum: int = 16) -> int:
+    """Round a length up so that few distinct shapes get compiled: powers of two, then multiples of 512."""
+    if n <= 512:
+        return max(minimum, 1 << (n - 1).bit_length())
+    return -(-n // 512) * 512
+
+
+def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str) -> None:
+    if not rows:
+        raise InputError(f"{what}: expected at least one prompt, found none")
+    for r, row in enumerate(rows):
+        if len(row) == 0:
+            raise InputError(f"{what}: prompt {r} is empty; give at least one token")
+        if len(row) > cfg.max_position_embeddings:
+            raise InputError(f"{what}: prompt {r} has {len(row)} tokens, more than the model's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings}); shorten it")
+        bad = [t for t in row if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise InputError(f"{what}: prompt {r} contains token id {bad[0]} outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+
+
+def as_rows(token_ids) -> list[list[int]]:
+    """Accept one prompt (list of ints / 1-D array) or a batch (list of lists / 2-D array)."""
+    if isinstance(token_ids, (np.ndarray, jax.Array)):
+        arr = np.asarray(token_ids)
+        if arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"token ids: expected an integer array of shape [T] or [B, T], found "
+                             f"{arr.dtype} {arr.shape}")
+        return [list(map(int, r)) for r in (arr[None] if arr.ndim == 1 else arr)]
+    token_ids = list(token_ids)
+    if not token_ids:  # an empty prompt, reported as such by check_token_ids
+        return [[]]
+    if all(isinstance(t, (int, np.integer)) for t in token_ids):
+        return [[int(t) for t in token_ids]]
+    return [[int(t) for t in row] for row in token_ids]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per prompt (up to and including a stop token)
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+
+
+def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, seed: int,
+                    on_tokens: TokenCallback | None = None) -> GenerationResult:
+    """Run prefill + decode for `model` (a jmoe.Model); see Model.generate for the arguments."""
+    cfg: ModelConfig = model.config
+    check_token_ids(cfg, rows, "generate")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise InputError(f"generate: prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_position_embeddings ({cfg.max_position_embeddings}); lower --max-new-tokens")
+    prompt_len = bucket_length(longest)
+    cache_len = bucket_length(prompt_len + max_new_tokens)
+    batch = len(rows)
+    tokens = np.zeros((batch, prompt_len), np.int32)
+    pad_len = np.array([prompt_len - len(r) for r in rows], np.int32)
+    for b, row in enumerate(rows):
+        tokens[b, pad_len[b]:] = row
+    kv_cache = empty_kv_cache(cfg, batch, cache_len, model.kv_dtype)
+    key = jax.random.PRNGKey(seed)
+    pad_len_dev = jnp.asarray(pad_len)
+    stop_ids = set(cfg.eos_token_ids)
+    out: list[list[int]] = [[] for _ in rows]
+    done = np.zeros(batch, bool)
+
+    start = time.perf_counter()
+    next_tokens, kv_cache = model.run_step(jnp.asarray(tokens), kv_cache, 0, pad_len_dev, key, 0)
+    prefill_seconds = time.perf_counter() - start
+    steps = 0
+    decode_start = time.perf_counter()
+    for n in range(max_new_tokens):
+        for b in range(batch):
+            if not done[b]:
+                token = int(next_tokens[b])
+                out[b].append(token)
+                done[b] = token in stop_ids
+        if on_tokens is not None:
+            on_tokens(out)
+        if done.all() or n == max_new_tokens - 1:
+            break
+        next_tokens, kv_cache = model.run_step(jnp.asarray(next_tokens[:, None]), kv_cache, prompt_len + n,
+                                               pad_len_dev, key, n + 1)
+        steps += 1
+    return GenerationResult(out, prefill_seconds, time.perf_counter() - decode_start, steps)

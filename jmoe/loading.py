@@ -1,0 +1,116 @@
+"""Build a MoETransformer from a Hugging Face safetensors directory, checking every tensor.
+
+Parameters are assembled one at a time on the host (NumPy) and put straight where the placement
+wants them (device or pinned host), so the accelerator never holds more than its share.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jmoe.config import ModelConfig
+from jmoe.errors import CheckpointError
+from jmoe.hf_layout import IGNORABLE, ParamPath, TensorTarget, expected_tensors, param_key
+from jmoe.model import MoETransformer
+from jmoe.safetensors_reader import TensorInfo, index_tensors, read_tensor
+
+Placer = Callable[[ParamPath, np.ndarray], jax.Array]
+
+
+def _name_list(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected: dict[str, TensorTarget],
+                       cfg: ModelConfig) -> None:
+    """Every expected tensor is present with its expected shape; nothing unexpected is present."""
+    ignorable = {n for n in IGNORABLE if cfg.tie_word_embeddings}
+    missing = sorted(n for n in expected if n not in tensors)
+    unexpected = sorted(n for n in tensors if n not in expected and n not in ignorable)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_name_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_name_list(unexpected)}")
+    if problems:
+        raise CheckpointError(f"{model_dir}: the checkpoint does not match config.json "
+                              f"(model_type {cfg.family!r}): " + "; ".join(problems))
+    for name, target in expected.items():
+        found = tensors[name].shape
+        if found != target.hf_shape:
+            raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has shape {list(found)}, expected "
+                                  f"{list(target.hf_shape)} from config.json; the checkpoint and config disagree")
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+
+
+def flat_params(pure: dict, prefix: tuple = ()) -> dict[ParamPath, object]:
+    """Nested pure dict -> {path tuple: leaf}."""
+    flat = {}
+    for key, value in pure.items():
+        if isinstance(value, dict):
+            flat.update(flat_params(value, prefix + (key,)))
+        else:
+            flat[prefix + (key,)] = value
+    return flat
+
+
+def nest_params(flat: dict[ParamPath, object]) -> dict:
+    nested: dict = {}
+    for path, value in flat.items():
+        node = nested
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return nested
+
+
+def assemble_param(shape, dtype, pieces: list[tuple[TensorTarget, TensorInfo]]) -> np.ndarray:
+    """One jmoe parameter on the host, from its HF tensors (transposed and sliced into place)."""
+    if len(pieces) == 1 and pieces[0][0].index == ():
+        target, info = pieces[0]
+        data = read_tensor(info)
+        return np.ascontiguousarray((data.T if target.transpose else data).astype(dtype))
+    out = np.empty(shape, dtype)
+    for target, info in pieces:
+        data = read_tensor(info)
+        out[target.index] = (data.T if target.transpose else data).astype(dtype)
+    return out
+
+
+def device_placer(path: ParamPath, host: np.ndarray) -> jax.Array:
+    return jnp.asarray(host)
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer = device_placer,
+               progress: bool = True) -> MoETransformer:
+    """Read, check and place every parameter; return the merged NNX model."""
+    dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
+    tensors = index_tensors(model_dir)
+    expected = expected_tensors(cfg)
+    check_tensor_names(model_dir, tensors, expected, cfg)
+    graphdef, state = abstract_model(cfg, dtype)
+    abstract = flat_params(nnx.to_pure_dict(state))
+    pieces: dict[ParamPath, list] = defaultdict(list)
+    for name, target in expected.items():
+        pieces[target.param].append((target, tensors[name]))
+    uncovered = sorted(param_key(p) for p in abstract if p not in pieces)
+    if uncovered:  # the layout table and the model disagree: a bug in jmoe, not in the checkpoint
+        raise AssertionError(f"jmoe layout table leaves parameters unfilled: {uncovered}")
+    loaded = {}
+    for path in tqdm(abstract, desc="loading weights", unit="param", disable=not progress, leave=False):
+        host = assemble_param(abstract[path].shape, dtype, pieces[path])
+        loaded[path] = place(path, host)
+    nnx.replace_by_pure_dict(state, nest_params(loaded))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,98 @@
+"""Read Hugging Face safetensors checkpoints (single file or sharded) tensor by tensor.
+
+The `safetensors` library validates each file's header (so truncated or corrupted files fail with a
+clear message); the data is then read through a NumPy memory map so that any dtype, bfloat16
+included, comes back as a host array without touching an accelerator.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jmoe.errors import CheckpointError
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class TensorInfo:
+    __slots__ = ("file", "dtype", "shape", "start", "end")
+
+    def __init__(self, file: Path, dtype: str, shape: tuple[int, ...], start: int, end: int):
+        self.file, self.dtype, self.shape, self.start, self.end = file, dtype, shape, start, end
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """Validate with the safetensors library, then return (header, offset of the data section)."""
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e}); the file is truncated or "
+                              f"corrupted: download or export it again") from e
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header, 8 + header_len
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory; refuses pickle checkpoints."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({e})") from e
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{model_dir}: found only pickle checkpoint files ({', '.join(pickles)}); jmoe refuses them "
+            f"because unpickling can run arbitrary code. Convert them to safetensors first, e.g. "
+            f"`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)` "
+            f"in a trusted environment")
+    raise CheckpointError(f"{model_dir}: no *.safetensors files found; expected model.safetensors or shards "
+                          f"listed in model.safetensors.index.json")
+
+
+def index_tensors(model_dir: Path) -> dict[str, TensorInfo]:
+    """Name -> where and what each tensor is, across all shards (headers only, no data read)."""
+    tensors: dict[str, TensorInfo] = {}
+    for path in checkpoint_files(model_dir):
+        header, data_start = _read_header(path)
+        for name, meta in header.items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} appears in both {tensors[name].file} and {path}")
+            if meta["dtype"] not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; supported: "
+                                      f"{', '.join(_DTYPES)}")
+            begin, end = meta["data_offsets"]
+            tensors[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), data_start + begin,
+                                       data_start + end)
+    return tensors
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """The tensor's data as a NumPy array (a read-only view of the memory-mapped file)."""
+    dtype = np.dtype(_DTYPES[info.dtype])
+    count = int(np.prod(info.shape, dtype=np.int64))
+    data = np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=(count,))
+    return data.reshape(info.shape)

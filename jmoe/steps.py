@@ -1,0 +1,53 @@
+"""The jitted programs a Model runs: a full forward for logits, and one generation step.
+
+Each program merges the NNX model from (graphdef, params) inside jit, asks the expert engine for the
+function that computes experts (resident weights, or device slots fed from pinned host memory), and
+returns the engine's updated state next to the model's outputs. Caches and engine state are donated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.model import empty_kv_cache
+from jmoe.sampling import SamplingParams, sample
+
+
+def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only):
+    model = nnx.merge(graphdef, params)
+    compute, finish = engine.bind(engine_state, num_tokens=tokens.shape[0] * tokens.shape[1])
+    out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, backend=engine.backend,
+                last_only=last_only)
+    return out, finish()
+
+
+def make_logits_fn(graphdef, engine, kv_dtype):
+    """tokens [B, T] -> float32 logits [B, T, V] (and the engine state after the forward)."""
+
+    def logits_fn(params, engine_state, tokens):
+        kv_cache = empty_kv_cache(engine.config, tokens.shape[0], tokens.shape[1], kv_dtype)
+        pad_len = jnp.zeros((tokens.shape[0],), jnp.int32)
+        out, engine_state = _run(graphdef, params, engine, engine_state, tokens, kv_cache, 0, pad_len,
+                                 last_only=False)
+        return out.logits, out.routing, engine_state
+
+    return jax.jit(logits_fn, donate_argnums=(1,))
+
+
+def make_step_fn(graphdef, engine, sampling: SamplingParams):
+    """One generation step: feed tokens [B, T] at `write_index`, sample the next token of every row.
+
+    Returns (next tokens int32 [B], routing ids [L_moe, B, T, k], kv cache, engine state). Used for the
+    prompt (T = padded prompt length) and for every decode step (T = 1): two compiled shapes in all.
+    """
+
+    def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step):
+        out, engine_state = _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len,
+                                 last_only=True)
+        next_tokens = sample(out.logits[:, -1], jax.random.fold_in(key, step), sampling)
+        return next_tokens, out.routing, out.kv_cache, engine_state
+
+    return jax.jit(step_fn, donate_argnums=(1, 3))
+

@@ -1,0 +1,18 @@
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+from hf_models import FAMILY_CASES, write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """name -> (checkpoint directory, the transformers model that wrote it), for every family case."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for i, (name, (model_type, overrides)) in enumerate(FAMILY_CASES.items()):
+        directory = root / name
+        out[name] = (directory, write_checkpoint(directory, model_type, seed=i, **overrides))
+    return out

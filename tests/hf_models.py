@@ -1,0 +1,76 @@
+"""Tiny random-weight Hugging Face checkpoints of every supported family, written with save_pretrained.
+
+They are the reference: transformers (PyTorch, CPU) loads the same files jmoe loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 96
+
+# name -> (model_type, config overrides). Shapes vary: experts, top-k, GQA ratio, tied/untied,
+# shared expert, dense layers, sliding window, per-head vs full q/k norm, qkv clipping.
+FAMILY_CASES = {
+    "mixtral_e4k2_gqa2": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=48)),
+    "mixtral_e8k3_mqa_tied_window": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=3,
+                                                     num_attention_heads=4, num_key_value_heads=1,
+                                                     intermediate_size=40, tie_word_embeddings=True,
+                                                     sliding_window=6)),
+    "qwen2_moe_shared_dense": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                 shared_expert_intermediate_size=40, intermediate_size=56,
+                                                 mlp_only_layers=[1], num_attention_heads=4,
+                                                 num_key_value_heads=2, num_hidden_layers=3)),
+    "qwen2_moe_sparse_step_norm": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                                     intermediate_size=32, decoder_sparse_step=2,
+                                                     norm_topk_prob=True, num_attention_heads=2,
+                                                     num_key_value_heads=2, num_hidden_layers=4)),
+    "qwen3_moe_headdim_tied": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                 intermediate_size=48, head_dim=16, norm_topk_prob=True,
+                                                 num_attention_heads=4, num_key_value_heads=2,
+                                                 tie_word_embeddings=True)),
+    "olmoe_e8k4_clip": ("olmoe", dict(num_experts=8, num_experts_per_tok=4, intermediate_size=24,
+                                      num_attention_heads=4, num_key_value_heads=4, clip_qkv=4.0)),
+}
+
+
+def hf_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, max_position_embeddings=256,
+                initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                rms_norm_eps=1e-6)
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def write_checkpoint(directory: Path, model_type: str, seed: int = 0, max_shard_size=None, **overrides):
+    """Build a random model with transformers and save it (safetensors). Returns the torch model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(model_type, **overrides)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+def write_word_tokenizer(directory: Path, vocab_size: int = VOCAB) -> None:
+    """A word-level tokenizer.json whose words are w0 .. w{V-1}."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))

@@ -1,0 +1,104 @@
+"""Loading variants, sampling, stopping, streaming and the command line."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jmoe
+from hf_models import VOCAB, edit_json, write_checkpoint, write_word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen") / "m"
+    write_checkpoint(d, "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    write_word_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return jmoe.load(model_dir, progress=False)
+
+
+def test_sharded_checkpoint_loads_identically(model_dir, model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    ids = [[5, 9, 2, 7]]
+    np.testing.assert_array_equal(np.asarray(jmoe.load(sharded, progress=False).logits(ids)),
+                                  np.asarray(model.logits(ids)))
+
+
+def test_bfloat16_load(model_dir, model):
+    bf16 = jmoe.load(model_dir, dtype="bfloat16", progress=False)
+    assert bf16.module().layers[0].mlp.experts.w_gate_up[...].dtype.name == "bfloat16"
+    ids = [[5, 9, 2, 7]]
+    np.testing.assert_allclose(np.asarray(bf16.logits(ids)), np.asarray(model.logits(ids)), atol=0.1)
+
+
+def test_sampling_is_seeded_and_filters_apply(model):
+    prompt = [3, 1, 4, 1, 5]
+    a = model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=1)
+    assert a == model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=1)
+    draws = {tuple(model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=s)[0]) for s in range(4)}
+    assert len(draws) > 1, "different seeds should give different samples at temperature 1"
+    greedy = model.generate(prompt, max_new_tokens=8)
+    assert model.generate(prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=5) == greedy
+    assert model.generate(prompt, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=5) == greedy
+
+
+def test_top_k_only_draws_from_the_k_most_likely():
+    import jax
+
+    from jmoe.sampling import SamplingParams, sample
+
+    logits = jax.numpy.asarray(np.random.RandomState(0).randn(1, 50).astype(np.float32))
+    top2 = set(np.argsort(-np.asarray(logits[0]))[:2].tolist())
+    draws = {int(sample(logits, jax.random.PRNGKey(s), SamplingParams(2.0, top_k=2))[0]) for s in range(60)}
+    assert draws == top2
+
+
+def test_sampling_parameter_errors():
+    from jmoe.sampling import SamplingParams
+
+    with pytest.raises(jmoe.InputError, match="temperature"):
+        SamplingParams(-1.0)
+    with pytest.raises(jmoe.InputError, match="top_p"):
+        SamplingParams(1.0, top_p=0.0)
+
+
+def test_stops_at_eos_from_generation_config(model_dir, model, tmp_path):
+    import shutil
+
+    prompt = [3, 1, 4, 1, 5]
+    free = model.generate(prompt, max_new_tokens=12)[0]
+    stop = free[4]
+    d = tmp_path / "eos"
+    shutil.copytree(model_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+    stopped = jmoe.load(d, progress=False).generate(prompt, max_new_tokens=12)[0]
+    assert stopped == free[: free.index(stop) + 1]
+
+
+def test_generate_text_and_stream(model, capsys):
+    text = model.generate_text("w3 w1 w4", max_new_tokens=6)
+    assert len(text.split()) == 6 and all(w.startswith("w") for w in text.split())
+    streamed = model.generate_text("w3 w1 w4", max_new_tokens=6, stream=True)
+    assert streamed == text
+    assert capsys.readouterr().out.strip() == text
+
+
+def test_cli_json(model_dir, capsys):
+    from jmoe.generate import main
+
+    assert main(["--model", str(model_dir), "--prompt", "w3 w1 w4", "--max-new-tokens", "5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompt_token_ids"] == [3, 1, 4]
+    assert len(report["token_ids"]) == 5
+    assert report["text"] == " ".join(f"w{t}" for t in report["token_ids"])
+    assert report["timing"]["decode_steps"] == 4
