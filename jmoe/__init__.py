@@ -1,1 +1,8 @@
-"""jmoe: run MoE language models in JAX on an accelerator too small to hold them."""
+"""jmoe: run Mixture-of-Experts language models in JAX on an accelerator too small to hold them."""
+
+from jmoe.api import Model, load, random_model
+from jmoe.config import ModelConfig, load_config, parse_config
+from jmoe.errors import CheckpointError, ConfigError, InputError, JmoeError
+
+__all__ = ["Model", "load", "random_model", "ModelConfig", "load_config", "parse_config",
+           "JmoeError", "ConfigError", "CheckpointError", "InputError"]
