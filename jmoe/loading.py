@@ -93,21 +93,28 @@ def device_placer(path: ParamPath, host: np.ndarray) -> jax.Array:
     return jnp.asarray(host)
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer = device_placer,
-               progress: bool = True) -> MoETransformer:
-    """Read, check and place every parameter; return the merged NNX model."""
-    dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
+def param_pieces(model_dir: Path, cfg: ModelConfig,
+                 abstract: dict[ParamPath, object]) -> dict[ParamPath, list[tuple[TensorTarget, TensorInfo]]]:
+    """Check the checkpoint against the config; then, per parameter path, the HF tensors that fill it."""
     tensors = index_tensors(model_dir)
     expected = expected_tensors(cfg)
     check_tensor_names(model_dir, tensors, expected, cfg)
-    graphdef, state = abstract_model(cfg, dtype)
-    abstract = flat_params(nnx.to_pure_dict(state))
     pieces: dict[ParamPath, list] = defaultdict(list)
     for name, target in expected.items():
         pieces[target.param].append((target, tensors[name]))
     uncovered = sorted(param_key(p) for p in abstract if p not in pieces)
     if uncovered:  # the layout table and the model disagree: a bug in jmoe, not in the checkpoint
         raise AssertionError(f"jmoe layout table leaves parameters unfilled: {uncovered}")
+    return pieces
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer = device_placer,
+               progress: bool = True) -> MoETransformer:
+    """Read, check and place every parameter; return the merged NNX model."""
+    dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
+    graphdef, state = abstract_model(cfg, dtype)
+    abstract = flat_params(nnx.to_pure_dict(state))
+    pieces = param_pieces(model_dir, cfg, abstract)
     loaded = {}
     for path in tqdm(abstract, desc="loading weights", unit="param", disable=not progress, leave=False):
         host = assemble_param(abstract[path].shape, dtype, pieces[path])
