@@ -4,9 +4,22 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.pallas_grouped import moe_ffn_pallas
 from jmoe.kernels.reference import moe_ffn_reference
+from jmoe.kernels.triton_grouped import moe_ffn_triton
+from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_ragged, moe_ffn_tiled
 
-BACKENDS = ("auto", "reference")
+_IMPLS = {
+    "reference": moe_ffn_reference,  # gather per (token, j) + einsum, HIGHEST: the oracle
+    "gather": moe_ffn_gather,  # decode: each needed slot read once, small dense products
+    "xla": moe_ffn_ragged,  # prefill: sort by slot + lax.ragged_dot
+    "xla_tiled": moe_ffn_tiled,  # prefill: sorted row tiles, one scan step per tile
+    "pallas": moe_ffn_pallas,  # Pallas grouped GEMM (Triton lowering on GPU)
+    "triton": moe_ffn_triton,  # Triton via jax-triton, GPU only
+}
+BACKENDS = ("auto", *_IMPLS)
+# At or below this many (token, j) pairs a step is decode-like: weight reads dominate.
+DECODE_MAX_PAIRS = 64
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -60,4 +73,17 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
-    return moe_ffn_reference(x, slot_ids, weights, w_gate_up, w_down, activation=activation)
+    if backend == "auto":
+        num_tokens, top_k = slot_ids.shape
+        backend = select_backend(jax.default_backend(), num_tokens * top_k)
+    return _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, activation=activation)
+
+
+def select_backend(platform: str, num_pairs: int) -> str:
+    """The backend `auto` runs, from the platform and the static (token, j) pair count."""
+    if platform == "gpu":
+        # The tiled Pallas kernel reads each needed slot once per row tile: GEMV-like at
+        # decode (16-row tiles), a real grouped GEMM at prefill; ragged_dot may go dense.
+        return "pallas"
+    # CPU (and anything else): never interpret-mode Pallas. See bench/results/kernels_cpu.md.
+    return "gather" if num_pairs <= DECODE_MAX_PAIRS else "xla_tiled"

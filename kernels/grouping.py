@@ -1,0 +1,89 @@
+"""Sorted, tile-padded row layout shared by the grouped-GEMM kernels (Pallas, Triton).
+
+The T*k (token, j) pairs are sorted by slot and each slot's rows are padded up to a multiple
+of block_m, so every row tile belongs to exactly one slot: a kernel program reads the weights
+of one slot only, and tiles past the last group (tile_group == -1) read nothing. Pairs with
+slot id -1 get no row at all, so their slot is never read."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TileLayout(NamedTuple):
+    row_of_pair: jax.Array  # [T*k] int32: padded row of each pair; num_rows for -1 pairs
+    row_token: jax.Array  # [num_rows] int32: token of each padded row; T for padding rows
+    row_weight: jax.Array  # [num_rows] float32: router weight of the row; 0 for padding
+    tile_group: jax.Array  # [num_tiles] int32: slot of each row tile; -1 = empty tile
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def num_padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
+    """Static bound on the padded row count: each non-empty group wastes < block_m rows."""
+    return _round_up(num_pairs + min(num_slots, num_pairs) * (block_m - 1), block_m)
+
+
+def tile_layout(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
+    num_tokens, top_k = slot_ids.shape
+    num_pairs = num_tokens * top_k
+    num_rows = num_padded_rows(num_pairs, num_slots, block_m)
+    flat = slot_ids.reshape(-1)
+    # -1 sorts last as a dummy group num_slots that gets no rows.
+    key = jnp.where(flat >= 0, flat, num_slots)
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    group_sizes = jnp.bincount(key, length=num_slots + 1)[:num_slots]
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
+    padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
+    in_group = sorted_key < num_slots
+    key_c = jnp.minimum(sorted_key, num_slots - 1)
+    rank = jnp.arange(num_pairs, dtype=jnp.int32) - group_starts[key_c]
+    dest = jnp.where(in_group, padded_starts[key_c] + rank, num_rows).astype(jnp.int32)
+    row_of_pair = jnp.zeros(num_pairs, jnp.int32).at[order].set(dest)
+    pair_token = jnp.arange(num_pairs, dtype=jnp.int32) // top_k
+    row_token = jnp.full(num_rows, num_tokens, jnp.int32).at[row_of_pair].set(
+        pair_token, mode="drop"
+    )
+    row_weight = jnp.zeros(num_rows, jnp.float32).at[row_of_pair].set(
+        weights.reshape(-1).astype(jnp.float32), mode="drop"
+    )
+    tile_start = jnp.arange(num_rows // block_m, dtype=jnp.int32) * block_m
+    tile_group = jnp.searchsorted(padded_ends, tile_start, side="right").astype(jnp.int32)
+    tile_group = jnp.where(tile_group < num_slots, tile_group, -1)
+    return TileLayout(row_of_pair, row_token, row_weight, tile_group)
+
+
+def gather_rows(x, layout: TileLayout):
+    """x [T, d] -> [num_rows, d]; padding rows are zero."""
+    return jnp.take(x, layout.row_token, axis=0, mode="fill", fill_value=0)
+
+
+def combine_rows(y_rows, layout: TileLayout, top_k: int, out_dtype):
+    """Per-row outputs (already router-weighted, float32) -> y [T, d], summed over k in f32."""
+    per_pair = jnp.take(y_rows, layout.row_of_pair, axis=0, mode="fill", fill_value=0)
+    per_pair = per_pair.astype(jnp.float32).reshape(-1, top_k, y_rows.shape[-1])
+    return per_pair.sum(axis=1).astype(out_dtype)
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n (Triton blocks must be powers of two)."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def choose_block_m(num_pairs: int, num_slots: int, *, min_block: int, max_block: int = 128) -> int:
+    """Rows per tile ~ the mean group size: decode (few pairs per slot) gets small tiles so
+    padding does not multiply compute; prefill gets large tiles for weight reuse."""
+    mean_rows = max(1, -(-num_pairs // max(1, min(num_slots, num_pairs))))
+    b = 1
+    while b < mean_rows:
+        b *= 2
+    return max(min_block, min(max_block, b))

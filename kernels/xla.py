@@ -1,0 +1,91 @@
+"""XLA backends: sorted grouped GEMM through lax.ragged_dot (prefill), and a decode path that
+gathers each needed slot once and runs small dense products (GEMV-like)."""
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.kernels import grouping
+from jmoe.kernels.activations import get_activation
+
+
+def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+    act = get_activation(activation)
+    num_tokens, top_k = slot_ids.shape
+    num_slots, _, two_f = w_gate_up.shape
+    f = two_f // 2
+    flat = slot_ids.reshape(-1)
+    # -1 pairs sort to the end, beyond sum(group_sizes): ragged_dot gives them no group.
+    key = jnp.where(flat >= 0, flat, num_slots)
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_slots + 1)[:num_slots].astype(jnp.int32)
+    x_sorted = x[order // top_k]
+    gate_up = jax.lax.ragged_dot(
+        x_sorted, w_gate_up, group_sizes, preferred_element_type=jnp.float32
+    )
+    h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
+    out_sorted = jax.lax.ragged_dot(h, w_down, group_sizes, preferred_element_type=jnp.float32)
+    w_sorted = weights.reshape(-1).astype(jnp.float32)[order]
+    out_sorted = jnp.where((key[order] < num_slots)[:, None], out_sorted * w_sorted[:, None], 0.0)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    return out.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
+
+
+def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+    act = get_activation(activation)
+    num_tokens, top_k = slot_ids.shape
+    num_slots, _, two_f = w_gate_up.shape
+    f = two_f // 2
+    num_pairs = num_tokens * top_k
+    flat = slot_ids.reshape(-1)
+    key = jnp.where(flat >= 0, flat, num_slots)
+    # Distinct slots (plus the -1 marker) fit in min(P, S+1) entries; the marker sorts last.
+    num_unique = min(num_pairs, num_slots + 1)
+    uniq = jnp.unique(key, size=num_unique, fill_value=num_slots)
+    used = uniq < num_slots
+    # Unused entries re-read the first needed slot rather than an arbitrary one.
+    safe = jnp.where(used, uniq, jnp.where(used[0], uniq[0], 0))
+    # Each needed slot read once. Operands go to f32 here: a bf16 product is exact in f32, so
+    # this equals bf16 x bf16 -> f32 accumulation, which XLA:CPU cannot run as a batched dot.
+    w_gu = w_gate_up[safe].astype(jnp.float32)  # [U, d, 2f]
+    w_d = w_down[safe].astype(jnp.float32)  # [U, f, d]
+    gate_up = jnp.einsum("td,udn->tun", x.astype(jnp.float32), w_gu)
+    h = act(gate_up[..., :f], gate_up[..., f:]).astype(x.dtype).astype(jnp.float32)
+    out = jnp.einsum("tuf,ufd->tud", h, w_d)
+    # coef[t, u] = sum_j weights[t, j] * [slot_ids[t, j] == uniq[u]]
+    match = (key.reshape(num_tokens, top_k, 1) == uniq[None, None, :]) & used[None, None, :]
+    coef = jnp.sum(jnp.where(match, weights.astype(jnp.float32)[..., None], 0.0), axis=1)
+    # Select, not multiply: a column this token does not use (or a re-read filler slot when
+    # every id is -1) must not leak NaN/Inf into it through 0 * x.
+    out = jnp.where(match.any(axis=1)[..., None], out, 0.0)
+    return jnp.einsum("tu,tud->td", coef, out).astype(x.dtype)
+
+
+def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu",
+                  block_m=None):
+    """Sorted grouped GEMM without ragged_dot: the Pallas tile layout, one scan step per row
+    tile. XLA:CPU lowers ragged_dot to a dense product over every slot; this reads only the
+    slots that own a tile, and skips empty tiles entirely."""
+    act = get_activation(activation)
+    num_tokens, top_k = slot_ids.shape
+    num_slots, d, two_f = w_gate_up.shape
+    f = two_f // 2
+    if block_m is None:
+        block_m = grouping.choose_block_m(num_tokens * top_k, num_slots, min_block=8)
+    layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
+    x_tiles = grouping.gather_rows(x, layout).reshape(-1, block_m, d)
+    w_tiles = layout.row_weight.reshape(-1, block_m)
+
+    def tile_ffn(args):
+        slot, xs, ws = args
+
+        def compute(_):
+            gate_up = jnp.dot(xs, w_gate_up[slot], preferred_element_type=jnp.float32)
+            h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
+            out = jnp.dot(h, w_down[slot], preferred_element_type=jnp.float32)
+            return out * ws[:, None]
+
+        return jax.lax.cond(slot >= 0, compute, lambda _: jnp.zeros((block_m, d), jnp.float32),
+                            None)
+
+    y_rows = jax.lax.map(tile_ffn, (layout.tile_group, x_tiles, w_tiles)).reshape(-1, d)
+    return grouping.combine_rows(y_rows, layout, top_k, x.dtype)
