@@ -73,7 +73,7 @@ def write_checkpoint(hf_dir: Path, num_layers: int) -> int:
     flush()
     count = len(shards)
     weight_map = {}
-    for k, (name, names) in enumerate(shards):
+    for name, names in shards:
         final = name.replace(".safetensors", f"-of-{count:05d}.safetensors")
         (hf_dir / name).rename(hf_dir / final)
         weight_map.update({n: final for n in names})

@@ -70,7 +70,7 @@ def test_manifest_records_sources_and_copies_config(hf_checkpoints, converted):
         assert (out / copied).read_bytes() == (hf_dir / copied).read_bytes()
 
 
-def test_sharded_checkpoint_and_cli_bfloat16(tmp_path, capsys):
+def test_sharded_checkpoint_and_cli_bfloat16(tmp_path):
     hf_dir = tmp_path / "hf"
     write_checkpoint(hf_dir, "olmoe", seed=7, max_shard_size="40KB", num_experts=4, num_experts_per_tok=2,
                      intermediate_size=24, num_attention_heads=4, num_key_value_heads=4)
