@@ -18,8 +18,6 @@ _IMPLS = {
     "triton": moe_ffn_triton,  # Triton via jax-triton, GPU only
 }
 BACKENDS = ("auto", *_IMPLS)
-# At or below this many (token, j) pairs a step is decode-like: weight reads dominate.
-DECODE_MAX_PAIRS = 64
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -80,10 +78,14 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
 
 
 def select_backend(platform: str, num_pairs: int) -> str:
-    """The backend `auto` runs, from the platform and the static (token, j) pair count."""
+    """The backend `auto` runs, from the platform and the static (token, j) pair count.
+
+    Decode vs prefill is handled inside the tiled backends by the row-tile size (16 rows at
+    decode: GEMV-like, each needed slot read once; up to 128 at prefill)."""
+    del num_pairs  # measured on CPU: one choice wins at every size; tile size does the rest
     if platform == "gpu":
-        # The tiled Pallas kernel reads each needed slot once per row tile: GEMV-like at
-        # decode (16-row tiles), a real grouped GEMM at prefill; ragged_dot may go dense.
+        # Unmeasured on GPU so far; ragged_dot may lower densely there too.
         return "pallas"
-    # CPU (and anything else): never interpret-mode Pallas. See bench/results/kernels_cpu.md.
-    return "gather" if num_pairs <= DECODE_MAX_PAIRS else "xla_tiled"
+    # CPU: measured fastest at decode and prefill (bench/results/kernels_cpu.md); never
+    # interpret-mode Pallas, never the dense ragged_dot lowering.
+    return "xla_tiled"
