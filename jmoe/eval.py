@@ -1,0 +1,268 @@
+"""Batched evaluation over a token stream: perplexity, throughput, per-MoE-layer routing statistics.
+
+    python -m jmoe.eval --model DIR --data FILE [--batch-size 8] [--seq-len T] [--cache N] [--policy lfru] [--json]
+
+Windows: the stream is cut into NON-overlapping windows of seq_len tokens (the last one may be
+shorter). Each window predicts its tokens 2..n from the tokens before them in the same window, so a
+window's first token is never scored and no context crosses a window boundary. Perplexity is
+exp(mean NLL) over all predicted tokens.
+
+Shapes: every batch runs through `Model.logits_and_routing` as [b, seq_len]: b = batch_size for full
+batches, and for the last batch the next power of two >= its window count (at most batch_size), so at
+most 1 + log2(batch_size) shapes compile. The short last window and the extra rows are padded; padded
+positions are masked out of the loss and the routing statistics (attention is causal, so padding after
+a window's real tokens cannot change them).
+
+Routing: per MoE layer, the (token, choice) pairs each expert received over every real token (each
+window's last token included: it is forwarded although it predicts nothing), so a layer's load sums to
+tokens x top_k. Entropy is that of the load distribution, in nats and divided by log(num_experts).
+
+Data formats are described in jmoe.eval_data (.npy, .ids, text with the model's tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jmoe.config import ModelConfig
+from jmoe.errors import InputError, JmoeError
+from jmoe.eval_data import check_data_path, read_tokens
+
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_SEQ_LEN = 256  # capped at the model's max_position_embeddings when seq_len is not given
+
+
+@dataclasses.dataclass
+class LayerRouting:
+    layer: int  # index among all decoder layers (dense layers have no entry)
+    load: list[int]  # (token, choice) pairs per expert
+    entropy_nats: float
+    entropy_normalized: float  # entropy / log(num_experts): 1 = perfectly even load
+    busiest_expert: int
+    busiest_share: float  # the busiest expert's share of the layer's (token, choice) pairs
+
+
+@dataclasses.dataclass
+class EvalResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per predicted token, nats
+    tokens: int  # real tokens forwarded
+    predicted_tokens: int  # tokens scored: tokens minus one per window
+    windows: int
+    batch_size: int
+    seq_len: int
+    batch_shapes: list[list[int]]  # the distinct [b, seq_len] shapes run, each compiled once
+    seconds: float  # wall time of the whole loop, first-call compilation included
+    tokens_per_second: float
+    steady_tokens_per_second: float | None  # batches after the first of their shape; None if there are none
+    routing: list[LayerRouting]
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@jax.jit
+def _nll_sum(logits, tokens, mask):
+    """Sum over unmasked targets of -log p(token t+1 | tokens <= t)."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(mask[:, 1:], nll, 0.0))
+
+
+def resolve_seq_len(cfg: ModelConfig, batch_size: int, seq_len: int | None) -> int:
+    if batch_size < 1:
+        raise InputError(f"batch size must be >= 1, found {batch_size}; change --batch-size (batch_size=)")
+    if seq_len is None:
+        return min(DEFAULT_SEQ_LEN, cfg.max_position_embeddings)
+    if seq_len < 2:
+        raise InputError(f"sequence length must be >= 2 (a window predicts its tokens 2..n), found {seq_len}; "
+                         f"change --seq-len (seq_len=)")
+    if seq_len > cfg.max_position_embeddings:
+        raise InputError(f"sequence length {seq_len} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings}); lower --seq-len (seq_len=)")
+    return seq_len
+
+
+def check_stream(cfg: ModelConfig, token_ids, seq_len: int) -> np.ndarray:
+    """token_ids as an int32 [N] array, or an InputError saying what is wrong with them."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise InputError(f"eval data: expected a 1-D token stream, found shape {arr.shape}; flatten it")
+    if arr.size == 0:
+        raise InputError("eval data: expected tokens, found none; give a non-empty --data file")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"eval data: expected integer token ids, found dtype {arr.dtype}")
+    if arr.size < seq_len:
+        raise InputError(f"eval data: found {arr.size} tokens, fewer than one window of {seq_len}; "
+                         f"lower --seq-len (seq_len=) or give more data")
+    bad = np.flatnonzero((arr < 0) | (arr >= cfg.vocab_size))
+    if bad.size:
+        raise InputError(f"eval data: token id {int(arr[bad[0]])} at position {int(bad[0])} is outside the "
+                         f"vocabulary [0, {cfg.vocab_size}) ({bad.size} such ids); was the data tokenised "
+                         f"for another model?")
+    return arr.astype(np.int32)
+
+
+def pack_windows(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(windows int32 [W, seq_len] zero-padded at the end, real length of each window [W])."""
+    count = -(-stream.size // seq_len)
+    windows = np.zeros(count * seq_len, np.int32)
+    windows[:stream.size] = stream
+    lengths = np.full(count, seq_len)
+    lengths[-1] = stream.size - (count - 1) * seq_len
+    return windows.reshape(count, seq_len), lengths
+
+
+def padded_batch(windows: np.ndarray, lengths: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Up to batch_size windows as (tokens [b, T], real-position mask [b, T]) with b a bucketed row count."""
+    rows = min(batch_size, 1 << (len(windows) - 1).bit_length())
+    tokens = np.zeros((rows, windows.shape[1]), np.int32)
+    tokens[:len(windows)] = windows
+    real = np.zeros(rows, np.int64)
+    real[:len(lengths)] = lengths
+    return tokens, np.arange(windows.shape[1])[None, :] < real[:, None]
+
+
+def expert_load(routing: np.ndarray, mask: np.ndarray, num_experts: int) -> np.ndarray:
+    """routing int [L, b, T, k] -> int64 [L, E]: (token, choice) pairs per expert at real positions."""
+    chosen = routing[:, mask]  # [L, n, k]
+    offsets = np.arange(chosen.shape[0])[:, None, None] * num_experts
+    flat = np.bincount((chosen + offsets).ravel(), minlength=chosen.shape[0] * num_experts)
+    return flat.reshape(chosen.shape[0], num_experts)
+
+
+def layer_routing(layer: int, load: np.ndarray) -> LayerRouting:
+    share = load / load.sum()
+    nonzero = share[share > 0]
+    entropy = float(-(nonzero * np.log(nonzero)).sum())
+    # A single expert is trivially an even load (and log(1) = 0 cannot normalise).
+    normalized = entropy / math.log(load.size) if load.size > 1 else 1.0
+    busiest = int(load.argmax())
+    return LayerRouting(layer, [int(c) for c in load], entropy, normalized, busiest, float(share[busiest]))
+
+
+def evaluate(model, token_ids, batch_size: int = DEFAULT_BATCH_SIZE, seq_len: int | None = None,
+             progress: bool = False) -> EvalResult:
+    """Evaluate `model` (a jmoe.Model) on a 1-D token stream; see the module docstring for definitions.
+
+    seq_len: window length (default: min(256, max_position_embeddings)).
+    progress: show a tqdm bar on stderr.
+    """
+    cfg = model.config
+    seq_len = resolve_seq_len(cfg, batch_size, seq_len)
+    stream = check_stream(cfg, token_ids, seq_len)
+    windows, lengths = pack_windows(stream, seq_len)
+    nll_total, predicted = 0.0, 0
+    load = np.zeros((cfg.num_moe_layers, cfg.num_experts), np.int64)
+    shapes: list[tuple[int, int]] = []
+    steady_tokens, steady_seconds = 0, 0.0
+    start = time.perf_counter()
+    with tqdm(total=stream.size, unit="tok", desc="eval", disable=not progress, file=sys.stderr) as bar:
+        for first in range(0, len(windows), batch_size):
+            batch_start = time.perf_counter()
+            real = lengths[first:first + batch_size]
+            tokens, mask = padded_batch(windows[first:first + batch_size], real, batch_size)
+            logits, routing = model.logits_and_routing(tokens)
+            nll_total += float(_nll_sum(logits, jnp.asarray(tokens), jnp.asarray(mask)))
+            predicted += int(mask[:, 1:].sum())
+            load += expert_load(routing, mask, cfg.num_experts)
+            if tokens.shape in shapes:
+                steady_tokens += int(real.sum())
+                steady_seconds += time.perf_counter() - batch_start
+            else:
+                shapes.append(tokens.shape)
+            bar.update(int(real.sum()))
+    seconds = time.perf_counter() - start
+    nll = nll_total / predicted
+    return EvalResult(
+        perplexity=math.exp(nll), nll=nll, tokens=int(stream.size), predicted_tokens=predicted,
+        windows=len(windows), batch_size=batch_size, seq_len=seq_len, batch_shapes=[list(s) for s in shapes],
+        seconds=seconds, tokens_per_second=stream.size / seconds,
+        steady_tokens_per_second=steady_tokens / steady_seconds if steady_tokens else None,
+        routing=[layer_routing(layer, c) for layer, c in zip(cfg.moe_layer_indices, load)])
+
+
+def evaluate_file(model, path: str | Path, batch_size: int = DEFAULT_BATCH_SIZE, seq_len: int | None = None,
+                  progress: bool = False) -> EvalResult:
+    """evaluate() on a data file: .npy / .ids token ids, or text encoded with the model's tokenizer."""
+    return evaluate(model, read_tokens(path, model.tokenizer), batch_size, seq_len, progress)
+
+
+# ---- command line -------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from jmoe.generate import DEFAULT_MODEL_DIR
+    from jmoe.offload.policies import policy_names
+
+    p = argparse.ArgumentParser(prog="python -m jmoe.eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None,
+                   help=f"Hugging Face model directory (default: the shipped model, {DEFAULT_MODEL_DIR})")
+    p.add_argument("--data", type=Path, required=True,
+                   help="token ids (.npy 1-D integer array; .ids whitespace-separated integers) or text "
+                        "(.txt .text .md .rst .py, encoded with the model's tokenizer.json)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="windows per batch")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"window length (default: min({DEFAULT_SEQ_LEN}, max_position_embeddings))")
+    p.add_argument("--cache", type=int, default=None,
+                   help="experts per MoE layer kept on the device (default: all)")
+    p.add_argument("--policy", default="lfru", choices=policy_names(), help="expert cache policy")
+    p.add_argument("--backend", default="auto", help="expert kernel backend (jmoe.kernels.moe_ffn)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jmoe
+    from jmoe.generate import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    data_format = check_data_path(args.data)  # fail on a bad path before the (slow) model load
+    model = jmoe.load(model_dir, cache=args.cache, policy=args.policy, backend=args.backend)
+    result = evaluate_file(model, args.data, args.batch_size, args.seq_len, progress=True)
+    return {"model": str(model_dir), "data": str(args.data), "data_format": data_format, "cache": args.cache,
+            "policy": args.policy, "backend": args.backend, **result.as_dict()}
+
+
+def format_report(report: dict) -> str:
+    steady = report["steady_tokens_per_second"]
+    lines = [
+        f"perplexity {report['perplexity']:.4f} (mean NLL {report['nll']:.4f} nats over "
+        f"{report['predicted_tokens']} predicted tokens)",
+        f"{report['tokens']} tokens in {report['windows']} non-overlapping windows of {report['seq_len']}, "
+        f"batch size {report['batch_size']}, shapes {report['batch_shapes']}",
+        f"{report['tokens_per_second']:.1f} tokens/s overall ({report['seconds']:.2f} s, compilation included)"
+        + (f", {steady:.1f} tokens/s after the first batch of each shape" if steady else ""),
+        "",
+        "| layer | entropy (nats) | entropy / log E | busiest expert | busiest share | load per expert |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["routing"]:
+        lines.append(f"| {r['layer']} | {r['entropy_nats']:.3f} | {r['entropy_normalized']:.3f} | "
+                     f"{r['busiest_expert']} | {r['busiest_share']:.3f} | {' '.join(map(str, r['load']))} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except JmoeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
