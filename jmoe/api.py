@@ -8,13 +8,18 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jmoe.config import ModelConfig, load_config
 from jmoe.errors import InputError
 from jmoe.expert_engine import ResidentEngine
 from jmoe.generation import TokenCallback, as_rows, check_token_ids, generate_tokens
-from jmoe.loading import load_model
+from jmoe.loading import abstract_model, flat_params, load_model
+from jmoe.offload.engine import OffloadEngine
+from jmoe.offload.placement import HOST, Placement, plan_placement
+from jmoe.offload.policies import CachePolicy
+from jmoe.orbax_store import is_orbax_checkpoint, read_manifest, restore_model
 from jmoe.model import MoETransformer
 from jmoe.sampling import SamplingParams
 from jmoe.steps import make_logits_fn, make_step_fn
@@ -24,12 +29,14 @@ from jmoe.tokenizer import TextStream, TextTokenizer, load_tokenizer
 class Model:
     """A loaded MoE language model with its expert engine and (optionally) its tokenizer."""
 
-    def __init__(self, module: MoETransformer, config: ModelConfig, engine, tokenizer: TextTokenizer | None = None,
-                 source: Path | None = None):
+    def __init__(self, module: MoETransformer, config: ModelConfig, engine, placement: Placement,
+                 tokenizer: TextTokenizer | None = None, source: Path | None = None):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.source = source
+        self._placement = placement
+        engine.attach(module)
         self.graphdef, self.params = nnx.split(module)
         self.kv_dtype = module.embed[...].dtype
         self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
@@ -47,16 +54,18 @@ class Model:
         return extra_host
 
     def logits(self, token_ids) -> jax.Array:
-        """int [B, T] -> float32 logits [B, T, vocab] from one full forward (no padding, no cache reuse)."""
+        """int [B, T] -> float32 logits [B, T, V] from one full forward (no padding, no cache reuse)."""
+        return self.logits_and_routing(token_ids)[0]
+
+    def logits_and_routing(self, token_ids) -> tuple[jax.Array, np.ndarray]:
+        """Like logits, plus the expert ids each MoE layer chose: int32 [L_moe, B, T, k] (NumPy)."""
         rows = as_rows(token_ids)
         check_token_ids(self.config, rows, "logits")
         if len({len(r) for r in rows}) != 1:
             raise InputError(f"logits: all rows must have the same length, found lengths "
                              f"{sorted({len(r) for r in rows})}; pad them yourself or call once per row")
-        tokens = jnp.asarray(rows, jnp.int32)
-        logits, routing, state = self._logits_fn(self.params, self.engine.state, tokens)
-        self._finish_step(state, routing)
-        return logits
+        logits, routing, state = self._logits_fn(self.params, self.engine.state, jnp.asarray(rows, jnp.int32))
+        return logits, self._finish_step(state, routing, routing)
 
     def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int):
         """One jitted generation step; returns (next tokens as NumPy [B], the updated kv cache)."""
@@ -111,30 +120,65 @@ class Model:
         texts = [tokenizer.decode(t) for t in ids]
         return texts[0] if isinstance(prompt, str) else texts
 
+    def set_policy(self, policy) -> None:
+        """Empty the expert cache and continue with another policy (name or CachePolicy); no recompilation."""
+        self.engine.reset(policy)
+
+    def placement(self) -> dict[str, dict]:
+        """Per parameter: its memory kind and bytes."""
+        return self._placement.as_dict()
+
     def stats(self) -> list[dict]:
         """Per MoE layer: hits, misses, evictions, bytes moved (empty when every expert is resident)."""
         return self.engine.stats()
 
 
-def load(path: str | Path, cache: int | None = None, *, dtype: str | None = None, backend: str = "auto",
-         progress: bool = True) -> Model:
-    """Load a Hugging Face MoE checkpoint directory.
+def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolicy = "lfru",
+         offload_params: list[str] | None = None, device_budget_gb: float | None = None,
+         dtype: str | None = None, backend: str = "auto", progress: bool = True) -> Model:
+    """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all.
+    policy: cache policy name ("lru", "lfu", "lfru", "static") or a jmoe.offload.policies.CachePolicy.
+    offload_params: more parameters to keep in pinned host memory, by dotted-segment name ("w_down",
+        "attn") or by regular expression ("re:layers\\.(1[0-9])\\..*experts").
+    device_budget_gb: choose the largest cache that fits in this much device memory.
     dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
+    progress: show a progress bar and print the placement summary to stderr.
     """
     model_dir = Path(path)
     config = load_config(model_dir)
-    if cache is not None and cache < config.num_experts:
-        raise InputError(f"cache={cache} < {config.num_experts} experts needs the offload engine, which is "
-                         f"not available in this version; use cache=None")
-    module = load_model(model_dir, config, dtype=dtype, progress=progress)
-    return Model(module, config, ResidentEngine(config, backend), load_tokenizer(model_dir), model_dir)
+    orbax = is_orbax_checkpoint(model_dir)
+    # An Orbax checkpoint keeps the dtype it was converted to; an HF one says its dtype in config.json.
+    dtype = jnp.dtype(dtype or (read_manifest(model_dir)["dtype"] if orbax else config.dtype))
+    placement = plan_placement(config, flat_params(nnx.to_pure_dict(abstract_model(config, dtype)[1])),
+                               cache=cache, offload_params=offload_params, device_budget_gb=device_budget_gb)
+    if orbax:
+        module = restore_model(model_dir, config, dtype=dtype, memory_kind_of=placement.memory_kind_of,
+                               progress=progress)
+    else:
+        module = load_model(model_dir, config, dtype=dtype, progress=progress,
+                            place=lambda p, host: jax.device_put(host, memory_sharding(placement.memory_kind_of(p))))
+    if progress:
+        print(placement.summary(), file=sys.stderr)
+    return Model(module, config, make_engine(config, placement, policy, dtype, backend), placement,
+                 load_tokenizer(model_dir), model_dir)
+
+
+def make_engine(config: ModelConfig, placement: Placement, policy, dtype, backend: str):
+    """The resident engine when nothing is offloaded, else the offload engine."""
+    if not placement.offloaded_layers and not any(k == HOST for k in placement.memory_kind.values()):
+        return ResidentEngine(config, backend)
+    return OffloadEngine(config, placement, policy, dtype, backend)
+
+
+def memory_sharding(memory_kind: str) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
 
 
 def random_model(config: ModelConfig, seed: int = 0, backend: str = "auto") -> Model:
-    """A randomly initialised model (for tests, benchmarks and training)."""
-    return Model(MoETransformer(config, rngs=nnx.Rngs(seed)), config, ResidentEngine(config, backend))
-
-
+    """A randomly initialised model with every parameter on the device (tests, benchmarks, training)."""
+    module = MoETransformer(config, rngs=nnx.Rngs(seed))
+    placement = plan_placement(config, flat_params(nnx.to_pure_dict(nnx.state(module))), cache=None)
+    return Model(module, config, ResidentEngine(config, backend), placement)

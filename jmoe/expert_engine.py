@@ -1,8 +1,10 @@
 """Where expert weights are read from during a step: the interface, and the all-resident engine.
 
-An engine has a pytree `state` that every jitted step takes (donated) and returns, a `bind` used while
-tracing that returns the ExpertCompute for that state plus a `finish` giving the updated state, and
-`after_step`, called between steps with the host copy of that state and of the step's routing.
+An engine has a pytree `state` that every jitted step takes (donated) and returns. While tracing,
+`prepare_params` may move parameters to the device and `bind` returns the ExpertCompute for that
+state plus a `finish` giving the updated state. Between steps, `after_step` gets the new state, the
+host copy of `readback(state)` and the step's routing (read together in one device-to-host read).
+The offload engine (jmoe.offload.engine) implements the same methods.
 """
 
 from __future__ import annotations
@@ -22,14 +24,23 @@ class ResidentEngine:
         self.backend = backend
         self.state = ()
 
-    def bind(self, state, num_tokens: int) -> tuple[ExpertCompute | None, Callable[[], tuple]]:
+    def attach(self, model) -> None:
+        pass
+
+    def reset(self, policy) -> None:
+        pass  # nothing is cached, so no policy applies
+
+    def prepare_params(self, params):
+        return params
+
+    def bind(self, state, model, num_tokens: int) -> tuple[ExpertCompute | None, Callable[[], tuple]]:
         return None, lambda: state
 
     def readback(self, state) -> tuple:
         return ()
 
     def after_step(self, state, tables_host, routing: np.ndarray) -> None:
-        pass
+        self.state = state
 
     def stats(self) -> list[dict]:
         return []

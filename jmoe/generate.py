@@ -27,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", type=int, default=None,
+                   help="experts per MoE layer kept on the device (default: all); the rest stay in pinned host memory")
+    p.add_argument("--policy", default="lfru", help="expert cache policy: lru, lfu, lfru (default), static")
+    p.add_argument("--offload-params", nargs="+", default=None, metavar="PATTERN",
+                   help="more parameters to keep in host memory: dotted segments (w_down, attn) or 're:REGEX'")
+    p.add_argument("--device-budget-gb", type=float, default=None,
+                   help="pick the largest cache that fits in this much device memory")
+    p.add_argument("--stats", action="store_true", help="print a per-layer expert cache table after generation")
     p.add_argument("--backend", default="auto", help="expert kernel backend (jmoe.kernels.moe_ffn)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
@@ -47,7 +55,8 @@ def run(args: argparse.Namespace) -> dict:
     from jmoe.tokenizer import TextStream
 
     model_dir = resolve_model_dir(args.model)
-    model = jmoe.load(model_dir, backend=args.backend, progress=not args.json)
+    model = jmoe.load(model_dir, args.cache, policy=args.policy, offload_params=args.offload_params,
+                      device_budget_gb=args.device_budget_gb, backend=args.backend, progress=not args.json)
     tokenizer = model.require_tokenizer()
     if not args.prompt:
         raise JmoeError("--prompt is empty; give some text to continue")
@@ -73,6 +82,7 @@ def run(args: argparse.Namespace) -> dict:
         "text": tokenizer.decode(tokens),
         "timing": {"prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
                    "decode_steps": result.decode_steps, "decode_tokens_per_second": decode_tps},
+        "cache_stats": model.stats(),
     }
 
 
@@ -80,14 +90,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         report = run(args)
-    except JmoeError as e:
+    except (JmoeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))
-    else:
-        print()
+        return 0
+    print()
+    if args.stats:
+        print(format_stats(report["cache_stats"]))
     return 0
+
+
+def format_stats(stats: list[dict]) -> str:
+    """Per-layer hit-rate table; says so when every expert is resident."""
+    if not stats:
+        return "expert cache: every expert is resident on the device (no --cache given), nothing to report"
+    lines = [f"{'layer':>5} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"]
+    for s in stats:
+        rate = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}"
+        lines.append(f"{s['layer']:>5} {s['hits']:>8} {s['misses']:>8} {rate:>9} {s['evictions']:>10} "
+                     f"{s['bytes_moved'] / 2**20:>10.2f}")
+    hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+    lines.append(f"total hit rate {hits / max(1, hits + misses):.1%}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from jmoe.sampling import SamplingParams, sample
 
 
 def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only):
-    model = nnx.merge(graphdef, params)
-    compute, finish = engine.bind(engine_state, num_tokens=tokens.shape[0] * tokens.shape[1])
+    model = nnx.merge(graphdef, engine.prepare_params(params))
+    compute, finish = engine.bind(engine_state, model, num_tokens=tokens.shape[0] * tokens.shape[1])
     out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, backend=engine.backend,
                 last_only=last_only)
     return out, finish()

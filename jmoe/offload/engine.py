@@ -1,0 +1,148 @@
+"""The offload engine: device slots for the experts of offloaded MoE layers, fed from pinned host memory.
+
+It plugs into the jitted steps through the expert-engine interface (see jmoe.expert_engine): its state
+(slot buffers, slot tables and the manager's victim order) goes into every step and comes back
+updated; between steps the SlotManager reads the step's routing and the new tables (both part of the
+step's single device-to-host read) and writes the next victim order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.config import ModelConfig
+from jmoe.offload.manager import SlotManager
+from jmoe.offload.placement import HOST, Placement
+from jmoe.offload.policies import CachePolicy
+from jmoe.offload.slots import LayerSlots, admit_and_compute, device_copy, stream_and_compute
+
+
+class EngineState(NamedTuple):
+    buffers: tuple  # per offloaded layer: (w_gate_up [S+M, d, 2f], w_down [S+M, f, d]) on the device
+    slot_of_expert: jax.Array  # int32 [Lo, E]
+    expert_in_slot: jax.Array  # int32 [Lo, S]
+    victim_order: jax.Array  # int32 [Lo, S], from the manager
+
+
+class OffloadEngine:
+    def __init__(self, config: ModelConfig, placement: Placement, policy: str | CachePolicy, dtype,
+                 backend: str = "auto"):
+        self.config, self.placement, self.backend = config, placement, backend
+        self.layers = placement.offloaded_layers
+        self.num_slots = placement.cache
+        self.host_param_keys = frozenset(k for k, kind in placement.memory_kind.items()
+                                         if kind == HOST and "experts" not in k.split("."))
+        self._dtype = dtype
+        self.reset(policy)
+        self._install = jax.jit(self._install_fn, donate_argnums=(0,))
+
+    def reset(self, policy: str | CachePolicy) -> None:
+        """Empty every slot and start over with `policy` (same compiled programs: only data changes)."""
+        cfg, lo = self.config, len(self.layers)
+        self.manager = SlotManager(policy, lo, cfg.num_experts, self.num_slots, self.placement.expert_bytes)
+        d, f = cfg.hidden_size, cfg.expert_intermediate_size
+        total = self.num_slots + self.placement.scratch
+        self.state = EngineState(
+            buffers=tuple((jnp.zeros((total, d, 2 * f), self._dtype), jnp.zeros((total, f, d), self._dtype))
+                          for _ in range(lo)),
+            slot_of_expert=jnp.full((lo, cfg.num_experts), -1, jnp.int32),
+            expert_in_slot=jnp.full((lo, self.num_slots), -1, jnp.int32),
+            victim_order=jnp.asarray(self.manager.victim_order()),
+        )
+
+    # ---- inside the jitted step -------------------------------------------------------------------
+    def prepare_params(self, params):
+        """Parameters offloaded by pattern (not experts) are copied to the device at every step."""
+        if not self.host_param_keys:
+            return params
+
+        def to_device(path, leaf):
+            # Parameter paths are dict keys followed by the Variable's `.value` attribute.
+            key = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+            return jax.device_put(leaf, jax.memory.Space.Device) if key in self.host_param_keys else leaf
+
+        return jax.tree_util.tree_map_with_path(to_device, params)
+
+    def bind(self, state: EngineState, model, num_tokens: int):
+        cfg = self.config
+        position = {moe: i for i, moe in enumerate(self.layers)}
+        blocks = model.moe_blocks()
+        # Decode-sized steps admit misses into cache slots; bigger ones stream experts through scratch.
+        admit = min(num_tokens * cfg.num_experts_per_tok, cfg.num_experts) <= self.placement.scratch
+        new_buffers = list(state.buffers)
+        new_slot_of_expert = [state.slot_of_expert[i] for i in range(len(self.layers))]
+        new_expert_in_slot = [state.expert_in_slot[i] for i in range(len(self.layers))]
+
+        def compute(moe_index, x, ids, weights):
+            block = blocks[moe_index]
+            if moe_index not in position:
+                return block.resident_experts(x, ids, weights, self.backend)
+            i = position[moe_index]
+            slots = LayerSlots(*new_buffers[i], new_slot_of_expert[i], new_expert_in_slot[i])
+            host = (block.experts.w_gate_up[...], block.experts.w_down[...])
+            if admit:
+                y, slots = admit_and_compute(slots, state.victim_order[i], *host, x, ids, weights,
+                                             backend=self.backend)
+            else:
+                y, slots = stream_and_compute(slots, *host, x, ids, weights, backend=self.backend)
+            new_buffers[i] = (slots.w_gate_up, slots.w_down)
+            new_slot_of_expert[i], new_expert_in_slot[i] = slots.slot_of_expert, slots.expert_in_slot
+            return y
+
+        def finish() -> EngineState:
+            lo = len(self.layers)
+            return EngineState(tuple(new_buffers),
+                               jnp.stack(new_slot_of_expert) if lo else state.slot_of_expert,
+                               jnp.stack(new_expert_in_slot) if lo else state.expert_in_slot,
+                               state.victim_order)
+
+        return compute, finish
+
+    # ---- between steps ----------------------------------------------------------------------------
+    def readback(self, state: EngineState):
+        return state.slot_of_expert
+
+    def after_step(self, state: EngineState, slot_of_expert: np.ndarray, routing: np.ndarray) -> None:
+        """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed."""
+        first_observation = self.manager.policy is None
+        self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert))
+        self.state = state._replace(victim_order=jax.device_put(self.manager.victim_order()))
+        if first_observation and self.num_slots:
+            pinned = self.manager.pinned_experts()
+            if pinned is not None:
+                self.install(pinned)
+
+    def install(self, experts: np.ndarray) -> None:
+        """Fill every offloaded layer's cache slots with `experts` int [Lo, S] (a donated update)."""
+        host = [(b.experts.w_gate_up[...], b.experts.w_down[...]) for b in self._blocks]
+        self.state = self._install(self.state, host, jnp.asarray(experts, jnp.int32))
+        slot_of_expert = np.full((len(self.layers), self.config.num_experts), -1, np.int32)
+        slot_of_expert[np.arange(len(self.layers))[:, None], experts] = np.arange(experts.shape[1])
+        self.manager.slot_of_expert = slot_of_expert
+
+    @staticmethod
+    def _install_fn(state: EngineState, host, experts):
+        buffers = []
+        num_slots = experts.shape[1]
+        slots_range = jnp.arange(num_slots, dtype=jnp.int32)
+        for i, (gate_up, down) in enumerate(state.buffers):
+            for s in range(num_slots):
+                gate_up = gate_up.at[s].set(device_copy(host[i][0], experts[i, s])[0])
+                down = down.at[s].set(device_copy(host[i][1], experts[i, s])[0])
+            buffers.append((gate_up, down))
+        num_experts = state.slot_of_expert.shape[1]
+        rows = jnp.arange(experts.shape[0])[:, None]
+        slot_of_expert = jnp.full((experts.shape[0], num_experts), -1, jnp.int32).at[rows, experts].set(slots_range)
+        return state._replace(buffers=tuple(buffers), slot_of_expert=slot_of_expert, expert_in_slot=experts)
+
+    def attach(self, model) -> None:
+        """Remember the model's MoE blocks (their host expert arrays feed install)."""
+        blocks = model.moe_blocks()
+        self._blocks = [blocks[i] for i in self.layers]
+
+    def stats(self) -> list[dict]:
+        return self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))

@@ -1,0 +1,93 @@
+"""The cache manager: between steps, turn the step's routing into policy state, statistics and the next
+step's victim order. Pure NumPy, vectorised over layers (it runs once per decode step)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jmoe.offload.policies import CachePolicy, StaticPolicy, initial_residents, make_policy
+
+
+def expert_counts(routing: np.ndarray, num_experts: int) -> np.ndarray:
+    """routing int [L, ...] (expert ids, -1 = none) -> int [L, E] accesses per expert."""
+    layers = routing.shape[0]
+    flat = routing.reshape(layers, -1)
+    valid = flat >= 0
+    index = (np.arange(layers)[:, None] * num_experts + flat)[valid]
+    return np.bincount(index, minlength=layers * num_experts).reshape(layers, num_experts)
+
+
+def experts_in_slots(slot_of_expert: np.ndarray, num_slots: int) -> np.ndarray:
+    """slot_of_expert int [L, E] -> expert_in_slot int [L, S] (-1 = empty)."""
+    layers, num_experts = slot_of_expert.shape
+    expert_in_slot = np.full((layers, num_slots + 1), -1, np.int32)
+    rows, experts = np.nonzero(slot_of_expert >= 0)
+    expert_in_slot[rows, slot_of_expert[rows, experts]] = experts
+    return expert_in_slot[:, :num_slots]
+
+
+class SlotManager:
+    """Policy state, per-layer statistics, and the victim order handed to the next step."""
+
+    def __init__(self, policy: str | CachePolicy, num_layers: int, num_experts: int, num_slots: int,
+                 expert_bytes: int):
+        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
+        self.expert_bytes = expert_bytes
+        # A static policy named without a frequency table pins the experts the first step uses most.
+        self.policy = None if policy == "static" else make_policy(policy, num_layers, num_experts)
+        self.hits = np.zeros(num_layers, np.int64)
+        self.misses = np.zeros(num_layers, np.int64)
+        self.evictions = np.zeros(num_layers, np.int64)
+        self.copies = np.zeros(num_layers, np.int64)
+        self.slot_of_expert = np.full((num_layers, num_experts), -1, np.int32)
+
+    @property
+    def admits_misses(self) -> bool:
+        return self.policy is not None and self.policy.admits_misses
+
+    def pinned_experts(self) -> np.ndarray | None:
+        """For a static policy: int [L, S] experts to install in the slots (None otherwise)."""
+        if not isinstance(self.policy, StaticPolicy):
+            return None
+        keep = initial_residents(self.policy.priority(), self.num_slots)
+        return np.stack([np.flatnonzero(row) for row in keep]).astype(np.int32).reshape(self.num_layers, -1)
+
+    def record(self, routing: np.ndarray, slot_of_expert_after: np.ndarray) -> None:
+        """Statistics and policy update for one finished step (routing int [L, ...])."""
+        counts = expert_counts(routing, self.num_experts)
+        resident_before = self.slot_of_expert >= 0
+        accesses = counts.sum(axis=1)
+        hits = np.where(resident_before, counts, 0).sum(axis=1)
+        self.hits += hits
+        self.misses += accesses - hits
+        self.copies += ((counts > 0) & ~resident_before).sum(axis=1)
+        self.evictions += (resident_before & (slot_of_expert_after < 0)).sum(axis=1)
+        self.slot_of_expert = slot_of_expert_after
+        if self.policy is None:
+            self.policy = StaticPolicy(self.num_layers, self.num_experts, frequency=counts)
+        self.policy.observe(counts)
+
+    def victim_order(self) -> np.ndarray:
+        """int [L, S]: cache slots the next step may overwrite, first choice first (-1 = none).
+
+        Empty slots come first, then occupied slots by ascending policy priority of their expert, ties
+        by the lower expert id: the same rule as jmoe.offload.policies.choose_victims.
+        """
+        if not self.admits_misses or self.num_slots == 0:
+            return np.full((self.num_layers, self.num_slots), -1, np.int32)
+        expert_in_slot = experts_in_slots(self.slot_of_expert, self.num_slots)
+        rows = np.arange(self.num_layers)[:, None]
+        priority = np.where(expert_in_slot >= 0, self.policy.priority()[rows, np.maximum(expert_in_slot, 0)],
+                            -np.inf)
+        order = np.lexsort((expert_in_slot, priority), axis=-1)
+        return order.astype(np.int32)
+
+    def stats(self, layer_ids: tuple[int, ...]) -> list[dict]:
+        out = []
+        for i, layer in enumerate(layer_ids):
+            accesses = int(self.hits[i] + self.misses[i])
+            out.append({"layer": layer, "hits": int(self.hits[i]), "misses": int(self.misses[i]),
+                        "hit_rate": float(self.hits[i] / accesses) if accesses else None,
+                        "evictions": int(self.evictions[i]),
+                        "bytes_moved": int(self.copies[i]) * self.expert_bytes})
+        return out

@@ -1,0 +1,174 @@
+"""Placement: which parameters live on the device and which in pinned host memory, and how many slots.
+
+Rules, in order:
+- `cache` < number of experts offloads the experts of every MoE layer (the default use);
+- `offload_params` patterns offload more: a plain pattern matches whole segments of the dotted parameter
+  path (`w_down`, `mlp.experts`, `attn`), a `re:` pattern is a regular expression searched in it
+  (`re:layers\\.(1[0-9])\\..*experts`). Expert tensors of a layer move as a unit (they share slots);
+  any other matched parameter stays in pinned host memory and is copied in at every step;
+- `device_budget_gb` picks the largest cache that fits next to the device-resident weights, the KV
+  cache and the scratch slots.
+A pattern that matches nothing and a budget that cannot hold the dense weights are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from jmoe.config import ModelConfig
+from jmoe.errors import InputError
+from jmoe.hf_layout import ParamPath, param_key
+
+DEVICE, HOST = "device", "pinned_host"
+# Scratch slots per offloaded layer, in units of top_k: enough for a decode batch of this many rows
+# to take its misses without falling back to chunked streaming.
+SCRATCH_ROWS = 4
+BUDGET_KV_TOKENS = 4096  # KV cache reserved by device_budget_gb: one sequence of this many tokens
+
+
+def is_expert_param(path: ParamPath) -> bool:
+    return "experts" in path
+
+
+def moe_position(cfg: ModelConfig, path: ParamPath) -> int:
+    """Index among the MoE layers of the layer an expert parameter belongs to."""
+    return cfg.moe_layer_indices.index(path[1])
+
+
+def param_group(path: ParamPath) -> str:
+    if path[0] == "embed":
+        return "embedding"
+    if path[0] == "lm_head":
+        return "lm head"
+    for segment, group in (("experts", "experts"), ("router", "router"), ("shared_expert", "shared expert"),
+                           ("shared_expert_gate", "shared expert"), ("attn", "attention"), ("mlp", "dense mlp")):
+        if segment in path:
+            return "norms" if segment == "attn" and "norm" in str(path[-2]) else group
+    return "norms"
+
+
+def pattern_matches(pattern: str, key: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], key) is not None
+    wanted = pattern.split(".")
+    segments = key.split(".")
+    return any(segments[i:i + len(wanted)] == wanted for i in range(len(segments) - len(wanted) + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    memory_kind: dict[str, str]  # param key -> "device" | "pinned_host"
+    nbytes: dict[str, int]  # param key -> bytes
+    groups: dict[str, str]  # param key -> group name
+    offloaded_layers: tuple[int, ...]  # MoE-layer positions whose experts live on the host
+    cache: int  # cache slots per offloaded layer
+    scratch: int  # scratch slots per offloaded layer
+    expert_bytes: int  # bytes of one expert (gate_up + down)
+    notes: tuple[str, ...] = ()
+
+    def memory_kind_of(self, path: ParamPath) -> str:
+        return self.memory_kind[param_key(path)]
+
+    @property
+    def slot_bytes(self) -> int:
+        return len(self.offloaded_layers) * (self.cache + self.scratch) * self.expert_bytes
+
+    def totals(self) -> dict[str, int]:
+        device = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == DEVICE) + self.slot_bytes
+        host = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == HOST)
+        return {"device_bytes": device, "host_bytes": host}
+
+    def as_dict(self) -> dict[str, dict]:
+        """Per parameter: memory kind and bytes (JSON-serialisable)."""
+        return {k: {"memory_kind": self.memory_kind[k], "bytes": self.nbytes[k]} for k in self.memory_kind}
+
+    def summary(self) -> str:
+        rows: dict[tuple[str, str], list[int]] = {}
+        for key, kind in self.memory_kind.items():
+            row = rows.setdefault((self.groups[key], kind), [0, 0])
+            row[0] += 1
+            row[1] += self.nbytes[key]
+        lines = [f"{'group':<16}{'memory kind':<14}{'tensors':>8}{'MB':>12}"]
+        for (group, kind), (count, nbytes) in sorted(rows.items()):
+            lines.append(f"{group:<16}{kind:<14}{count:>8}{nbytes / 2**20:>12.2f}")
+        if self.offloaded_layers:
+            lines.append(f"{'expert slots':<16}{DEVICE:<14}{len(self.offloaded_layers):>8}"
+                         f"{self.slot_bytes / 2**20:>12.2f}   ({self.cache} cache + {self.scratch} scratch "
+                         f"per layer, {len(self.offloaded_layers)} layers)")
+        totals = self.totals()
+        lines.append(f"total on device {totals['device_bytes'] / 2**20:.2f} MB, in pinned host memory "
+                     f"{totals['host_bytes'] / 2**20:.2f} MB")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache: int | None,
+                   offload_params: list[str] | None = None, device_budget_gb: float | None = None) -> Placement:
+    """Decide every parameter's memory kind and the slot counts. `abstract` maps paths to shape/dtype."""
+    if cache is not None and (not isinstance(cache, (int, np.integer)) or cache < 0):
+        raise InputError(f"cache must be a whole number >= 0 (experts kept on the device per MoE layer), "
+                         f"found {cache!r}")
+    if cache is not None and device_budget_gb is not None:
+        raise InputError(f"give either cache ({cache}) or device_budget_gb ({device_budget_gb}), not both: "
+                         f"the budget chooses the cache")
+    keys = {path: param_key(path) for path in abstract}
+    nbytes = {keys[p]: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for p, a in abstract.items()}
+    host_keys: set[str] = set()
+    offloaded: set[int] = set()
+    notes: list[str] = []
+    for pattern in offload_params or []:
+        matched = [p for p in abstract if pattern_matches(pattern, keys[p])]
+        if not matched:
+            example = ", ".join(keys[p] for p in list(abstract)[:6])
+            raise InputError(f"offload_params pattern {pattern!r} matches no parameter; parameter names look "
+                             f"like: {example}, ... (plain patterns match whole dotted segments, 're:' "
+                             f"patterns are regular expressions)")
+        for path in matched:
+            if is_expert_param(path):
+                offloaded.add(moe_position(cfg, path))
+            else:
+                host_keys.add(keys[path])
+    experts_offloaded_by_pattern = bool(offloaded)
+    if (cache is not None and cache < cfg.num_experts) or device_budget_gb is not None:
+        offloaded = set(range(cfg.num_moe_layers))
+    if experts_offloaded_by_pattern and cache is None and device_budget_gb is None:
+        cache = 0
+        notes.append("offload_params matched expert weights and no cache was given: cache = 0 (every needed "
+                     "expert is copied in at each step)")
+    expert_paths = [p for p in abstract if is_expert_param(p)]
+    expert_bytes = sum(nbytes[keys[p]] for p in expert_paths) // max(1, cfg.num_moe_layers * cfg.num_experts)
+    scratch = min(cfg.num_experts, SCRATCH_ROWS * cfg.num_experts_per_tok)
+
+    if device_budget_gb is not None:
+        budget = int(device_budget_gb * 2**30)
+        dense = sum(b for k, b in nbytes.items()
+                    if k not in host_keys and not is_expert_param(tuple(k.split("."))))
+        kv = 2 * cfg.num_layers * BUDGET_KV_TOKENS * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+        per_slot = cfg.num_moe_layers * expert_bytes
+        floor = dense + kv + scratch * per_slot
+        if budget < floor:
+            raise InputError(f"device_budget_gb={device_budget_gb} ({budget / 2**30:.3f} GB) cannot hold the "
+                             f"dense weights ({dense / 2**30:.3f} GB) + KV cache for {BUDGET_KV_TOKENS} tokens "
+                             f"({kv / 2**30:.3f} GB) + scratch slots ({scratch * per_slot / 2**30:.3f} GB) = "
+                             f"{floor / 2**30:.3f} GB; raise the budget or offload more with offload_params")
+        cache = int(min(cfg.num_experts, (budget - floor) // per_slot)) if per_slot else cfg.num_experts
+        notes.append(f"device_budget_gb={device_budget_gb}: chose cache={cache} of {cfg.num_experts} experts per "
+                     f"layer (dense {dense / 2**30:.3f} GB + KV {kv / 2**30:.3f} GB + slots)")
+        if cache >= cfg.num_experts:
+            offloaded = set()
+            notes.append("the budget holds every expert: nothing is offloaded")
+
+    if cache is not None and cache >= cfg.num_experts and offloaded and not experts_offloaded_by_pattern:
+        offloaded = set()
+    offloaded_layers = tuple(sorted(offloaded))
+    memory_kind = {}
+    for path in abstract:
+        key = keys[path]
+        on_host = key in host_keys or (is_expert_param(path) and moe_position(cfg, path) in offloaded)
+        memory_kind[key] = HOST if on_host else DEVICE
+    return Placement(memory_kind, nbytes, {keys[p]: param_group(p) for p in abstract}, offloaded_layers,
+                     min(cache or 0, cfg.num_experts) if offloaded_layers else 0,
+                     scratch if offloaded_layers else 0, expert_bytes, tuple(notes))

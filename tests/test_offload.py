@@ -1,0 +1,175 @@
+"""The offload engine's invariants: offloading changes timing, never results."""
+
+import jax
+import numpy as np
+import pytest
+
+import jmoe
+from hf_models import VOCAB
+from jmoe.offload.policies import policy_names
+
+FAMILY_REPRESENTATIVES = ["mixtral_e4k2_gqa2", "qwen2_moe_shared_dense", "qwen3_moe_headdim_tied",
+                          "olmoe_e8k4_clip"]
+POLICIES = policy_names()
+PROMPTS = [list(np.random.RandomState(1).randint(0, VOCAB, 11)), list(np.random.RandomState(2).randint(0, VOCAB, 4))]
+LOGIT_IDS = np.random.RandomState(3).randint(0, VOCAB, (2, 9))
+
+
+def cache_sizes(cfg):
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return sorted({0, 1, k, e // 2, e - 1, e})
+
+
+@pytest.fixture(scope="module")
+def resident(hf_checkpoints):
+    out = {}
+    for name in FAMILY_REPRESENTATIVES:
+        model = jmoe.load(hf_checkpoints[name][0], progress=False)
+        out[name] = (model.config, np.asarray(model.logits(LOGIT_IDS)), model.generate(PROMPTS, max_new_tokens=10))
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILY_REPRESENTATIVES)
+def test_every_cache_size_and_policy_matches_resident(name, hf_checkpoints, resident):
+    cfg, ref_logits, ref_tokens = resident[name]
+    for cache in cache_sizes(cfg):
+        model = jmoe.load(hf_checkpoints[name][0], cache=cache, progress=False)
+        for policy in POLICIES:
+            model.set_policy(policy)
+            for _ in range(2):  # a cold cache, then a warm one
+                np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0,
+                                           err_msg=f"cache={cache} policy={policy}")
+                assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens, f"cache={cache} policy={policy}"
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(hf_checkpoints):
+    return hf_checkpoints["olmoe_e8k4_clip"][0]
+
+
+def test_offloaded_experts_live_in_pinned_host_and_device_bytes_match_summary(olmoe_dir):
+    model = jmoe.load(olmoe_dir, cache=2, progress=False)
+    placement = model.placement()
+    module = model.module()
+    for block in module.moe_blocks():
+        for weights in (block.experts.w_gate_up[...], block.experts.w_down[...]):
+            assert weights.sharding.memory_kind == "pinned_host"
+    assert placement["layers.0.mlp.experts.w_down"]["memory_kind"] == "pinned_host"
+    assert placement["layers.0.attn.q.kernel"]["memory_kind"] == "device"
+    device_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params) if leaf.sharding.memory_kind == "device")
+    device_bytes += sum(leaf.nbytes for leaf in jax.tree.leaves(model.engine.state.buffers))
+    assert device_bytes == model._placement.totals()["device_bytes"]
+
+
+def test_prefill_routing_to_every_expert_with_cache_top_k_is_exact(olmoe_dir):
+    base = jmoe.load(olmoe_dir, progress=False)
+    prompt = list(np.random.RandomState(5).randint(0, VOCAB, 120))
+    ref_logits, routing = base.logits_and_routing([prompt])
+    assert all(len(np.unique(layer)) == base.config.num_experts for layer in routing), "prompt must touch all experts"
+    model = jmoe.load(olmoe_dir, cache=base.config.num_experts_per_tok, progress=False)
+    np.testing.assert_allclose(np.asarray(model.logits([prompt])), np.asarray(ref_logits), atol=1e-5, rtol=0)
+    assert model.generate(prompt, max_new_tokens=6) == base.generate(prompt, max_new_tokens=6)
+
+
+def test_no_recompilation_and_no_device_to_host_transfer_over_100_churning_steps(olmoe_dir):
+    model = jmoe.load(olmoe_dir, cache=1, policy="lru", progress=False)
+    model.generate(PROMPTS[0], max_new_tokens=3)  # warm: compiles the prompt and decode shapes
+    (step_fn,) = model._step_fns.values()
+    compiled = step_fn._cache_size()
+    with jax.transfer_guard_device_to_host("disallow"):
+        tokens = model.generate(PROMPTS[0], max_new_tokens=100, temperature=1.0, seed=3)
+    assert len(tokens[0]) == 100
+    assert step_fn._cache_size() == compiled
+    stats = model.stats()
+    assert sum(s["evictions"] for s in stats) > 50, "the cache should churn"
+
+
+def test_statistics_add_up(olmoe_dir):
+    model = jmoe.load(olmoe_dir, cache=3, progress=False)
+    out = model.generate(PROMPTS, max_new_tokens=7)
+    fed = sum(len(p) for p in PROMPTS) + sum(len(t) - 1 for t in out)  # prompt tokens + fed-back tokens
+    k = model.config.num_experts_per_tok
+    for layer in model.stats():
+        assert layer["hits"] + layer["misses"] == fed * k
+        assert layer["bytes_moved"] % model._placement.expert_bytes == 0
+    import json
+
+    json.dumps(model.stats())
+
+
+def test_static_policy_pins_and_never_evicts(olmoe_dir):
+    model = jmoe.load(olmoe_dir, cache=3, policy="static", progress=False)
+    model.generate(PROMPTS[0], max_new_tokens=12)
+    stats = model.stats()
+    assert all(s["evictions"] == 0 for s in stats)
+    assert all(s["hits"] > 0 for s in stats)
+    assert (np.asarray(model.engine.state.expert_in_slot) >= 0).all()
+
+
+def test_offload_params_by_segment_and_regex(olmoe_dir):
+    base = jmoe.load(olmoe_dir, progress=False)
+    ref = np.asarray(base.logits(LOGIT_IDS))
+    by_segment = jmoe.load(olmoe_dir, offload_params=["w_down", "attn"], progress=False)
+    kinds = by_segment.placement()
+    assert kinds["layers.1.mlp.experts.w_gate_up"]["memory_kind"] == "pinned_host"  # experts move as a unit
+    assert kinds["layers.0.attn.o.kernel"]["memory_kind"] == "pinned_host"
+    assert kinds["layers.0.mlp.router.kernel"]["memory_kind"] == "device"
+    np.testing.assert_allclose(np.asarray(by_segment.logits(LOGIT_IDS)), ref, atol=1e-5, rtol=0)
+    by_regex = jmoe.load(olmoe_dir, cache=2, offload_params=[r"re:layers\.1\..*experts"], progress=False)
+    kinds = by_regex.placement()
+    assert kinds["layers.1.mlp.experts.w_down"]["memory_kind"] == "pinned_host"
+    np.testing.assert_allclose(np.asarray(by_regex.logits(LOGIT_IDS)), ref, atol=1e-5, rtol=0)
+    assert by_regex.generate(PROMPTS, max_new_tokens=6) == base.generate(PROMPTS, max_new_tokens=6)
+
+
+def test_device_budget_picks_largest_fitting_cache(olmoe_dir):
+    from jmoe.offload.placement import BUDGET_KV_TOKENS
+
+    base = jmoe.load(olmoe_dir, cache=0, progress=False)._placement
+    dense = base.totals()["device_bytes"] - base.slot_bytes
+    cfg = base
+    kv = 2 * 2 * BUDGET_KV_TOKENS * 4 * 8 * 4  # layers, tokens, kv heads, head_dim, float32
+    per_slot = 2 * base.expert_bytes
+    budget = dense + kv + (base.scratch + 3) * per_slot + per_slot // 2
+    model = jmoe.load(olmoe_dir, device_budget_gb=budget / 2**30, progress=False)
+    assert model._placement.cache == 3
+
+
+def test_bad_input(olmoe_dir):
+    with pytest.raises(jmoe.InputError, match="cache must be a whole number >= 0"):
+        jmoe.load(olmoe_dir, cache=-1)
+    with pytest.raises(ValueError, match="unknown cache policy 'fifo'.*lfru"):
+        jmoe.load(olmoe_dir, cache=2, policy="fifo")
+    with pytest.raises(jmoe.InputError, match="pattern 'w9' matches no parameter"):
+        jmoe.load(olmoe_dir, offload_params=["w9"])
+    with pytest.raises(jmoe.InputError, match="device_budget_gb=1e-06 .* cannot hold the dense weights"):
+        jmoe.load(olmoe_dir, device_budget_gb=1e-6)
+
+
+def test_cli_cache_flags_and_stats_table(hf_checkpoints, tmp_path, capsys):
+    from hf_models import write_word_tokenizer
+    from jmoe.generate import main
+
+    import shutil
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(hf_checkpoints["olmoe_e8k4_clip"][0], model_dir)
+    write_word_tokenizer(model_dir)
+    assert main(["--model", str(model_dir), "--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--cache", "2",
+                 "--policy", "lru", "--stats"]) == 0
+    out = capsys.readouterr()
+    assert "hit rate" in out.out and "total hit rate" in out.out
+    assert "pinned_host" in out.err  # the placement summary
+    assert main(["--model", str(model_dir), "--prompt", "w1", "--cache", "2", "--policy", "nope"]) == 2
+    assert "unknown cache policy 'nope'" in capsys.readouterr().err
+
+
+def test_orbax_checkpoint_restores_into_placement(olmoe_dir, tmp_path):
+    from jmoe.orbax_store import convert_checkpoint
+
+    out = convert_checkpoint(olmoe_dir, tmp_path / "orbax", progress=False)
+    model = jmoe.load(out, cache=2, progress=False)
+    assert model.module().moe_blocks()[0].experts.w_down[...].sharding.memory_kind == "pinned_host"
+    ref = jmoe.load(olmoe_dir, progress=False)
+    np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), np.asarray(ref.logits(LOGIT_IDS)), atol=1e-5,
+                               rtol=0)
