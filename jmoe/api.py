@@ -42,6 +42,8 @@ class Model:
         self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
         self._step_fns: dict[SamplingParams, object] = {}
         self._sampling = SamplingParams()
+        # Benchmarks only: step index -> int32 [L_moe, B, T, k] expert ids replacing the router's choice.
+        self.forced_routing = None
 
     def module(self) -> MoETransformer:
         """The Flax NNX module (for research code: inspect, fine-tune, call directly)."""
@@ -72,8 +74,10 @@ class Model:
         fn = self._step_fns.get(self._sampling)
         if fn is None:
             fn = self._step_fns[self._sampling] = make_step_fn(self.graphdef, self.engine, self._sampling)
+        forced = None if self.forced_routing is None else jnp.asarray(self.forced_routing(step, tokens.shape),
+                                                                       jnp.int32)
         next_tokens, routing, kv_cache, state = fn(self.params, self.engine.state, tokens, kv_cache,
-                                                   jnp.int32(write_index), pad_len, key, jnp.int32(step))
+                                                   jnp.int32(write_index), pad_len, key, jnp.int32(step), forced)
         return self._finish_step(state, routing, next_tokens), kv_cache
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,

@@ -145,10 +145,19 @@ class MoEBlock(nnx.Module):
         self.shared_expert = DenseMLP(d, fs, dtype=dtype, rngs=rngs) if fs else None
         self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype, rngs=rngs) if fs else None
 
-    def route(self, x: jax.Array, token_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Softmax top-k routing: expert ids [N, k] (-1 for padding tokens) and weights [N, k]."""
+    def route(self, x: jax.Array, token_valid: jax.Array,
+              forced_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Softmax top-k routing: expert ids [N, k] (-1 for padding tokens) and weights [N, k].
+
+        `forced_ids` [N, k] (benchmarks only) replaces the router's choice, e.g. by a recorded trace, so
+        that a random-weight model sees real cache behaviour; the weights are the router's
+        probabilities of the forced experts.
+        """
         probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)
-        weights, ids = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
+        if forced_ids is None:
+            weights, ids = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
+        else:
+            ids, weights = forced_ids, jnp.take_along_axis(probs, forced_ids, axis=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         ids = jnp.where(token_valid[:, None], ids.astype(jnp.int32), -1)
@@ -197,12 +206,13 @@ class MoETransformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, kv_cache: tuple, write_index, pad_len: jax.Array, *,
                  expert_compute: ExpertCompute | None = None, backend: str = "reference",
-                 last_only: bool = False) -> ForwardOut:
+                 last_only: bool = False, forced_routing: jax.Array | None = None) -> ForwardOut:
         """Run `tokens` [B, T] whose first row entries sit at cache column `write_index`.
 
         Row b is left-padded by `pad_len[b]` columns: those cache columns are never attended to and its
         token positions count from its first real token. `expert_compute` replaces the resident expert
         computation (the offload engine passes its own); routing is returned for the cache manager.
+        `forced_routing` int32 [L_moe, B, T, k] (benchmarks only) replaces every MoE layer's expert choice.
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -229,7 +239,8 @@ class MoETransformer(nnx.Module):
             x = x + attn_out
             h = layer.post_norm(x).reshape(b * t, -1)
             if isinstance(layer.mlp, MoEBlock):
-                ids, weights = layer.mlp.route(h, token_valid)
+                forced = None if forced_routing is None else forced_routing[len(routing)].reshape(b * t, -1)
+                ids, weights = layer.mlp.route(h, token_valid, forced)
                 if expert_compute is None:
                     y = layer.mlp.resident_experts(h, ids, weights, backend)
                 else:

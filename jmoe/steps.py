@@ -15,11 +15,12 @@ from jmoe.model import empty_kv_cache
 from jmoe.sampling import SamplingParams, sample
 
 
-def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only):
+def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
+         forced_routing=None):
     model = nnx.merge(graphdef, engine.prepare_params(params))
     compute, finish = engine.bind(engine_state, model, num_tokens=tokens.shape[0] * tokens.shape[1])
     out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, backend=engine.backend,
-                last_only=last_only)
+                last_only=last_only, forced_routing=forced_routing)
     return out, finish()
 
 
@@ -41,11 +42,13 @@ def make_step_fn(graphdef, engine, sampling: SamplingParams):
 
     Returns (next tokens int32 [B], routing ids [L_moe, B, T, k], kv cache, engine state). Used for the
     prompt (T = padded prompt length) and for every decode step (T = 1): two compiled shapes in all.
+    `forced_routing` is None, or (benchmarks only) int32 [L_moe, B, T, k] expert ids to use instead of
+    the router's.
     """
 
-    def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step):
+    def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, forced_routing):
         out, engine_state = _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len,
-                                 last_only=True)
+                                 last_only=True, forced_routing=forced_routing)
         next_tokens = sample(out.logits[:, -1], jax.random.fold_in(key, step), sampling)
         return next_tokens, out.routing, out.kv_cache, engine_state
 

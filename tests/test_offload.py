@@ -173,3 +173,20 @@ def test_orbax_checkpoint_restores_into_placement(olmoe_dir, tmp_path):
     ref = jmoe.load(olmoe_dir, progress=False)
     np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), np.asarray(ref.logits(LOGIT_IDS)), atol=1e-5,
                                rtol=0)
+
+
+def test_forced_routing_drives_the_cache(olmoe_dir):
+    """Trace-forced routing (a benchmark option): the engine sees exactly the forced experts."""
+    model = jmoe.load(olmoe_dir, cache=2, progress=False)
+    moe_layers = model.config.num_moe_layers
+    model.forced_routing = lambda step, shape: np.broadcast_to(np.array([0, 1, 2, 3], np.int32),
+                                                               (moe_layers, *shape, 4))
+    model.set_policy("lru")
+    prompt = PROMPTS[1]
+    out = model.generate(prompt, max_new_tokens=6)[0]
+    for layer in model.stats():
+        # The prompt misses every access (the cache starts empty) and admits two of the four experts into
+        # the two slots; every decode step then hits those two and takes the other two through scratch
+        # (their only possible victims are experts the step needs).
+        assert layer["misses"] == 4 * len(prompt) + 2 * (len(out) - 1)
+        assert layer["hits"] == 2 * (len(out) - 1)

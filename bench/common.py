@@ -1,0 +1,68 @@
+"""Shared benchmark helpers: random HF checkpoints, machine description, bandwidth, result files."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in subprocess.run(
+            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
+    except (StopIteration, FileNotFoundError):
+        model = platform.processor() or "unknown CPU"
+    import os
+
+    return f"{os.cpu_count()}-core {model}, {platform.system()} {platform.release()}"
+
+
+def write_random_checkpoint(directory: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+    """A random-weight HF checkpoint written by transformers, so jmoe and transformers load the same files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (directory / "config.json").is_file():
+        return directory
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **overrides)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def median_seconds(fn, repeats: int = 5) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def read_bandwidth_gbs(megabytes: int = 1024) -> float:
+    """Streaming read bandwidth of this machine as JAX sees it (a jitted sum over a large array)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    seconds = median_seconds(lambda: total(x).block_until_ready())
+    return x.nbytes / seconds / 1e9
+
+
+def write_result(name: str, title: str, body: str) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / name
+    header = (f"# {title}\n\n- Date: {datetime.date.today().isoformat()}\n- Machine: {machine()}\n"
+              f"- Command: `python {' '.join(sys.argv)}`\n\n")
+    path.write_text(header + body)
+    return path
