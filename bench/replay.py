@@ -5,6 +5,8 @@
     python bench/replay.py --trace gptoss --cache 8 --policy belady --datasets gpqa_diamond,gpqa_main
     python bench/replay.py --report      # writes bench/results/replay.md and replay_*.png
     python bench/replay.py --tune        # LFRU constants on the tuning split -> replay_tuning.md
+    python bench/replay.py --trace gptoss --cache 8 --policy lru --prefetch best --json
+    python bench/replay.py --prefetch-report   # -> replay_prefetch.md (tuned on mmlu* only)
 
 Semantics (fixed, so that numbers are comparable):
   * one cache of C slots per MoE layer, empty at the start, kept warm across sequences taken in
@@ -22,6 +24,31 @@ The policies are the engine's (lru, lfu, lfru, static from ``jmoe.offload.polici
 ``belady``, the offline optimum: evict the expert whose next use is farthest in the future
 (never used again first).
 
+Prefetch (``--prefetch NAME``, a predictor from ``jmoe.offload.predictors``):
+  * steps run in order (token t, layer 0 .. L-1, then token t + 1); while one step computes,
+    the copies for the next step are issued: for layer l + 1 of the same token while layer l
+    computes, and for layer 0 of token t + 1 between tokens. The predictor sees only routing
+    already chosen (everything before the step, see ``predictors.step_before``), never the
+    step's own experts; tables it learns come from the tuning split only;
+  * before layer l of token t starts, the predictor's set for that step (at most ``count``
+    experts with score >= ``min_score``) is compared with the layer's cache: up to B
+    (``--prefetch-budget``, per layer and token; asserted) predicted, not-resident experts are
+    copied in, highest score first, into free slots or over victims. Victims are resident
+    experts outside the predicted set, lowest predictor score first (ties: lower id); no more
+    experts are fetched than there are free slots plus such victims;
+  * then the layer starts: an access whose expert is not resident is a stall (it waits for a
+    demand copy); stalls are admitted as above (policy eviction among experts the step does
+    not need). ``stall_free_rate`` = accesses resident when their layer starts /
+    accesses; ``hits``/``hit_rate`` count the same thing, so without prefetch
+    ``stall_free_rate == hit_rate``;
+  * the policy observes demand accesses only, once per token (a prefetched expert that is
+    never used keeps its old priority, so demand misses evict it early);
+  * ``bytes_moved`` counts every copy: demand copies (= stalls) + prefetches, in experts;
+    ``prefetches_used`` counts prefetched experts the step they were fetched for then used;
+  * only online policies that admit misses run with prefetch (belady needs the future, static
+    never changes its slots). Layers' caches are independent, so the replay applies a token's
+    prefetches and accesses to all layers at once; this equals the step-by-step order above.
+
 Data come from ``bench/data`` only (see its README for provenance). GPT-OSS has a split: static
 tables and LFRU constants come from the ``mmlu*`` sequences; results are reported on the rest.
 OLMoE and Kimi hold one prompt each: the static table comes from the first half of the tokens
@@ -32,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import subprocess
 import sys
@@ -52,6 +80,15 @@ from jmoe.offload.policies import (  # noqa: E402
     make_policy,
     policy_names,
 )
+from jmoe.offload.predictors import (  # noqa: E402
+    MixPredictor,
+    Predictor,
+    load_predictor,
+    make_predictor,
+    precision_recall,
+    predictor_names,
+    top_experts,
+)
 
 DATA_DIR = REPO_ROOT / "bench" / "data"
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -69,6 +106,18 @@ POLICIES = ["lru", "lfu", "lfru", "static", "belady"]
 TUNING_PREFIX = "mmlu"
 REPORT_CACHES = {"gptoss": [4, 6, 8, 12, 16], "olmoe": [8, 16, 32], "kimi": [16, 32, 64]}
 REPORT_DATE = "2026-11-21"
+# The cross-layer table learned on the GPT-OSS mmlu* sequences (provenance inside; --fit-table).
+CROSSLAYER_TABLE = DATA_DIR / "gptoss20b_crosslayer_mmlu.npz"
+# Prefetch settings by name: predictor, size of its predicted set (count), score threshold and
+# budget (experts per layer and token). "best" was tuned on GPT-OSS mmlu* only
+# (bench/results/replay_prefetch.md, "Tuning"); the others are untuned references.
+PREFETCH_SETTINGS = {
+    "previous": {"predictor": "previous", "count": 8, "min_score": 0.5, "budget": 2},
+    "frequency": {"predictor": "frequency", "count": 8, "min_score": -np.inf, "budget": 2},
+    "crosslayer": {"predictor": "crosslayer", "count": 8, "min_score": -np.inf, "budget": 2},
+    "mix": {"predictor": "mix", "count": 8, "min_score": -np.inf, "budget": 2},
+    "best": {"predictor": "mix", "count": 8, "min_score": 0.5, "budget": 4},
+}
 
 
 class ReplayError(ValueError):
@@ -168,10 +217,14 @@ def replay(
     capacity: int,
     policy: CachePolicy,
     chunk: int = 2048,
+    predictor: Predictor | None = None,
+    prefetch_budget: int = 0,
 ) -> dict:
     """Run one policy over a trace ``expert_ids`` [T, L, k]; returns counts (see module doc).
 
-    The policy must be fresh (its clock is advanced once per token).
+    The policy must be fresh (its clock is advanced once per token). With a fitted
+    ``predictor``, up to ``prefetch_budget`` predicted experts per layer and token are copied in
+    before the layer starts (module doc, "Prefetch").
     """
     expert_ids = check_trace(expert_ids, num_experts)
     num_tokens, num_layers, top_k = expert_ids.shape
@@ -181,6 +234,10 @@ def replay(
             f"policy {policy.name!r} is for [layers, experts] = {list(policy.shape)}, "
             f"the trace has {[num_layers, num_experts]}"
         )
+    if predictor is not None:
+        check_prefetch(policy, prefetch_budget)
+    prefetches_per_layer = np.zeros(num_layers, dtype=np.int64)
+    prefetches_used = 0
     if policy.admits_misses:
         resident = np.zeros((num_layers, num_experts), dtype=bool)
         bytes_moved = 0
@@ -195,8 +252,23 @@ def replay(
         block = expert_ids[start : start + chunk]
         needed_block = np.zeros((len(block), num_layers, num_experts), dtype=np.uint8)
         needed_block[np.arange(len(block))[:, None, None], layer_rows, block] = 1
-        for counts in needed_block:
+        if predictor is not None:
+            history = expert_ids[max(0, start - predictor.context) : start]
+            scores = predictor.scores(block, history)
+            predicted_block = top_experts(scores, predictor.count, predictor.min_score)
+            # Experts in descending score order (ties: lower id), per (token, layer).
+            order_block = np.argsort(-scores, axis=2, kind="stable")
+        for i, counts in enumerate(needed_block):
             needed = counts.view(bool)
+            if predictor is not None:
+                fetched = prefetch_step(scores[i], predicted_block[i], order_block[i],
+                                        resident, resident_count, capacity, prefetch_budget)
+                if fetched is not None:
+                    n_fetched = fetched.sum(axis=1)
+                    assert (n_fetched <= prefetch_budget).all(), "prefetch bound exceeded"
+                    prefetches_per_layer += n_fetched
+                    prefetches_used += int((fetched & needed).sum())
+                    resident_count = resident.sum(axis=1)
             missed = needed & ~resident
             n_missed = missed.sum(axis=1)
             misses_per_layer += n_missed
@@ -211,7 +283,8 @@ def replay(
     accesses_per_layer = num_tokens * top_k
     misses = int(misses_per_layer.sum())
     accesses = num_tokens * num_layers * top_k
-    return {
+    prefetches = int(prefetches_per_layer.sum())
+    result = {
         "tokens": int(num_tokens),
         "layers": int(num_layers),
         "experts": int(num_experts),
@@ -222,10 +295,63 @@ def replay(
         "hits": accesses - misses,
         "misses": misses,
         "hit_rate": (accesses - misses) / accesses,
-        "bytes_moved": bytes_moved + misses,
+        "stall_free_rate": (accesses - misses) / accesses,
+        "bytes_moved": bytes_moved + misses + prefetches,
         "initial_load": preload,
         "layer_hit_rate": [1.0 - m / accesses_per_layer for m in misses_per_layer.tolist()],
     }
+    if predictor is not None:
+        result.update({
+            "prefetch": predictor.name,
+            "prefetch_budget": int(prefetch_budget),
+            "prefetches": prefetches,
+            "prefetches_used": prefetches_used,
+            "demand_copies": misses,
+            "layer_prefetches": prefetches_per_layer.tolist(),
+        })
+    return result
+
+
+def check_prefetch(policy: CachePolicy, prefetch_budget: int) -> None:
+    if policy.name == "belady" or not policy.admits_misses:
+        raise ReplayError(
+            f"prefetch runs with an online policy that admits misses (lru, lfu, lfru); found "
+            f"--policy {policy.name}: belady needs the future and static never changes its slots"
+        )
+    if not isinstance(prefetch_budget, (int, np.integer)) or prefetch_budget < 0:
+        raise ReplayError(
+            f"expected a prefetch budget >= 0 (experts per layer and token), found "
+            f"--prefetch-budget {prefetch_budget}"
+        )
+
+
+def prefetch_step(scores: np.ndarray, predicted: np.ndarray, order: np.ndarray,
+                  resident: np.ndarray, resident_count: np.ndarray, capacity: int,
+                  budget: int) -> np.ndarray | None:
+    """Copy predicted experts into every layer's cache before the layer starts (in place).
+
+    scores: float [L, E], the predictor's scores for the coming step; predicted: bool [L, E],
+    its predicted set; order: int [L, E], experts by descending score. Per layer, the
+    not-resident predicted experts of highest score are fetched, at most ``budget`` and at most
+    as many as there are free slots plus resident experts outside the predicted set. Victims
+    are the resident experts outside the predicted set that the predictor rates lowest (ties:
+    lower id; ``choose_victims``). Returns bool [L, E] of the fetched experts, or None.
+    """
+    wanted = predicted & ~resident
+    free = capacity - resident_count
+    room = free + (resident & ~predicted).sum(axis=1)
+    n_fetch = np.minimum(np.minimum(wanted.sum(axis=1), budget), room)
+    if not n_fetch.any():
+        return None
+    wanted_by_score = np.take_along_axis(wanted, order, axis=1)
+    take = wanted_by_score & (np.cumsum(wanted_by_score, axis=1) <= n_fetch[:, None])
+    fetched = np.zeros_like(wanted)
+    np.put_along_axis(fetched, order, take, axis=1)
+    n_evict = np.maximum(n_fetch - free, 0)
+    if n_evict.any():
+        resident &= ~choose_victims(scores, resident, predicted, n_evict)
+    resident |= fetched
+    return fetched
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,11 +448,59 @@ def build_policy(name: str, split: dict, num_experts: int, **lfru_kwargs) -> Cac
         raise ReplayError(f"{err}; for --policy use one of {', '.join(POLICIES)}") from None
 
 
+def build_predictor(setting: str, trace: dict, split: dict, **overrides) -> Predictor:
+    """A fitted predictor for the prefetch ``setting`` (a key of PREFETCH_SETTINGS).
+
+    Tables come from the tuning split only: for gptoss the shipped mmlu* table
+    (CROSSLAYER_TABLE), elsewhere a fit on ``split["tune_ids"]``. ``overrides`` replace
+    constructor arguments (count, min_score, recency_weight, ...).
+    """
+    if setting not in PREFETCH_SETTINGS:
+        raise ReplayError(
+            f"unknown prefetch setting {setting!r} for --prefetch; expected one of "
+            f"{', '.join(PREFETCH_SETTINGS)}"
+        )
+    spec = PREFETCH_SETTINGS[setting]
+    kwargs = {"count": spec["count"], "min_score": spec["min_score"], **overrides}
+    if trace["name"] == "gptoss" and spec["predictor"] in ("crosslayer", "mix"):
+        predictor = load_predictor(CROSSLAYER_TABLE, spec["predictor"], **kwargs)
+        if predictor.provenance.get("split") != split["tune_desc"]:
+            raise ReplayError(
+                f"{CROSSLAYER_TABLE} was fitted on {predictor.provenance.get('split')!r}, "
+                f"expected {split['tune_desc']!r}: rerun python bench/replay.py --fit-table"
+            )
+        return predictor
+    return make_predictor(spec["predictor"], **kwargs).fit(split["tune_ids"], trace["num_experts"])
+
+
+def fit_table(path: Path = CROSSLAYER_TABLE) -> Path:
+    """Fit the cross-layer table on the GPT-OSS mmlu* sequences and save it with provenance."""
+    trace = load_trace("gptoss")
+    split = split_trace(trace)
+    source = DATA_DIR / TRACE_FILES["gptoss"]
+    predictor = make_predictor("crosslayer").fit(split["tune_ids"], trace["num_experts"])
+    return predictor.save(
+        path,
+        source=f"bench/data/{source.name} (sha256 {hashlib.sha256(source.read_bytes()).hexdigest()})",
+        split=split["tune_desc"],
+        tokens=str(len(split["tune_ids"])),
+        order="sequences concatenated in file order, as the replay reads them",
+        command="python bench/replay.py --fit-table",
+        date=REPORT_DATE,
+    )
+
+
 def run_one(trace_name: str, capacity: int, policy_name: str, datasets: list[str] | None = None,
-            trace: dict | None = None, **lfru_kwargs) -> dict:
+            trace: dict | None = None, prefetch: str | None = None,
+            prefetch_budget: int | None = None, **lfru_kwargs) -> dict:
     if policy_name not in POLICIES:
         raise ReplayError(
             f"unknown policy {policy_name!r} for --policy; expected one of {', '.join(POLICIES)}"
+        )
+    if prefetch is not None and prefetch not in PREFETCH_SETTINGS:
+        raise ReplayError(
+            f"unknown prefetch setting {prefetch!r} for --prefetch; expected one of "
+            f"{', '.join(PREFETCH_SETTINGS)} (predictors: {', '.join(predictor_names())})"
         )
     trace = trace if trace is not None else load_trace(trace_name)
     split = split_trace(trace, datasets)
@@ -335,8 +509,18 @@ def run_one(trace_name: str, capacity: int, policy_name: str, datasets: list[str
     if len(split["eval_ids"]) == 0:
         raise ReplayError("the selected sequences hold no tokens; choose other --datasets")
     policy = build_policy(policy_name, split, num_experts, **lfru_kwargs)
+    predictor = None
+    if prefetch is not None:
+        if prefetch_budget is None:
+            prefetch_budget = PREFETCH_SETTINGS[prefetch]["budget"]
+        check_prefetch(policy, prefetch_budget)
+        predictor = build_predictor(prefetch, trace, split)
     began = time.perf_counter()
-    result = replay(split["eval_ids"], num_experts, capacity, policy)
+    result = replay(split["eval_ids"], num_experts, capacity, policy,
+                    predictor=predictor, prefetch_budget=prefetch_budget or 0)
+    if predictor is not None:
+        result["prefetch"] = prefetch
+        result["predictor"] = repr(predictor)
     result["seconds"] = round(time.perf_counter() - began, 2)
     result["trace"] = trace_name
     result["model"] = trace["model"]
@@ -584,6 +768,243 @@ def tune(results_dir: Path = RESULTS_DIR, progress=print,
     return out
 
 
+PREFETCH_TARGET = {"cache": 8, "stall_free_rate": 0.85, "bytes_vs_lru": 1.5}
+
+
+def predicted_sets(predictor: Predictor, expert_ids: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """bool [T, L, E]: the predictor's set for every step of a trace, computed in chunks."""
+    parts = []
+    for start in range(0, len(expert_ids), chunk):
+        history = expert_ids[max(0, start - predictor.context) : start]
+        parts.append(predictor.predict(expert_ids[start : start + chunk], history))
+    return np.concatenate(parts)
+
+
+def tune_prefetch(progress=print, stride: int = 8) -> dict:
+    """Choose the mix predictor's constants and the "best" threshold and budget on GPT-OSS mmlu*.
+
+    The cross-layer table is fitted on the mmlu* sequences not in the tuning sample (all but
+    one in ``stride``); replays run on the sample (one in ``stride`` mmlu* sequences, file
+    order). No held-out sequence is read. Recency constants: highest recall of the top 8.
+    Threshold and budget: highest stall-free rate at the target's cache size with bytes moved
+    <= the target's multiple of demand LRU's bytes on the same sample.
+    """
+    trace = load_trace("gptoss")
+    mmlu = np.flatnonzero(np.char.startswith(trace["dataset"], TUNING_PREFIX))
+    sample = np.zeros(len(trace["dataset"]), dtype=bool)
+    sample[mmlu[::stride]] = True
+    rest = np.zeros_like(sample)
+    rest[mmlu] = True
+    rest &= ~sample
+    ids = trace["expert_ids"][sequence_rows(trace, sample)].astype(np.int64)
+    fit_ids = trace["expert_ids"][sequence_rows(trace, rest)].astype(np.int64)
+    num_layers, num_experts, capacity = ids.shape[1], trace["num_experts"], PREFETCH_TARGET["cache"]
+    table = make_predictor("crosslayer").fit(fit_ids, num_experts).counts
+
+    def mix(**kwargs) -> Predictor:
+        predictor = make_predictor("mix", **kwargs)
+        predictor._set_counts(**table)
+        return predictor
+
+    recency = []
+    for weight in (0.0, 0.5, 1.0, 2.0):
+        for decay in ((0.0, 0.5, 0.85, 0.95) if weight else (0.0,)):
+            quality = precision_recall(predicted_sets(mix(recency_weight=weight,
+                                                          recency_decay=decay), ids), ids)
+            recency.append({"recency_weight": weight, "recency_decay": decay,
+                            "recall": quality["recall"]})
+            progress(f"mix recency_weight={weight} recency_decay={decay}: "
+                     f"recall@8 {quality['recall']:.4f}")
+    chosen_recency = max(recency, key=lambda r: r["recall"])
+    lru = replay(ids, num_experts, capacity, make_policy("lru", num_layers, num_experts))
+    grid = []
+    for min_score in (-np.inf, 0.0, 0.25, 0.5, 0.75):
+        for budget in (2, 4):
+            predictor = mix(min_score=min_score, recency_weight=chosen_recency["recency_weight"],
+                            recency_decay=chosen_recency["recency_decay"])
+            r = replay(ids, num_experts, capacity, make_policy("lru", num_layers, num_experts),
+                       predictor=predictor, prefetch_budget=budget)
+            row = {"min_score": min_score, "budget": budget,
+                   "stall_free_rate": r["stall_free_rate"],
+                   "bytes_vs_lru": r["bytes_moved"] / lru["bytes_moved"]}
+            grid.append(row)
+            progress(f"tune C={capacity} min_score={min_score} budget={budget}: stall-free "
+                     f"{row['stall_free_rate']:.4f} at {row['bytes_vs_lru']:.3f}x LRU bytes")
+    within = [r for r in grid if r["bytes_vs_lru"] <= PREFETCH_TARGET["bytes_vs_lru"]]
+    chosen = max(within or grid, key=lambda r: r["stall_free_rate"])
+    return {"tokens": len(ids), "fit_tokens": len(fit_ids), "stride": stride, "lru": lru,
+            "recency": recency, "chosen_recency": chosen_recency, "grid": grid,
+            "chosen": chosen}
+
+
+def prefetch_report(results_dir: Path = RESULTS_DIR, progress=print) -> Path:
+    """Tune on GPT-OSS mmlu*, then report predictors and prefetch on the held-out sequences."""
+    tuned = tune_prefetch(progress)
+    best = PREFETCH_SETTINGS["best"]
+    chosen = tuned["chosen"]
+    stale = (chosen["min_score"], chosen["budget"]) != (best["min_score"], best["budget"]) or (
+        tuned["chosen_recency"]["recency_weight"], tuned["chosen_recency"]["recency_decay"]
+    ) != (MixPredictor.DEFAULT_RECENCY_WEIGHT, MixPredictor.DEFAULT_RECENCY_DECAY)
+    if stale:
+        raise ReplayError(
+            f"tuning chose {chosen} and {tuned['chosen_recency']}, but PREFETCH_SETTINGS['best'] "
+            f"is {best} and MixPredictor's defaults are recency_weight="
+            f"{MixPredictor.DEFAULT_RECENCY_WEIGHT}, recency_decay="
+            f"{MixPredictor.DEFAULT_RECENCY_DECAY}: update them, then rerun --prefetch-report"
+        )
+    trace = load_trace("gptoss")
+    split = split_trace(trace)
+    ids = split["eval_ids"].astype(np.int64)
+    num_layers, top_k = ids.shape[1], ids.shape[2]
+    caches = REPORT_CACHES["gptoss"]
+    fmt_score = lambda v: "-inf" if v == -np.inf else f"{v:g}"  # noqa: E731
+    lines = [
+        "# Prefetch with history predictors, replayed on the GPT-OSS-20B trace",
+        "",
+        "- command: `python bench/replay.py --prefetch-report` (single runs: `python "
+        "bench/replay.py --trace gptoss --cache 8 --policy lru --prefetch best --json`)",
+        f"- date: {REPORT_DATE}; machine: {machine_description()} (CPU only: NumPy bookkeeping)",
+        "- code: `bench/replay.py` (replay, semantics in its docstring), "
+        "`jmoe/offload/predictors.py` (predictors)",
+        f"- data: `bench/data/gptoss20b_decode_ids.npz`; reported on the {split['eval_desc']}: "
+        f"{len(ids):,} decode tokens, {ids.size:,} accesses. Cross-layer table: "
+        f"`bench/data/{CROSSLAYER_TABLE.name}`, fitted on the {split['tune_desc']} "
+        f"({len(split['tune_ids']):,} tokens). Every constant below was chosen on mmlu* only.",
+        "",
+        "## Semantics",
+        "",
+        "Steps run token by token, layer by layer. Before layer l of token t starts (its "
+        "copies issued while layer l-1, or for layer 0 the previous token, computes), the "
+        "predictor names a set of at most `count` experts for that step from routing already "
+        "chosen; up to B (the per-layer budget, asserted) of them that are not resident are "
+        "copied in, highest score first, evicting resident experts outside the predicted set, "
+        "lowest predictor score first. Then the layer starts: an access whose expert is not "
+        "resident is a **stall** and is copied on demand (the cache policy evicts, as in "
+        "`replay.md`). `stall_free_rate` = accesses resident when their layer starts / "
+        "accesses (= hit rate without prefetch). **Bytes moved** = demand copies + prefetches, "
+        "in experts per decode token (all 24 layers); LRU's demand bytes are the unit of the "
+        "`x LRU` columns. The cache policy (LRU below) sees demand accesses only.",
+        "",
+        "Predictors (`jmoe.offload.predictors`): `previous` = the experts the layer used at "
+        "the previous token; `frequency` = the layer's most used experts on mmlu*; "
+        "`crosslayer` = naive-Bayes log-score from P(expert at this step | each expert of the "
+        "step before: the layer above, or the last layer of the previous token); `mix` = "
+        "crosslayer + recency_weight x recent use by the same layer (decayed by "
+        "recency_decay per token, 32 tokens). Settings `previous`, `frequency`, `crosslayer`, "
+        "`mix`: count 8, no threshold, budget 2 (untuned references). `best`: mix with the "
+        f"threshold and budget tuned below (min_score {fmt_score(best['min_score'])}, budget "
+        f"{best['budget']}).",
+        "",
+    ]
+    # Tuning.
+    lines += [
+        "## Tuning (mmlu* only)",
+        "",
+        f"One in {tuned['stride']} mmlu* sequences ({tuned['tokens']:,} tokens) is replayed; the "
+        f"cross-layer table for tuning is fitted on the other mmlu* sequences "
+        f"({tuned['fit_tokens']:,} tokens). Objective for the recency constants: recall of the "
+        f"top 8; for threshold and budget: stall-free rate at C={PREFETCH_TARGET['cache']} "
+        f"with at most {PREFETCH_TARGET['bytes_vs_lru']}x demand LRU's bytes on the same "
+        f"tokens (LRU: {tuned['lru']['hit_rate']:.4f} hit rate, "
+        f"{tuned['lru']['bytes_moved'] / tuned['tokens']:.2f} experts/token).",
+        "",
+        "| recency_weight | recency_decay | recall@8 |",
+        "|---|---|---|",
+    ]
+    for r in tuned["recency"]:
+        mark = " **(chosen)**" if r is tuned["chosen_recency"] else ""
+        lines.append(f"| {r['recency_weight']:g} | {r['recency_decay']:g} | "
+                     f"{r['recall']:.4f}{mark} |")
+    lines += ["", "| min_score | budget | stall-free | bytes (x LRU) |", "|---|---|---|---|"]
+    for r in tuned["grid"]:
+        mark = " **(chosen)**" if r is chosen else ""
+        lines.append(f"| {fmt_score(r['min_score'])} | {r['budget']} | "
+                     f"{r['stall_free_rate']:.4f} | {r['bytes_vs_lru']:.3f}{mark} |")
+    # Predictor quality on held-out.
+    settings = list(PREFETCH_SETTINGS)
+    quality = {}
+    for name in settings:
+        predictor = build_predictor(name, trace, split)
+        quality[name] = precision_recall(predicted_sets(predictor, ids), ids)
+        progress(f"{name}: precision {quality[name]['precision']:.4f} recall "
+                 f"{quality[name]['recall']:.4f}")
+    lines += [
+        "",
+        "## Predictor precision and recall (held-out)",
+        "",
+        "Per step (token, layer): precision = correct / predicted, recall = correct / "
+        f"{top_k} used; pooled over steps. `best` is mix with its threshold (fewer, surer "
+        "guesses).",
+        "",
+        "| predictor | predicted per step | precision | recall |",
+        "|---|---|---|---|",
+    ]
+    for name in settings:
+        q = quality[name]
+        lines.append(f"| {name} | {q['predicted_per_step']:.2f} | {q['precision']:.3f} | "
+                     f"{q['recall']:.3f} |")
+    lines += ["", "Per layer (precision / recall):", "",
+              "| layer | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for layer in range(num_layers):
+        lines.append(f"| {layer} | " + " | ".join(
+            f"{quality[n]['layer_precision'][layer]:.2f} / {quality[n]['layer_recall'][layer]:.2f}"
+            for n in settings) + " |")
+    # Cache sizes.
+    rows = {}
+    for c in caches:
+        for policy_name in ("lru", "lfru", "belady"):
+            rows[(c, policy_name)] = run_one("gptoss", c, policy_name, trace=trace)
+        for name in settings:
+            rows[(c, name)] = run_one("gptoss", c, "lru", trace=trace, prefetch=name)
+            progress(f"C={c} prefetch {name}: stall-free {rows[(c, name)]['stall_free_rate']:.4f}"
+                     f" ({rows[(c, name)]['seconds']} s)")
+    labels = [("lru", "demand LRU"), ("lfru", "demand LFRU"), ("belady", "demand Belady (oracle)")]
+    labels += [(n, f"LRU + prefetch {n} (B={PREFETCH_SETTINGS[n]['budget']})") for n in settings]
+    per_token = lambda r: r["bytes_moved"] / r["tokens"]  # noqa: E731
+    lines += ["", "## Stall-free rate and bytes moved by cache size (held-out)", "",
+              "Cells: stall-free rate (%) / experts moved per token / bytes as a multiple of "
+              "demand LRU at the same C.", "",
+              "| setting | " + " | ".join(f"C={c}" for c in caches) + " |",
+              "|---|" + "---|" * len(caches)]
+    for key, label in labels:
+        cells = [f"{100 * rows[(c, key)]['stall_free_rate']:.1f} / {per_token(rows[(c, key)]):.1f}"
+                 f" / {rows[(c, key)]['bytes_moved'] / rows[(c, 'lru')]['bytes_moved']:.2f}x"
+                 for c in caches]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    useful = {c: rows[(c, "best")]["prefetches_used"] / max(rows[(c, "best")]["prefetches"], 1)
+              for c in caches}
+    lines += ["", "Share of `best`'s prefetches that the step then used: " + ", ".join(
+        f"C={c}: {100 * u:.0f}%" for c, u in useful.items()) + "."]
+    # Verdict.
+    c = PREFETCH_TARGET["cache"]
+    hit = rows[(c, "best")]
+    ratio = hit["bytes_moved"] / rows[(c, "lru")]["bytes_moved"]
+    met = (hit["stall_free_rate"] >= PREFETCH_TARGET["stall_free_rate"]
+           and ratio <= PREFETCH_TARGET["bytes_vs_lru"])
+    candidates = [(rows[(c, n)]["stall_free_rate"], n) for n in settings
+                  if rows[(c, n)]["bytes_moved"] <= PREFETCH_TARGET["bytes_vs_lru"]
+                  * rows[(c, "lru")]["bytes_moved"]]
+    lines += [
+        "",
+        "## Target",
+        "",
+        f"Target (issue 7): at C={c} of 32, stall-free rate >= "
+        f"{PREFETCH_TARGET['stall_free_rate']} with at most {PREFETCH_TARGET['bytes_vs_lru']}x "
+        f"demand LRU's bytes. `best` reaches {hit['stall_free_rate']:.3f} at {ratio:.2f}x: the "
+        f"target is **{'met' if met else 'not met'}**. Demand LRU: "
+        f"{rows[(c, 'lru')]['stall_free_rate']:.3f}; the demand optimum (Belady, an oracle): "
+        f"{rows[(c, 'belady')]['stall_free_rate']:.3f}.",
+    ]
+    if candidates:
+        rate, name = max(candidates)
+        lines.append(f"Highest stall-free rate within {PREFETCH_TARGET['bytes_vs_lru']}x LRU "
+                     f"bytes at C={c} among the settings above: {name}, {rate:.3f}.")
+    out = results_dir / "replay_prefetch.md"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI.
 
@@ -600,12 +1021,23 @@ def parse_args(argv):
     parser.add_argument("--lfru-decay", type=float, default=LFRUPolicy.DEFAULT_DECAY)
     parser.add_argument("--lfru-recency-weight", type=float,
                         default=LFRUPolicy.DEFAULT_RECENCY_WEIGHT)
+    parser.add_argument("--prefetch", default=None,
+                        help=f"prefetch with a predictor: one of {', '.join(PREFETCH_SETTINGS)} "
+                             f"(best = the recommended, tuned setting)")
+    parser.add_argument("--prefetch-budget", type=int, default=None,
+                        help="most experts prefetched per layer and token (default: the "
+                             "setting's own)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--stats", action="store_true", help="print per-layer hit rates")
     parser.add_argument("--report", action="store_true",
                         help="write bench/results/replay.md and replay_<trace>.png")
     parser.add_argument("--tune", action="store_true",
                         help="grid-search LFRU constants on GPT-OSS mmlu* -> replay_tuning.md")
+    parser.add_argument("--prefetch-report", action="store_true",
+                        help="tune prefetch on GPT-OSS mmlu*, report on the rest -> "
+                             "replay_prefetch.md")
+    parser.add_argument("--fit-table", action="store_true",
+                        help=f"refit {CROSSLAYER_TABLE.name} on GPT-OSS mmlu*")
     return parser.parse_args(argv)
 
 
@@ -618,8 +1050,17 @@ def main(argv=None) -> int:
         if args.tune:
             print(f"wrote {tune(progress=lambda m: print(m, file=sys.stderr))}")
             return 0
+        if args.prefetch_report:
+            print(f"wrote {prefetch_report(progress=lambda m: print(m, file=sys.stderr))}")
+            return 0
+        if args.fit_table:
+            print(f"wrote {fit_table()}")
+            return 0
+        if args.prefetch is None and args.prefetch_budget is not None:
+            raise ReplayError("--prefetch-budget needs --prefetch NAME")
         datasets = [d for d in args.datasets.split(",") if d] if args.datasets else None
         result = run_one(args.trace, args.cache, args.policy, datasets,
+                         prefetch=args.prefetch, prefetch_budget=args.prefetch_budget,
                          decay=args.lfru_decay, recency_weight=args.lfru_recency_weight)
     except ReplayError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -629,6 +1070,7 @@ def main(argv=None) -> int:
         return 2
     if not args.stats:
         result.pop("layer_hit_rate")
+        result.pop("layer_prefetches", None)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -638,6 +1080,11 @@ def main(argv=None) -> int:
     print(f"hit rate {100 * result['hit_rate']:.2f}% ({result['hits']:,} of "
           f"{result['accesses']:,} accesses), {result['bytes_moved']:,} experts moved "
           f"({result['bytes_moved'] / result['tokens']:.2f} per token), {result['seconds']} s")
+    if "prefetch" in result:
+        print(f"prefetch {result['prefetch']} ({result['predictor']}, budget "
+              f"{result['prefetch_budget']}): stall-free {100 * result['stall_free_rate']:.2f}%, "
+              f"{result['prefetches']:,} prefetches ({result['prefetches_used']:,} used), "
+              f"{result['demand_copies']:,} demand copies")
     if "warning" in result:
         print(f"warning: {result['warning']}")
     if args.stats:
