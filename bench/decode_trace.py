@@ -1,0 +1,269 @@
+"""Decode throughput against cache size and policy, with real routing (issue 6).
+
+  python bench/decode_trace.py                  # both parts -> bench/results/decode_trace_cpu.md
+  python bench/decode_trace.py --part gptoss    # one part only (the results file then holds only it)
+
+Part "default": the shipped model in checkpoints/default with its own router, a code prompt.
+Part "gptoss": a GPT-OSS-20B-shaped random model (24 MoE layers, 32 experts, top-4, hidden and expert
+width scaled down; written as a `mixtral` checkpoint because jmoe has no GPT-OSS family) whose expert
+choice is forced from the held-out split of the vendored GPT-OSS-20B trace (bench/data), next to the
+same checkpoint in transformers (resident, its own routing).
+
+Every (cache, policy) run starts from an empty cache and generates twice: an unmeasured generation (the
+prompt step and --tokens / --default-tokens decode steps: it compiles the step shapes, since the KV-cache
+length depends on the number of new tokens, and warms the cache), then the same length again, measured.
+Hit rate and bytes moved count the measured decode steps only (statistics snapshot after its prompt
+step). Bound per step = max(resident step time, bytes moved per step / measured host-to-slot copy
+bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import write_random_checkpoint, write_result  # noqa: E402
+from decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode  # noqa: E402
+from replay import frequency_table, load_trace, replay, split_trace  # noqa: E402
+from trace_routing import TraceRouting  # noqa: E402
+
+from jmoe.offload.policies import make_policy  # noqa: E402
+from jmoe.sampling import SamplingParams  # noqa: E402
+
+POLICIES = ("lru", "lfru", "static")
+GPTOSS_CACHES = (4, 6, 8, 12, 16, 32)
+# GPT-OSS-20B: hidden 2880, expert width 2880, 64 query / 8 KV heads, vocab 201k. Scaled down so that a
+# float32 copy (2.4 GB of experts) and its transformers twin fit this machine and a run takes seconds.
+GPTOSS_SHAPED = dict(model_type="mixtral", hidden_size=512, intermediate_size=512, num_hidden_layers=24,
+                     num_attention_heads=8, num_key_value_heads=2, num_local_experts=32, num_experts_per_tok=4,
+                     vocab_size=8192, max_position_embeddings=2048, eos_token_id=None)
+DEFAULT_PROMPT = "import os\n\n\nclass Cache:\n    def get(self, key, default=None):\n        return self._data.get("
+
+
+class Run:
+    """One measured generation: decode tokens/s, step time, and the decode steps' cache statistics."""
+
+    def __init__(self, result, first: list[dict], last: list[dict]):
+        self.steps = result.decode_steps
+        self.tps = result.decode_steps / result.decode_seconds
+        self.step_s = result.decode_seconds / result.decode_steps
+        hits = sum(b["hits"] - a["hits"] for a, b in zip(first, last))
+        misses = sum(b["misses"] - a["misses"] for a, b in zip(first, last))
+        self.hit_rate = hits / (hits + misses) if hits + misses else None
+        self.moved_per_step = sum(b["bytes_moved"] - a["bytes_moved"] for a, b in zip(first, last)) / self.steps
+
+
+def measure(model, prompt: list[int], tokens: int, routing=None) -> Run:
+    """Run the prompt step and `tokens` decode steps; statistics of the decode steps only."""
+    model.forced_routing = routing
+    after_prompt = []
+
+    def snapshot(_):  # called after every step; the first call follows the prompt step
+        if not after_prompt:
+            after_prompt.append(model.stats())
+
+    result = model.generate_detailed([prompt], tokens + 1, SamplingParams(), on_tokens=snapshot)
+    return Run(result, after_prompt[0], model.stats())
+
+
+def start_policy(model, policy) -> None:
+    """Empty the cache under `policy`; a static policy's pinned set is installed now.
+
+    The engine installs the pinned set after the first step only for policy="static" (table = that step's
+    counts); a StaticPolicy instance with its own table is never installed, so do it here.
+    """
+    model.set_policy(policy)
+    pinned = model.engine.manager.pinned_experts()
+    if pinned is not None:
+        model.engine.install(pinned)
+
+
+def bound_cells(run: Run, resident_step: float, bandwidth_gbs: float) -> str:
+    bound = max(resident_step, run.moved_per_step / (bandwidth_gbs * 1e9))
+    return f"{bound * 1e3:.1f} | {bound / run.step_s:.2f}"
+
+
+def row(label: str, run: Run, resident_step: float, bandwidth_gbs: float, extra: str = "") -> str:
+    hit = "-" if run.hit_rate is None else f"{run.hit_rate:.1%}"
+    return (f"| {label} | {run.tps:.2f} | {run.step_s * 1e3:.1f} | {run.moved_per_step / 1e6:.1f} | "
+            f"{bound_cells(run, resident_step, bandwidth_gbs)} | {hit} |{extra}")
+
+
+TABLE_HEAD = ("| cache | policy | tok/s | ms/step | MB moved/step | bound ms/step | achieved / bound | hit rate |")
+
+
+def replay_hits(rows: np.ndarray, measured: int, experts: int, cache: int, policy_factory) -> float:
+    """Hit rate the replay gives the last `measured` rows of `rows`, every row replayed as a decode token."""
+    def hits(ids):
+        return replay(ids, experts, cache, policy_factory())["hits"]
+
+    return (hits(rows) - hits(rows[:-measured])) / (measured * rows.shape[1] * rows.shape[2])
+
+
+def part_gptoss(args, log) -> str:
+    import jmoe
+
+    directory = write_random_checkpoint(args.workdir / "gptoss_shaped_mixtral", **GPTOSS_SHAPED)
+    trace = load_trace("gptoss")
+    split = split_trace(trace)
+    heldout, table = split["eval_ids"], frequency_table(split["tune_ids"], trace["num_experts"])
+    layers, experts = heldout.shape[1], trace["num_experts"]
+    p, n = len(PROMPT), args.tokens
+    # Rows in the order the engine sees them: warm prompt, warm decode, measured prompt, measured decode.
+    warm_rows = heldout[:p + n]
+    measured_rows = heldout[p + n:2 * (p + n)]
+    seen = np.concatenate([warm_rows, measured_rows])
+    factories = {"lru": lambda: make_policy("lru", layers, experts),
+                 "lfru": lambda: make_policy("lfru", layers, experts),
+                 "static": lambda: make_policy("static", layers, experts, frequency=table)}
+
+    resident = jmoe.load(directory, progress=False)
+    cfg = resident.config
+    params = sum(resident._placement.nbytes.values()) // 4
+    own_tps, _ = jmoe_decode(resident, n)
+    measure(resident, PROMPT, n, TraceRouting(warm_rows, p, cfg))  # compile with forced routing
+    base = measure(resident, PROMPT, n, TraceRouting(measured_rows, p, cfg))
+    log(f"resident: own routing {own_tps:.2f} tok/s, forced {base.tps:.2f} tok/s")
+    del resident
+    hf_tps = transformers_decode(directory, args.hf_tokens)
+    log(f"transformers: {hf_tps:.2f} tok/s")
+
+    bandwidth = None
+    rows = []
+    for cache in GPTOSS_CACHES:
+        if cache >= experts:
+            rows.append(f"| {cache} (all resident) | - | {base.tps:.2f} | {base.step_s * 1e3:.1f} | 0.0 | "
+                        f"{base.step_s * 1e3:.1f} | 1.00 | 100% | 100% |")
+            continue
+        model = jmoe.load(directory, cache=cache, progress=False)
+        bandwidth = bandwidth or copy_bandwidth_gbs(model)
+        for name in POLICIES:
+            start_policy(model, factories[name]())
+            measure(model, PROMPT, n, TraceRouting(warm_rows, p, cfg))
+            run = measure(model, PROMPT, n, TraceRouting(measured_rows, p, cfg))
+            expected = replay_hits(seen, n, experts, cache, factories[name])
+            rows.append(row(f"{cache} | {name}", run, base.step_s, bandwidth, f" {expected:.1%} |"))
+            log(rows[-1])
+        del model
+    return (
+        f"## (b) GPT-OSS-20B-shaped random model, routing forced from the GPT-OSS-20B trace\n\n"
+        f"`mixtral`-family checkpoint (jmoe has no GPT-OSS family yet) with GPT-OSS-20B's expert layout: "
+        f"{cfg.num_layers} layers, all MoE, {experts} experts, top-{cfg.num_experts_per_tok}; scaled down to "
+        f"hidden {cfg.hidden_size}, expert width {cfg.expert_intermediate_size}, {cfg.num_heads} query / "
+        f"{cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size} (GPT-OSS-20B: hidden 2880, expert width 2880, "
+        f"64 / 8 heads, vocab 201k): {params / 1e6:.0f}M parameters, float32, one expert = "
+        f"{model_expert_mb(cfg):.2f} MB, random weights written by transformers.\n\n"
+        f"Routing: every MoE layer's expert ids are forced from the held-out GPT-OSS-20B trace rows "
+        f"(datasets not starting with mmlu, file order, from the first row): the {p}-token prompt takes one "
+        f"row per token, each decode step the next row. Per (cache, policy): empty cache, an unmeasured "
+        f"generation (prompt + {n} decode steps, rows 0-{len(warm_rows) - 1}) that compiles and warms the cache, "
+        f"then the measured one: prompt + {n} decode steps, rows {len(warm_rows)}-{len(seen) - 1}. Static's table: "
+        f"expert counts over the mmlu* rows. Batch 1, greedy.\n\n"
+        f"Bound per step = max(resident step time under the same forced routing ({base.step_s * 1e3:.1f} ms), "
+        f"bytes moved per step / host-to-slot copy bandwidth ({bandwidth:.2f} GB/s, measured like "
+        f"`bench/decode.py::copy_bandwidth_gbs`)). Hit rate: the engine's statistics over the measured decode "
+        f"steps. Replay hit rate: `bench/replay.py`'s replay of the same row sequence (every row as a decode "
+        f"token, so prompt rows are admitted where the engine streams them) over the same decode rows.\n\n"
+        f"{TABLE_HEAD} replay hit rate |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        f"Same checkpoint, every expert resident, each engine with its own (random-weight) router, after a "
+        f"{p}-token prompt: jmoe over {n} decode steps, transformers over {args.hf_tokens} (decode time = "
+        f"generate({args.hf_tokens} + 1 tokens) - generate(1 token), medians, as `bench/decode.py compare`):\n\n"
+        f"| engine | tok/s |\n|---|---|\n| jmoe | {own_tps:.2f} |\n"
+        f"| transformers {__import__('transformers').__version__} (PyTorch {__import__('torch').__version__}, "
+        f"{__import__('torch').get_num_threads()} threads) | {hf_tps:.2f} |\n"
+        f"| jmoe, routing forced from the trace | {base.tps:.2f} |\n"
+    )
+
+
+def model_expert_mb(cfg) -> float:
+    return 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4 / 1e6
+
+
+def part_default(args, log) -> str:
+    import jmoe
+    from jmoe.generate import DEFAULT_MODEL_DIR
+
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        log(f"{DEFAULT_MODEL_DIR} not found: part (a) skipped")
+        return "## (a) Default model\n\nNot measured: `checkpoints/default` was not present when this ran.\n"
+    resident = jmoe.load(DEFAULT_MODEL_DIR, progress=False)
+    cfg = resident.config
+    prompt = resident.require_tokenizer().encode(DEFAULT_PROMPT)
+    e, k, n = cfg.num_experts, cfg.num_experts_per_tok, args.default_tokens
+    measure(resident, prompt, n)  # compile
+    base = measure(resident, prompt, n)
+    log(f"default resident: {base.tps:.2f} tok/s over {base.steps} steps")
+    del resident
+    caches = sorted({k, e // 4, e // 2})
+    bandwidth = None
+    rows = []
+    steps = {base.steps}
+    for cache in caches:
+        model = jmoe.load(DEFAULT_MODEL_DIR, cache=cache, progress=False)
+        bandwidth = bandwidth or copy_bandwidth_gbs(model)
+        for name in POLICIES:
+            start_policy(model, name)
+            measure(model, prompt, n)
+            run = measure(model, prompt, n)
+            steps.add(run.steps)
+            rows.append(row(f"{cache} | {name}", run, base.step_s, bandwidth))
+            log(rows[-1])
+        del model
+    rows.append(f"| {e} (all resident) | - | {base.tps:.2f} | {base.step_s * 1e3:.1f} | 0.0 | "
+                f"{base.step_s * 1e3:.1f} | 1.00 | 100% |")
+    return (
+        f"## (a) Default model (`checkpoints/default`), its own routing\n\n"
+        f"`{cfg.family}`, {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), {e} experts, top-{k}, hidden "
+        f"{cfg.hidden_size}, expert width {cfg.expert_intermediate_size}, dtype {cfg.dtype}. Prompt: a "
+        f"{len(prompt)}-token Python snippet; greedy; per (cache, policy): empty cache, an unmeasured "
+        f"generation of up to {n} decode steps (compiles, warms the cache), then the same again, measured "
+        f"(decode steps actually run, a stop at EOS included: {sorted(steps)}). Static pins the experts the "
+        f"first step (the warm-up prompt) used most (the engine's `policy=\"static\"`). Bound as in (b), resident step "
+        f"{base.step_s * 1e3:.1f} ms, copy bandwidth {bandwidth:.2f} GB/s measured on this model's experts.\n\n"
+        f"{TABLE_HEAD}\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["all", "default", "gptoss"], default="all")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench"))
+    parser.add_argument("--tokens", type=int, default=24,
+                        help="GPT-OSS-shaped model: decode steps per run (measured, and again to warm up)")
+    parser.add_argument("--default-tokens", type=int, default=128,
+                        help="default model: decode steps per run (its steps take milliseconds)")
+    parser.add_argument("--hf-tokens", type=int, default=8, help="decode tokens per transformers run (slow on CPU)")
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    # Each cache size compiles its own programs (about a minute each here); keep them for the next run.
+    jax.config.update("jax_compilation_cache_dir", str(args.workdir / "jax_cache"))
+    began = time.perf_counter()
+
+    def log(message):
+        print(f"[{time.perf_counter() - began:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+    load_before = open("/proc/loadavg").read().split()[:3]
+    sections = []
+    if args.part in ("all", "default"):
+        sections.append(part_default(args, log))
+    if args.part in ("all", "gptoss"):
+        sections.append(part_gptoss(args, log))
+    load_after = open("/proc/loadavg").read().split()[:3]
+    body = (f"Batch-1 greedy decode on CPU (JAX's 'device' and 'pinned_host' memory are both host RAM here, so "
+            f"a host-to-slot copy is a memcpy). The machine is shared with other jobs: load average "
+            f"{' '.join(load_before)} before, {' '.join(load_after)} after; whole run "
+            f"{time.perf_counter() - began:.0f} s. Single runs, no repeats: read differences under ~10% as "
+            f"noise.\n\n" + "\n".join(sections))
+    print(write_result("decode_trace_cpu.md", "Decode throughput with real routing (CPU)", body))
+
+
+if __name__ == "__main__":
+    main()
