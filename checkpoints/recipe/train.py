@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--bench", type=int, default=0, help="only time this many steps after compiling, then exit")
     p.add_argument("--export-from", type=Path, default=None, help="export this parameter snapshot and exit")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this parameter snapshot (a second stage with a fresh schedule); the previous "
+                        "stage's training.json in --out is kept inside the new one")
     return p.parse_args(argv)
 
 
@@ -135,6 +139,8 @@ def main(argv=None) -> None:
         print(f"exported {args.export_from} to {args.out}")
         return
 
+    if args.init_from is not None:
+        params = load_snapshot(params, args.init_from)
     loss_fn = make_loss_fn(graphdef, cfg, args.batch, args.seq_len, args.capacity_factor, args.balance_coef)
     tx = make_optimizer(args.lr, args.warmup, args.steps, args.weight_decay, args.clip_norm)
     opt_state = tx.init(params)
@@ -181,9 +187,11 @@ def main(argv=None) -> None:
     train_seconds = time.time() - t_start + compile_seconds
     save_snapshot(params, args.work / "params.npz")
 
+    previous = args.out / "training.json"
+    previous_stage = json.loads(previous.read_text()) if args.init_from and previous.is_file() else None
     export(params, hf_config, args.work / "tokenizer.json", args.out)
     record = {
-        "command": "python -m checkpoints.recipe.train --work WORKDIR",
+        "command": " ".join(["python -m checkpoints.recipe.train", *sys.argv[1:]]),
         "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                             if k not in ("work", "out", "bench", "export_from")},
         "optimizer": "clip_by_global_norm -> adamw(b1=0.9, b2=0.95), linear warmup then cosine to lr/10",
@@ -197,6 +205,8 @@ def main(argv=None) -> None:
                     "jax": jax.__version__, "jax_backend": jax.default_backend()},
         "curve": curve,
     }
+    if previous_stage is not None:
+        record["previous_stage"] = previous_stage
     (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"done in {train_seconds / 60:.1f} min; exported to {args.out}")
 
