@@ -183,13 +183,13 @@ def cmd_manager(args) -> None:
                     slot_of_expert[layer][slot_of_expert[layer] == s] = -1
                     slot_of_expert[layer, e] = s
             start = time.perf_counter()
-            manager.record(routing.astype(np.int32), slot_of_expert.copy())
+            manager.record(routing.astype(np.int32), slot_of_expert.copy(), np.zeros((layers, 4), np.int32))
             manager.victim_order()
             times.append(time.perf_counter() - start)
         times = np.array(times[10:]) * 1e6
         rows.append(f"| {policy} | {np.median(times):.0f} | {np.percentile(times, 90):.0f} |")
         print(rows[-1], flush=True)
-    body = (f"SlotManager.record (policy update + statistics) + victim_order (next step's eviction order) for "
+    body = (f"SlotManager.record (policy update + statistics read from the step's counters) + victim_order (next step's eviction order) for "
             f"{layers} layers x {experts} experts, top-{top_k}, batch 1, {slots} slots, {args.steps} steps of random "
             f"routing (first 10 dropped). Target: <= 200 us median.\n\n"
             "| policy | median us/step | p90 us/step |\n|---|---|---|\n" + "\n".join(rows) + "\n")

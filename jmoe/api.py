@@ -138,7 +138,7 @@ class Model:
 
 
 def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolicy = "lfru",
-         offload_params: list[str] | None = None, device_budget_gb: float | None = None,
+         offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
          dtype: str | None = None, backend: str = "auto", progress: bool = True) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
@@ -147,6 +147,8 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
     offload_params: more parameters to keep in pinned host memory, by dotted-segment name ("w_down",
         "attn") or by regular expression ("re:layers\\.(1[0-9])\\..*experts").
     device_budget_gb: choose the largest cache that fits in this much device memory.
+    prefetch: at decode, copy up to this many experts per layer ahead of need, guessed by applying the
+        next layer's router to the current layer's input (results unchanged; 0 = off).
     dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
     progress: show a progress bar and print the placement summary to stderr.
@@ -166,15 +168,17 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
                             place=lambda p, host: jax.device_put(host, memory_sharding(placement.memory_kind_of(p))))
     if progress:
         print(placement.summary(), file=sys.stderr)
-    return Model(module, config, make_engine(config, placement, policy, dtype, backend), placement,
+    return Model(module, config, make_engine(config, placement, policy, dtype, backend, prefetch), placement,
                  load_tokenizer(model_dir), model_dir)
 
 
-def make_engine(config: ModelConfig, placement: Placement, policy, dtype, backend: str):
+def make_engine(config: ModelConfig, placement: Placement, policy, dtype, backend: str, prefetch: int = 0):
     """The resident engine when nothing is offloaded, else the offload engine."""
     if not placement.offloaded_layers and not any(k == HOST for k in placement.memory_kind.values()):
         return ResidentEngine(config, backend)
-    return OffloadEngine(config, placement, policy, dtype, backend)
+    if prefetch < 0:
+        raise InputError(f"prefetch must be >= 0 experts per layer (0 = off), found {prefetch}")
+    return OffloadEngine(config, placement, policy, dtype, backend, prefetch)
 
 
 def memory_sharding(memory_kind: str) -> jax.sharding.Sharding:

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more parameters to keep in host memory: dotted segments (w_down, attn) or 're:REGEX'")
     p.add_argument("--device-budget-gb", type=float, default=None,
                    help="pick the largest cache that fits in this much device memory")
+    p.add_argument("--prefetch", type=int, default=0, metavar="N",
+                   help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
     p.add_argument("--stats", action="store_true", help="print a per-layer expert cache table after generation")
     p.add_argument("--backend", default="auto", help="expert kernel backend (jmoe.kernels.moe_ffn)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
 
     model_dir = resolve_model_dir(args.model)
     model = jmoe.load(model_dir, args.cache, policy=args.policy, offload_params=args.offload_params,
-                      device_budget_gb=args.device_budget_gb, backend=args.backend, progress=not args.json)
+                      device_budget_gb=args.device_budget_gb, prefetch=args.prefetch, backend=args.backend, progress=not args.json)
     tokenizer = model.require_tokenizer()
     if not args.prompt:
         raise JmoeError("--prompt is empty; give some text to continue")

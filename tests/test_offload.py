@@ -6,6 +6,7 @@ import pytest
 
 import jmoe
 from hf_models import VOCAB
+from jmoe.expert_engine import ResidentEngine
 from jmoe.offload.policies import policy_names
 
 FAMILY_REPRESENTATIVES = ["mixtral_e4k2_gqa2", "qwen2_moe_shared_dense", "qwen3_moe_headdim_tied",
@@ -34,12 +35,14 @@ def test_every_cache_size_and_policy_matches_resident(name, hf_checkpoints, resi
     cfg, ref_logits, ref_tokens = resident[name]
     for cache in cache_sizes(cfg):
         model = jmoe.load(hf_checkpoints[name][0], cache=cache, progress=False)
+        if cache == cfg.num_experts:  # everything fits: the resident path, no manager
+            assert isinstance(model.engine, ResidentEngine) and model.stats() == []
+            continue
         for policy in POLICIES:
-            model.set_policy(policy)
-            for _ in range(2):  # a cold cache, then a warm one
-                np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0,
-                                           err_msg=f"cache={cache} policy={policy}")
-                assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens, f"cache={cache} policy={policy}"
+            model.set_policy(policy)  # an empty cache: prompts stream through scratch, decode steps fill it
+            np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0,
+                                       err_msg=f"cache={cache} policy={policy}")
+            assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens, f"cache={cache} policy={policy}"
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +193,25 @@ def test_forced_routing_drives_the_cache(olmoe_dir):
         # (their only possible victims are experts the step needs).
         assert layer["misses"] == 4 * len(prompt) + 2 * (len(out) - 1)
         assert layer["hits"] == 2 * (len(out) - 1)
+
+
+def test_router_prefetch_keeps_results_and_respects_its_bound(olmoe_dir, resident):
+    """Prefetch copies at most `prefetch` experts per layer ahead of need and never changes results."""
+    _, ref_logits, ref_tokens = resident["olmoe_e8k4_clip"]
+    model = jmoe.load(olmoe_dir, cache=3, policy="lru", prefetch=2, progress=False)
+    np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
+    assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens
+    before = model.stats()
+    k, expert_bytes = model.config.num_experts_per_tok, model._placement.expert_bytes
+    steps = 9
+    model.generate(PROMPTS[1], max_new_tokens=steps + 1)
+    first, second = [
+        {key: after[key] - prior[key] for key in ("hits", "misses", "bytes_moved")}
+        for prior, after in zip(before, model.stats())]
+    # The prompt step streams (no prefetch); each decode step copies at most k demand misses, plus at
+    # most 2 prefetched experts into the second layer.
+    prompt_copies = model.config.num_experts
+    assert first["bytes_moved"] <= (prompt_copies + steps * k) * expert_bytes
+    assert second["bytes_moved"] <= (prompt_copies + steps * (k + 2)) * expert_bytes
+    with pytest.raises(jmoe.InputError, match="prefetch must be >= 0"):
+        jmoe.load(olmoe_dir, cache=3, prefetch=-1)

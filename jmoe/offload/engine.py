@@ -18,7 +18,7 @@ from jmoe.config import ModelConfig
 from jmoe.offload.manager import SlotManager
 from jmoe.offload.placement import HOST, Placement
 from jmoe.offload.policies import CachePolicy
-from jmoe.offload.slots import LayerSlots, admit_and_compute, device_copy, stream_and_compute
+from jmoe.offload.slots import LayerSlots, admit_and_compute, device_copy, prefetch, stream_and_compute
 
 
 class EngineState(NamedTuple):
@@ -26,12 +26,14 @@ class EngineState(NamedTuple):
     slot_of_expert: jax.Array  # int32 [Lo, E]
     expert_in_slot: jax.Array  # int32 [Lo, S]
     victim_order: jax.Array  # int32 [Lo, S], from the manager
+    counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
 
 
 class OffloadEngine:
     def __init__(self, config: ModelConfig, placement: Placement, policy: str | CachePolicy, dtype,
-                 backend: str = "auto"):
+                 backend: str = "auto", prefetch: int = 0):
         self.config, self.placement, self.backend = config, placement, backend
+        self.prefetch = prefetch  # experts per layer copied ahead from the next layer's router guess
         self.layers = placement.offloaded_layers
         self.num_slots = placement.cache
         self.host_param_keys = frozenset(k for k, kind in placement.memory_kind.items()
@@ -52,6 +54,7 @@ class OffloadEngine:
             slot_of_expert=jnp.full((lo, cfg.num_experts), -1, jnp.int32),
             expert_in_slot=jnp.full((lo, self.num_slots), -1, jnp.int32),
             victim_order=jnp.asarray(self.manager.victim_order()),
+            counts=jnp.zeros((lo, 4), jnp.int32),
         )
 
     # ---- inside the jitted step -------------------------------------------------------------------
@@ -69,47 +72,67 @@ class OffloadEngine:
 
     def bind(self, state: EngineState, model, num_tokens: int):
         cfg = self.config
+        lo = len(self.layers)
         position = {moe: i for i, moe in enumerate(self.layers)}
         blocks = model.moe_blocks()
         # Decode-sized steps admit misses into cache slots; bigger ones stream experts through scratch.
         admit = min(num_tokens * cfg.num_experts_per_tok, cfg.num_experts) <= self.placement.scratch
-        new_buffers = list(state.buffers)
-        new_slot_of_expert = [state.slot_of_expert[i] for i in range(len(self.layers))]
-        new_expert_in_slot = [state.expert_in_slot[i] for i in range(len(self.layers))]
+        layer_slots = [LayerSlots(*state.buffers[i], state.slot_of_expert[i], state.expert_in_slot[i])
+                       for i in range(lo)]
+        victim_order = [state.victim_order[i] for i in range(lo)]
+        prefetched = [(jnp.int32(0), jnp.int32(0))] * lo  # (copied, evicted) ahead of each layer
+        prefetch_limit = min(self.prefetch, self.num_slots)  # prefetches only go into cache slots
+        counts = [None] * lo
+
+        def host_experts(moe_index):
+            experts = blocks[moe_index].experts
+            return experts.w_gate_up[...], experts.w_down[...]
 
         def compute(moe_index, x, ids, weights):
             block = blocks[moe_index]
             if moe_index not in position:
                 return block.resident_experts(x, ids, weights, self.backend)
             i = position[moe_index]
-            slots = LayerSlots(*new_buffers[i], new_slot_of_expert[i], new_expert_in_slot[i])
-            host = (block.experts.w_gate_up[...], block.experts.w_down[...])
+            if admit and prefetch_limit and moe_index + 1 in position:
+                # Guess the next layer's experts with its router on this layer's input; the copies are
+                # independent of this layer's compute, so they can overlap it.
+                nxt = position[moe_index + 1]
+                probs = jax.nn.softmax(blocks[moe_index + 1].router(x).astype(jnp.float32), axis=-1)
+                scores = jnp.max(jnp.where((ids >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
+                ahead = prefetch(layer_slots[nxt], victim_order[nxt], *host_experts(moe_index + 1), scores,
+                                 limit=prefetch_limit)
+                layer_slots[nxt], victim_order[nxt] = ahead.slots, ahead.victim_order
+                prefetched[nxt] = (ahead.copied, ahead.evicted)
             if admit:
-                y, slots = admit_and_compute(slots, state.victim_order[i], *host, x, ids, weights,
-                                             backend=self.backend)
+                y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], *host_experts(moe_index), x,
+                                                      ids, weights, backend=self.backend)
+                layer_slots[i] = adm.slots
             else:
-                y, slots = stream_and_compute(slots, *host, x, ids, weights, backend=self.backend)
-            new_buffers[i] = (slots.w_gate_up, slots.w_down)
-            new_slot_of_expert[i], new_expert_in_slot[i] = slots.slot_of_expert, slots.expert_in_slot
+                y, layer_slots[i], counts[i] = stream_and_compute(layer_slots[i], *host_experts(moe_index), x, ids,
+                                                                  weights, backend=self.backend)
             return y
 
         def finish() -> EngineState:
-            lo = len(self.layers)
-            return EngineState(tuple(new_buffers),
-                               jnp.stack(new_slot_of_expert) if lo else state.slot_of_expert,
-                               jnp.stack(new_expert_in_slot) if lo else state.expert_in_slot,
-                               state.victim_order)
+            if not lo:
+                return state
+            step_counts = jnp.stack([jnp.stack([c.hits, c.misses, c.copied + p_copied, c.evicted + p_evicted])
+                                     for c, (p_copied, p_evicted) in zip(counts, prefetched)])
+            return EngineState(tuple((s.w_gate_up, s.w_down) for s in layer_slots),
+                               jnp.stack([s.slot_of_expert for s in layer_slots]),
+                               jnp.stack([s.expert_in_slot for s in layer_slots]),
+                               state.victim_order, step_counts)
 
         return compute, finish
 
     # ---- between steps ----------------------------------------------------------------------------
     def readback(self, state: EngineState):
-        return state.slot_of_expert
+        return state.slot_of_expert, state.counts
 
-    def after_step(self, state: EngineState, slot_of_expert: np.ndarray, routing: np.ndarray) -> None:
+    def after_step(self, state: EngineState, tables, routing: np.ndarray) -> None:
         """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed."""
+        slot_of_expert, counts = tables
         first_observation = self.manager.policy is None
-        self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert))
+        self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert), np.asarray(counts))
         self.state = state._replace(victim_order=jax.device_put(self.manager.victim_order()))
         if first_observation and self.num_slots:
             pinned = self.manager.pinned_experts()

@@ -52,16 +52,19 @@ class SlotManager:
         keep = initial_residents(self.policy.priority(), self.num_slots)
         return np.stack([np.flatnonzero(row) for row in keep]).astype(np.int32).reshape(self.num_layers, -1)
 
-    def record(self, routing: np.ndarray, slot_of_expert_after: np.ndarray) -> None:
-        """Statistics and policy update for one finished step (routing int [L, ...])."""
+    def record(self, routing: np.ndarray, slot_of_expert_after: np.ndarray, step_counts: np.ndarray) -> None:
+        """Statistics and policy update for one finished step.
+
+        routing int [L, ...]: the experts chosen; step_counts int [L, 4]: hits, misses, experts copied and
+        evictions the step counted itself (a hit is an access whose expert was cached when its layer
+        started, prefetched or not).
+        """
         counts = expert_counts(routing, self.num_experts)
-        resident_before = self.slot_of_expert >= 0
-        accesses = counts.sum(axis=1)
-        hits = np.where(resident_before, counts, 0).sum(axis=1)
+        hits, misses, copies, evictions = step_counts.T
         self.hits += hits
-        self.misses += accesses - hits
-        self.copies += ((counts > 0) & ~resident_before).sum(axis=1)
-        self.evictions += (resident_before & (slot_of_expert_after < 0)).sum(axis=1)
+        self.misses += misses
+        self.copies += copies
+        self.evictions += evictions
         self.slot_of_expert = slot_of_expert_after
         if self.policy is None:
             self.policy = StaticPolicy(self.num_layers, self.num_experts, frequency=counts)

@@ -49,53 +49,101 @@ def needed_experts(ids: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros((num_experts + 1,), bool).at[jnp.where(ids >= 0, ids, num_experts)].set(True)[:num_experts]
 
 
-def admit_and_compute(slots: LayerSlots, victim_order, host_gate_up, host_down, x, ids, weights, *,
-                      backend: str) -> tuple[jax.Array, LayerSlots]:
-    """Decode path: every missed expert goes into a victim cache slot or, when none is left, a scratch slot.
+class Admission(NamedTuple):
+    slots: LayerSlots  # with the admitted experts copied in and the tables updated
+    victim_order: jax.Array  # int32 [S]: the victims not used, in order, padded with -1
+    compute_slot: jax.Array  # int32 [E]: the buffer slot to compute each expert from (-1 = nowhere)
+    copied: jax.Array  # int32: experts copied from host memory
+    evicted: jax.Array  # int32: cached experts overwritten
 
-    Needs M >= the number of distinct experts one step can miss (the caller checks it statically).
-    A victim slot is never one whose expert this step needs, so no expert is ever computed with
-    another expert's weights.
+
+def admit(slots: LayerSlots, victim_order, host_gate_up, host_down, wanted, protected, *, limit: int,
+          use_scratch: bool) -> Admission:
+    """Copy the wanted experts that are not cached (at most `limit`, lowest ids first) into victim cache
+    slots, and, if `use_scratch`, the rest into scratch slots.
+
+    A victim slot is never one holding a `protected` expert: a step protects the experts it needs, so
+    no expert is ever computed with another expert's weights.
     """
     num_experts = slots.slot_of_expert.shape[0]
     num_cache = slots.expert_in_slot.shape[0]
     num_scratch = slots.w_gate_up.shape[0] - num_cache
-    needed = needed_experts(ids, num_experts)
-    missing = needed & (slots.slot_of_expert < 0)
-    n_miss = jnp.sum(missing, dtype=jnp.int32)
-    miss_ids = jnp.nonzero(missing, size=num_scratch, fill_value=0)[0].astype(jnp.int32)
+    missing = wanted & (slots.slot_of_expert < 0)
+    n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), limit)
+    miss_ids = jnp.nonzero(missing, size=limit, fill_value=0)[0].astype(jnp.int32)
 
-    # Victims: the manager's order, minus slots whose expert this step needs, compacted to the front.
+    # Victims: the manager's order minus slots holding protected experts, compacted to the front.
     held = jnp.where(victim_order >= 0, slots.expert_in_slot[jnp.maximum(victim_order, 0)], -1)
-    usable = (victim_order >= 0) & ~((held >= 0) & needed[jnp.maximum(held, 0)])
-    victims = victim_order[jnp.argsort(~usable, stable=True)]
-    n_victims = jnp.sum(usable, dtype=jnp.int32)
+    usable = (victim_order >= 0) & ~((held >= 0) & protected[jnp.maximum(held, 0)])
+    usable_order = jnp.argsort(~usable, stable=True)
+    victims = victim_order[usable_order]
+    n_cached = jnp.minimum(n_miss, jnp.sum(usable, dtype=jnp.int32))
+    n_copy = n_miss if use_scratch else n_cached
 
-    j = jnp.arange(num_scratch, dtype=jnp.int32)
-    cached = j < jnp.minimum(n_miss, n_victims)  # miss j lands in cache slot victims[j]
-    victims = jnp.pad(victims, (0, max(0, num_scratch - num_cache)), constant_values=-1)[:num_scratch]
-    destinations = jnp.where(cached, victims, num_cache + j - jnp.minimum(n_victims, n_miss))
-    gate_up, down = _copy_experts(slots, host_gate_up, host_down, miss_ids, destinations, n_miss)
+    j = jnp.arange(limit, dtype=jnp.int32)
+    cached = j < n_cached  # miss j lands in cache slot victims[j]
+    victims = jnp.pad(victims, (0, max(0, limit - num_cache)), constant_values=-1)[:limit]
+    destinations = jnp.where(cached, victims, num_cache + j - n_cached)
+    gate_up, down = _copy_experts(slots, host_gate_up, host_down, miss_ids, destinations, n_copy)
 
     # Tables: evicted experts leave, admitted experts enter (scatters to index E / S are dropped).
     if num_cache:
         evicted = jnp.where(cached, slots.expert_in_slot[jnp.where(cached, destinations, 0)], -1)
     else:  # no cache slots: nothing is ever evicted
-        evicted = jnp.full((num_scratch,), -1, jnp.int32)
+        evicted = jnp.full((limit,), -1, jnp.int32)
     slot_of_expert = slots.slot_of_expert.at[jnp.where(evicted >= 0, evicted, num_experts)].set(-1, mode="drop")
     slot_of_expert = slot_of_expert.at[jnp.where(cached, miss_ids, num_experts)].set(destinations, mode="drop")
     expert_in_slot = slots.expert_in_slot.at[jnp.where(cached, destinations, num_cache)].set(miss_ids, mode="drop")
-
-    # Compute map: cached experts by their cache slot, the rest of this step's misses by scratch slot.
-    in_scratch = (j < n_miss) & ~cached
+    in_scratch = (j < n_copy) & ~cached
     compute_slot = slot_of_expert.at[jnp.where(in_scratch, miss_ids, num_experts)].set(destinations, mode="drop")
-    slot_ids = jnp.where(ids >= 0, compute_slot[jnp.maximum(ids, 0)], -1)
-    y = moe_ffn(x, slot_ids, weights, gate_up, down, backend=backend)
-    return y, LayerSlots(gate_up, down, slot_of_expert, expert_in_slot)
+
+    # The victims used are gone from the order; the rest keep their order for a later admission.
+    used = jnp.zeros(victim_order.shape, bool).at[usable_order].set(jnp.arange(num_cache) < n_cached)
+    remaining = jnp.where(used, -1, victim_order)
+    remaining = remaining[jnp.argsort(remaining < 0, stable=True)]
+    return Admission(LayerSlots(gate_up, down, slot_of_expert, expert_in_slot), remaining, compute_slot,
+                     n_copy, jnp.sum(evicted >= 0, dtype=jnp.int32))
+
+
+def count_hits(slot_of_expert, ids) -> jax.Array:
+    """(token, choice) pairs whose expert sits in a cache slot."""
+    return jnp.sum((ids >= 0) & (slot_of_expert[jnp.maximum(ids, 0)] >= 0), dtype=jnp.int32)
+
+
+class StepCounts(NamedTuple):
+    hits: jax.Array  # int32: (token, choice) pairs served from a cache slot filled before the layer started
+    misses: jax.Array  # int32: the other pairs (stalls)
+    copied: jax.Array  # int32: experts copied from host memory (demand and prefetch)
+    evicted: jax.Array  # int32: cached experts overwritten
+
+
+def admit_and_compute(slots: LayerSlots, victim_order, host_gate_up, host_down, x, ids, weights, *,
+                      backend: str) -> tuple[jax.Array, Admission, StepCounts]:
+    """Decode path: every missed expert goes into a victim cache slot or, when none is left, a scratch slot.
+
+    Needs M >= the number of distinct experts one step can miss (the caller checks it statically).
+    """
+    num_experts = slots.slot_of_expert.shape[0]
+    num_scratch = slots.w_gate_up.shape[0] - slots.expert_in_slot.shape[0]
+    needed = needed_experts(ids, num_experts)
+    hits = count_hits(slots.slot_of_expert, ids)
+    adm = admit(slots, victim_order, host_gate_up, host_down, needed, needed, limit=num_scratch, use_scratch=True)
+    slot_ids = jnp.where(ids >= 0, adm.compute_slot[jnp.maximum(ids, 0)], -1)
+    y = moe_ffn(x, slot_ids, weights, adm.slots.w_gate_up, adm.slots.w_down, backend=backend)
+    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, adm.copied, adm.evicted)
+    return y, adm, counts
+
+
+def prefetch(slots: LayerSlots, victim_order, host_gate_up, host_down, scores, *, limit: int) -> Admission:
+    """Copy up to `limit` of the highest-scoring experts (scores [E]) that are not cached into victim
+    cache slots, ahead of the layer that will use them; never into scratch."""
+    top = jax.lax.top_k(scores, limit)[1]
+    wanted = jnp.zeros(scores.shape, bool).at[top].set(True)
+    return admit(slots, victim_order, host_gate_up, host_down, wanted, wanted, limit=limit, use_scratch=False)
 
 
 def stream_and_compute(slots: LayerSlots, host_gate_up, host_down, x, ids, weights, *,
-                       backend: str) -> tuple[jax.Array, LayerSlots]:
+                       backend: str) -> tuple[jax.Array, LayerSlots, StepCounts]:
     """Prefill path: cached experts from their slots, every other needed expert streamed through the
     M scratch slots in chunks. Exact for any number of distinct experts; the cache is left unchanged."""
     num_experts = slots.slot_of_expert.shape[0]
@@ -126,4 +174,6 @@ def stream_and_compute(slots: LayerSlots, host_gate_up, host_down, x, ids, weigh
 
     num_chunks = (n_miss + num_scratch - 1) // num_scratch
     y, gate_up, down = jax.lax.fori_loop(0, num_chunks, chunk, (y, slots.w_gate_up, slots.w_down))
-    return y.astype(x.dtype), slots._replace(w_gate_up=gate_up, w_down=down)
+    hits = count_hits(slots.slot_of_expert, ids)
+    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, jnp.int32(0))
+    return y.astype(x.dtype), slots._replace(w_gate_up=gate_up, w_down=down), counts
