@@ -1,15 +1,13 @@
 """Predictors (jmoe.offload.predictors) and trace replay with prefetch (bench/replay.py)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench_modules import load_bench_module
 from jmoe.offload.policies import make_policy
 from jmoe.offload.predictors import (
     Predictor,
@@ -20,19 +18,7 @@ from jmoe.offload.predictors import (
     top_experts,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-REPLAY_PATH = REPO_ROOT / "bench" / "replay.py"
-
-
-def _load_replay():
-    spec = importlib.util.spec_from_file_location("jmoe_bench_replay_prefetch", REPLAY_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-replay_mod = _load_replay()
+replay_mod = load_bench_module("replay")
 
 # E = 4, L = 2, k = 1; rows are tokens, columns layers.
 SMALL = np.array([[0, 1], [0, 2], [1, 2], [0, 1]], dtype=np.int64)[:, :, None]

@@ -1,32 +1,21 @@
 """Trace replay (bench/replay.py): hand-computed hit counts, Belady optimality, CLI, errors."""
 
-import importlib.util
 import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench_modules import BENCH, load_bench_module
 from jmoe.offload.policies import CachePolicy, LFRUPolicy, StaticPolicy, make_policy
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-REPLAY_PATH = REPO_ROOT / "bench" / "replay.py"
-
-
-def _load_replay():
-    spec = importlib.util.spec_from_file_location("jmoe_bench_replay", REPLAY_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-replay_mod = _load_replay()
+REPO_ROOT = BENCH.parent
+REPLAY_PATH = BENCH / "replay.py"
+replay_mod = load_bench_module("replay")
 
 
 def one_layer(sequence):
