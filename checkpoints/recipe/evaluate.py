@@ -53,7 +53,8 @@ def routing_skew(model: jmoe.Model, windows: np.ndarray, batch: int) -> list[dic
 
     @jax.jit
     def route(tokens):
-        return module(tokens, empty_kv_cache(cfg, b, t, model.kv_dtype), 0, jnp.zeros(b, jnp.int32)).routing
+        return module(tokens, empty_kv_cache(cfg, b, t, model.kv_dtype), 0, jnp.zeros(b, jnp.int32),
+                      backend=model.engine.backend).routing
 
     counts = np.zeros((cfg.num_moe_layers, cfg.num_experts), np.int64)
     for i in range(0, len(windows) - b + 1, b):
