@@ -14,7 +14,7 @@ from pathlib import Path
 from jmoe.errors import JmoeError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
-DEFAULT_PROMPT = "def "
+DEFAULT_PROMPT = "class Parser:\n    def __init__(self"
 
 
 def build_parser() -> argparse.ArgumentParser:
