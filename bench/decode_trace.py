@@ -74,18 +74,6 @@ def measure(model, prompt: list[int], tokens: int, routing=None) -> Run:
     return Run(result, after_prompt[0], model.stats())
 
 
-def start_policy(model, policy) -> None:
-    """Empty the cache under `policy`; a static policy's pinned set is installed now.
-
-    The engine installs the pinned set after the first step only for policy="static" (table = that step's
-    counts); a StaticPolicy instance with its own table is never installed, so do it here.
-    """
-    model.set_policy(policy)
-    pinned = model.engine.manager.pinned_experts()
-    if pinned is not None:
-        model.engine.install(pinned)
-
-
 def bound_cells(run: Run, resident_step: float, bandwidth_gbs: float) -> str:
     bound = max(resident_step, run.moved_per_step / (bandwidth_gbs * 1e9))
     return f"{bound * 1e3:.1f} | {bound / run.step_s:.2f}"
@@ -146,7 +134,7 @@ def part_gptoss(args, log) -> str:
         model = jmoe.load(directory, cache=cache, progress=False)
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
         for name in POLICIES:
-            start_policy(model, factories[name]())
+            model.set_policy(factories[name]())
             measure(model, PROMPT, n, TraceRouting(warm_rows, p, cfg))
             run = measure(model, PROMPT, n, TraceRouting(measured_rows, p, cfg))
             expected = replay_hits(seen, n, experts, cache, factories[name])
@@ -210,7 +198,7 @@ def part_default(args, log) -> str:
         model = jmoe.load(DEFAULT_MODEL_DIR, cache=cache, progress=False)
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
         for name in POLICIES:
-            start_policy(model, name)
+            model.set_policy(name)
             measure(model, prompt, n)
             run = measure(model, prompt, n)
             steps.add(run.steps)

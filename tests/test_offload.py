@@ -215,3 +215,18 @@ def test_router_prefetch_keeps_results_and_respects_its_bound(olmoe_dir, residen
     assert second["bytes_moved"] <= (prompt_copies + steps * (k + 2)) * expert_bytes
     with pytest.raises(jmoe.InputError, match="prefetch must be >= 0"):
         jmoe.load(olmoe_dir, cache=3, prefetch=-1)
+
+
+def test_static_policy_instance_is_installed_before_the_first_step(olmoe_dir):
+    from jmoe.offload.policies import StaticPolicy
+
+    cfg = jmoe.load_config(olmoe_dir)
+    frequency = np.zeros((cfg.num_moe_layers, cfg.num_experts))
+    frequency[:, [1, 4, 6]] = 1.0
+    model = jmoe.load(olmoe_dir, cache=3, policy=StaticPolicy(cfg.num_moe_layers, cfg.num_experts, frequency),
+                      progress=False)
+    np.testing.assert_array_equal(np.asarray(model.engine.state.expert_in_slot), [[1, 4, 6]] * cfg.num_moe_layers)
+    model.set_policy(StaticPolicy(cfg.num_moe_layers, cfg.num_experts, frequency[:, ::-1]))
+    np.testing.assert_array_equal(np.asarray(model.engine.state.expert_in_slot), [[1, 3, 6]] * cfg.num_moe_layers)
+    model.generate(PROMPTS[0], max_new_tokens=5)
+    assert all(s["evictions"] == 0 and s["hits"] > 0 for s in model.stats())

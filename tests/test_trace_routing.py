@@ -1,30 +1,16 @@
 """Trace-forced routing (bench/trace_routing.py): step layout, errors, and the engine's cache statistics
 under a forced trace against hand-computed LRU hits and bench/replay.py's replay."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import jmoe
+from bench_modules import load_bench_module
 from hf_models import write_checkpoint
 from jmoe.offload.policies import make_policy
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"jmoe_bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-trace_routing = _load("trace_routing")
-replay_mod = _load("replay")
+trace_routing = load_bench_module("trace_routing")
+replay_mod = load_bench_module("replay")
 TraceRouting, TraceError = trace_routing.TraceRouting, trace_routing.TraceError
 
 # 12 experts, top-2: 4 * k = 8 scratch slots < 12, so the (16-column) prompt step streams its experts and

@@ -39,6 +39,7 @@ class OffloadEngine:
         self.host_param_keys = frozenset(k for k, kind in placement.memory_kind.items()
                                          if kind == HOST and "experts" not in k.split("."))
         self._dtype = dtype
+        self._blocks = None  # the model's offloaded MoE blocks, set by attach
         self.reset(policy)
         self._install = jax.jit(self._install_fn, donate_argnums=(0,))
 
@@ -56,6 +57,8 @@ class OffloadEngine:
             victim_order=jnp.asarray(self.manager.victim_order()),
             counts=jnp.zeros((lo, 4), jnp.int32),
         )
+        if self._blocks is not None:  # attached to a model: a static policy can install now
+            self.install_pinned()
 
     # ---- inside the jitted step -------------------------------------------------------------------
     def prepare_params(self, params):
@@ -134,10 +137,14 @@ class OffloadEngine:
         first_observation = self.manager.policy is None
         self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert), np.asarray(counts))
         self.state = state._replace(victim_order=jax.device_put(self.manager.victim_order()))
-        if first_observation and self.num_slots:
-            pinned = self.manager.pinned_experts()
-            if pinned is not None:
-                self.install(pinned)
+        if first_observation:  # policy="static": its table comes from this first step
+            self.install_pinned()
+
+    def install_pinned(self) -> None:
+        """A policy that never admits misses (static) gets its pinned experts installed up front."""
+        pinned = self.manager.pinned_experts() if self.num_slots else None
+        if pinned is not None:
+            self.install(pinned)
 
     def install(self, experts: np.ndarray) -> None:
         """Fill every offloaded layer's cache slots with `experts` int [Lo, S] (a donated update)."""
@@ -166,6 +173,7 @@ class OffloadEngine:
         """Remember the model's MoE blocks (their host expert arrays feed install)."""
         blocks = model.moe_blocks()
         self._blocks = [blocks[i] for i in self.layers]
+        self.install_pinned()
 
     def stats(self) -> list[dict]:
         return self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))
