@@ -23,7 +23,7 @@ from jmoe.orbax_store import is_orbax_checkpoint, read_manifest, restore_model
 from jmoe.model import MoETransformer
 from jmoe.sampling import SamplingParams
 from jmoe.steps import make_logits_fn, make_step_fn
-from jmoe.tokenizer import TextStream, TextTokenizer, load_tokenizer
+from jmoe.tokenizer import TextTokenizer, load_tokenizer, stdout_streamer
 
 
 class Model:
@@ -111,16 +111,8 @@ class Model:
             raise InputError("generate_text: empty prompt; give some text to continue")
         if stream and len(prompts) != 1:
             raise InputError(f"generate_text: stream=True needs exactly one prompt, found {len(prompts)}")
-        printer = None
-        if stream:
-            text_stream = TextStream(tokenizer)
-
-            def printer(tokens):
-                sys.stdout.write(text_stream.delta(tokens[0]))
-                sys.stdout.flush()
-
         ids = self.generate([tokenizer.encode(p) for p in prompts], max_new_tokens, temperature, top_k, top_p,
-                            seed, printer)
+                            seed, stdout_streamer(tokenizer) if stream else None)
         texts = [tokenizer.decode(t) for t in ids]
         return texts[0] if isinstance(prompt, str) else texts
 

@@ -54,7 +54,7 @@ def resolve_model_dir(model: Path | None) -> Path:
 def run(args: argparse.Namespace) -> dict:
     import jmoe
     from jmoe.sampling import SamplingParams
-    from jmoe.tokenizer import TextStream
+    from jmoe.tokenizer import stdout_streamer
 
     model_dir = resolve_model_dir(args.model)
     model = jmoe.load(model_dir, args.cache, policy=args.policy, offload_params=args.offload_params,
@@ -65,12 +65,8 @@ def run(args: argparse.Namespace) -> dict:
     prompt_ids = tokenizer.encode(args.prompt)
     on_tokens = None
     if not args.json:
-        stream = TextStream(tokenizer)
         sys.stdout.write(args.prompt)
-
-        def on_tokens(tokens):
-            sys.stdout.write(stream.delta(tokens[0]))
-            sys.stdout.flush()
+        on_tokens = stdout_streamer(tokenizer)
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     result = model.generate_detailed([prompt_ids], args.max_new_tokens, sampling, args.seed, on_tokens)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Callable
 
 from tokenizers import Tokenizer
 
@@ -45,3 +47,14 @@ class TextStream:
             return ""
         new, self.emitted = text[self.emitted:], len(text)
         return new
+
+
+def stdout_streamer(tokenizer: TextTokenizer) -> Callable[[list[list[int]]], None]:
+    """An on_tokens callback that prints the first row's new text to stdout as tokens arrive."""
+    stream = TextStream(tokenizer)
+
+    def write(tokens: list[list[int]]) -> None:
+        sys.stdout.write(stream.delta(tokens[0]))
+        sys.stdout.flush()
+
+    return write
