@@ -58,7 +58,6 @@ and every policy is reported on the second half, replayed from an empty cache.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import subprocess
@@ -78,7 +77,6 @@ from jmoe.offload.policies import (  # noqa: E402
     choose_victims,
     initial_residents,
     make_policy,
-    policy_names,
 )
 from jmoe.offload.predictors import (  # noqa: E402
     MixPredictor,
@@ -638,7 +636,7 @@ def report(results_dir: Path = RESULTS_DIR, progress=print) -> Path:
     lines = [
         "# Expert-cache policies replayed on real routing traces",
         "",
-        f"- command: `python bench/replay.py --report`",
+        "- command: `python bench/replay.py --report`",
         f"- date: {REPORT_DATE}",
         f"- machine: {machine_description()} (CPU only: the replay is NumPy bookkeeping)",
         f"- data: `bench/data` (provenance in its README); code: `bench/replay.py`, policies "
@@ -741,7 +739,7 @@ def tune(results_dir: Path = RESULTS_DIR, progress=print,
     lines = [
         "# LFRU constants tuned on the GPT-OSS tuning split",
         "",
-        f"- command: `python bench/replay.py --tune`",
+        "- command: `python bench/replay.py --tune`",
         f"- date: {REPORT_DATE}; machine: {machine_description()}",
         f"- data: one in {stride} mmlu* sequence of `bench/data/gptoss20b_decode_ids.npz` in file "
         f"order ({len(ids):,} decode tokens); no held-out sequence is used",

@@ -230,7 +230,7 @@ def _check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, obj
     if problems:
         raise CheckpointError(f"{orbax_dir}: the checkpoint does not match the config (model_type "
                               f"{cfg.family!r}): " + "; ".join(problems) + "; pass the config.json it was "
-                              f"converted from")
+                              "converted from")
 
 
 def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory_kind_of: MemoryKindOf | None = None,

@@ -2,7 +2,6 @@
 biases) plug in without touching the kernels. Each entry maps (gate, up) in float32 to h."""
 
 import jax
-import jax.numpy as jnp
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -1,6 +1,5 @@
 """Every bad input gets a clear error that names the file, tensor or flag."""
 
-import json
 import shutil
 
 import numpy as np

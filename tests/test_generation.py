@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jmoe
-from hf_models import VOCAB, edit_json, write_checkpoint, write_word_tokenizer
+from hf_models import write_checkpoint, write_word_tokenizer
 
 
 @pytest.fixture(scope="module")

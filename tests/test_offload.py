@@ -130,7 +130,6 @@ def test_device_budget_picks_largest_fitting_cache(olmoe_dir):
 
     base = jmoe.load(olmoe_dir, cache=0, progress=False)._placement
     dense = base.totals()["device_bytes"] - base.slot_bytes
-    cfg = base
     kv = 2 * 2 * BUDGET_KV_TOKENS * 4 * 8 * 4  # layers, tokens, kv heads, head_dim, float32
     per_slot = 2 * base.expert_bytes
     budget = dense + kv + (base.scratch + 3) * per_slot + per_slot // 2

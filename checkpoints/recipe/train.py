@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tokenizers import Tokenizer
 
 from checkpoints.recipe.corpus import load_corpus
 from checkpoints.recipe.export import export, qwen3_moe_config

@@ -67,7 +67,6 @@ def admit(slots: LayerSlots, victim_order, host_gate_up, host_down, wanted, prot
     """
     num_experts = slots.slot_of_expert.shape[0]
     num_cache = slots.expert_in_slot.shape[0]
-    num_scratch = slots.w_gate_up.shape[0] - num_cache
     missing = wanted & (slots.slot_of_expert < 0)
     n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), limit)
     miss_ids = jnp.nonzero(missing, size=limit, fill_value=0)[0].astype(jnp.int32)
