@@ -53,7 +53,8 @@ def jmoe_decode(model, new_tokens: int) -> tuple[float, float]:
     """(decode tokens/s, seconds per step) at batch 1, greedy, after a warm-up run."""
     from jmoe.sampling import SamplingParams
 
-    model.generate_detailed([PROMPT], 4, SamplingParams())
+    # Warm up with the same length: the KV-cache length (and so the compiled step) depends on it.
+    model.generate_detailed([PROMPT], new_tokens, SamplingParams())
     result = model.generate_detailed([PROMPT], new_tokens, SamplingParams())
     return result.decode_steps / result.decode_seconds, result.decode_seconds / result.decode_steps
 
@@ -129,7 +130,7 @@ def cmd_cache(args) -> None:
     for cache in sorted({0, k, e // 4, e // 2}):
         model = jmoe.load(directory, cache=cache, policy=args.policy, progress=False)
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
-        model.generate(PROMPT, max_new_tokens=4)  # compile
+        model.generate(PROMPT, max_new_tokens=args.tokens)  # compile this KV-cache length
         model.set_policy(args.policy)  # measure from an empty cache
 
         after_prefill = {}
