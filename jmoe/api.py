@@ -18,7 +18,7 @@ from jmoe.generation import TokenCallback, as_rows, check_token_ids, generate_to
 from jmoe.loading import abstract_model, flat_params, load_model
 from jmoe.offload.engine import OffloadEngine
 from jmoe.offload.placement import HOST, Placement, plan_placement
-from jmoe.offload.policies import CachePolicy
+from jmoe.offload.policies import CachePolicy, policy_factory
 from jmoe.orbax_store import is_orbax_checkpoint, read_manifest, restore_model
 from jmoe.model import MoETransformer
 from jmoe.sampling import SamplingParams
@@ -166,10 +166,13 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
 
 def make_engine(config: ModelConfig, placement: Placement, policy, dtype, backend: str, prefetch: int = 0):
     """The resident engine when nothing is offloaded, else the offload engine."""
-    if not placement.offloaded_layers and not any(k == HOST for k in placement.memory_kind.values()):
-        return ResidentEngine(config, backend)
+    # Checked even when nothing is offloaded, so a bad argument is never silently ignored.
     if prefetch < 0:
         raise InputError(f"prefetch must be >= 0 experts per layer (0 = off), found {prefetch}")
+    if isinstance(policy, str):
+        policy_factory(policy)
+    if not placement.offloaded_layers and not any(k == HOST for k in placement.memory_kind.values()):
+        return ResidentEngine(config, backend)
     return OffloadEngine(config, placement, policy, dtype, backend, prefetch)
 
 

@@ -229,3 +229,10 @@ def test_static_policy_instance_is_installed_before_the_first_step(olmoe_dir):
     np.testing.assert_array_equal(np.asarray(model.engine.state.expert_in_slot), [[1, 3, 6]] * cfg.num_moe_layers)
     model.generate(PROMPTS[0], max_new_tokens=5)
     assert all(s["evictions"] == 0 and s["hits"] > 0 for s in model.stats())
+
+
+def test_offload_arguments_are_checked_even_when_everything_is_resident(olmoe_dir):
+    with pytest.raises(ValueError, match="unknown cache policy 'fifo'"):
+        jmoe.load(olmoe_dir, policy="fifo", progress=False)
+    with pytest.raises(jmoe.InputError, match="prefetch must be >= 0"):
+        jmoe.load(olmoe_dir, prefetch=-1, progress=False)

@@ -392,10 +392,15 @@ def make_policy(
         raise ValueError(
             f"make_policy: expected a policy name or a CachePolicy, found {type(name).__name__}"
         )
+    return policy_factory(name)(num_layers, num_experts, **kwargs)
+
+
+def policy_factory(name: str) -> Callable[..., CachePolicy]:
+    """The registered constructor for ``name``; an unknown name is a ValueError listing the known ones."""
     factory = _REGISTRY.get(name.lower())
     if factory is None:
         raise ValueError(
             f"unknown cache policy {name!r}; known policies: {', '.join(policy_names())} "
             f"(or pass a CachePolicy subclass instance)"
         )
-    return factory(num_layers, num_experts, **kwargs)
+    return factory
