@@ -150,7 +150,7 @@ def cmd_cache(args) -> None:
         rows.append(f"| {cache} | {tps:.2f} | {step * 1e3:.1f} | {moved_per_step / 1e6:.1f} | {bound_step * 1e3:.1f} | "
                     f"{bound_step / step:.2f} | {hits / max(1, hits + misses):.1%} |")
         print(rows[-1], flush=True)
-        del model
+        model = None  # free this cache size's buffers before the next load
     body = (f"Mixtral-shaped random model, {params / 1e6:.0f}M parameters (hidden {cfg.hidden_size}, "
             f"{cfg.num_layers} layers, {e} experts of width {cfg.expert_intermediate_size}, top-{k}), float32, "
             f"batch 1, greedy, {args.tokens} new tokens after a {len(PROMPT)}-token prompt, policy {args.policy}. "
