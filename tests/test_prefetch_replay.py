@@ -15,6 +15,7 @@ from jmoe.offload.predictors import (
     make_predictor,
     precision_recall,
     step_before,
+    steps_back,
     top_experts,
 )
 
@@ -28,6 +29,17 @@ def test_step_before_follows_layer_order():
     # (t, 1) follows (t, 0); (t, 0) follows (t - 1, 1); nothing precedes (0, 0) without history.
     assert step_before(SMALL)[:, :, 0].tolist() == [[-1, 0], [1, 0], [2, 1], [2, 0]]
     assert step_before(SMALL, history=np.array([[[3], [2]]]))[0, 0, 0] == 2
+
+
+def test_steps_back_counts_steps_across_tokens():
+    # Steps in order: (0,0)=0 (0,1)=1 (1,0)=0 (1,1)=2 (2,0)=1 (2,1)=2 (3,0)=0 (3,1)=1.
+    np.testing.assert_array_equal(steps_back(SMALL, None, 1), step_before(SMALL))
+    assert steps_back(SMALL, None, 3)[:, :, 0].tolist() == [[-1, -1], [-1, 0], [1, 0], [2, 1]]
+    # Lag L = 2: the same layer at the previous token.
+    assert steps_back(SMALL, None, 2)[1:, :, 0].tolist() == SMALL[:-1, :, 0].tolist()
+    assert steps_back(SMALL, np.array([[[3], [2]]]), 3)[0, :, 0].tolist() == [-1, 3]
+    with pytest.raises(ValueError, match="lag >= 1"):
+        steps_back(SMALL, None, 0)
 
 
 def test_previous_token_precision_recall_hand_computed():
@@ -62,6 +74,71 @@ def test_crosslayer_precision_recall_hand_computed():
     result = precision_recall(predictor.predict(SMALL), SMALL)
     assert result["layer_precision"] == pytest.approx([3 / 4, 3 / 4])
     assert result["layer_recall"] == pytest.approx([3 / 4, 3 / 4])
+
+
+def test_lags_token_evidence_hand_computed():
+    # Only the same layer's previous token (lag L = 2 steps), no recency, fitted on SMALL.
+    # Layer 0 at lag 2: pairs 0->0 (t1), 0->1 (t2), 1->0 (t3); steps 3, used e0 2, e1 1:
+    #   P(b) = (used + 1) / 5: e0 0.6, e1 0.4; the lag-1 prior of layer 0 is the same here.
+    #   t2 (previous token used 0): P(1 | 0) = (1 + 0.4) / (2 + 1), P(0 | 0) = (1 + 0.6) / 3.
+    predictor = make_predictor("lags", step_weights=(0.0,), token_weight=1.0,
+                               recency_weight=0.0).fit(SMALL, 4)
+    scores = predictor.scores(SMALL)
+    assert scores[2, 0, 1] == pytest.approx(np.log(1.4 / 3), rel=1e-6)
+    assert scores[2, 0, 0] == pytest.approx(np.log(1.6 / 3), rel=1e-6)
+    assert scores[0, 0, 0] == pytest.approx(np.log(0.6), rel=1e-6)  # no previous token: prior
+    assert set(predictor.tables) == {1, 2}  # lag 1 for the prior, lag 2 for the evidence
+
+
+def test_lags_with_one_step_equals_mix():
+    trace = random_trace(1, 60, 3, 6, 2)
+    mix = make_predictor("mix", recency_decay=0.8, context=32).fit(trace, 6)
+    lags = make_predictor("lags", step_weights=(1.0,), token_weight=0.0, recency_decay=0.8,
+                          recency_weight=mix.recency_weight).fit(trace, 6)
+    np.testing.assert_allclose(lags.scores(trace), mix.scores(trace), rtol=1e-5, atol=1e-5)
+
+
+def test_lags_copy_tables_from_equals_a_fit():
+    trace = random_trace(2, 60, 3, 6, 2)
+    fitted = make_predictor("lags").fit(trace, 6)
+    weights = {"step_weights": (1.0, 0.2), "token_weight": 0.5, "recency_weight": 0.0}
+    copied = make_predictor("lags", **weights).copy_tables_from(fitted)
+    np.testing.assert_array_equal(copied.scores(trace),
+                                  make_predictor("lags", **weights).fit(trace, 6).scores(trace))
+    with pytest.raises(ValueError, match="tables for lags"):
+        make_predictor("lags", step_weights=(1.0, 1.0, 1.0, 1.0)).copy_tables_from(fitted)
+
+
+def test_lags_scores_do_not_depend_on_chunking():
+    trace = random_trace(4, 40, 3, 6, 2)
+    predictor = make_predictor("lags", step_weights=(0.7, 0.5, 0.3, 0.2), token_weight=0.3,
+                               recency_context=1).fit(trace, 6)
+    assert predictor.context == 2  # lag 4 steps reaches 2 tokens back from layer 0
+    whole = predictor.scores(trace)
+    parts = [predictor.scores(trace[s : s + 3], trace[max(0, s - 2) : s]) for s in range(0, 40, 3)]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_prefetch_min_gain_skips_swaps_not_free_slots():
+    # One layer, E = 4, C = 2; predicted {1, 2}; scores e0 0.5, e1 3, e2 2, e3 0.
+    scores = np.array([[0.5, 3.0, 2.0, 0.0]])
+    predicted = np.array([[False, True, True, False]])
+    order = np.argsort(-scores, axis=1, kind="stable")
+
+    def step(resident_ids, min_gain):
+        resident = np.zeros((1, 4), dtype=bool)
+        resident[0, resident_ids] = True
+        fetched = replay_mod.prefetch_step(scores, predicted, order, resident,
+                                           resident.sum(axis=1), 2, 2, min_gain)
+        return fetched, np.flatnonzero(resident[0]).tolist()
+
+    # Full cache {0, 1}: fetching 2 evicts 0, a gain of 2 - 0.5 = 1.5.
+    fetched, resident = step([0, 1], 1.0)
+    assert fetched[0].tolist() == [False, False, True, False] and resident == [1, 2]
+    assert step([0, 1], 2.0) == (None, [0, 1])
+    # One free slot {0}: 1 goes there whatever the gain; 2 would evict 0 (gain 1.5) and waits.
+    fetched, resident = step([0], 100.0)
+    assert fetched[0].tolist() == [False, True, False, False] and resident == [0, 1]
 
 
 def test_top_experts_threshold_and_ties():
@@ -151,11 +228,12 @@ def random_trace(seed, num_tokens, num_layers, num_experts, top_k):
     st.integers(3, 8),  # experts
     st.integers(1, 3),  # k
     st.integers(0, 4),  # budget
-    st.sampled_from(["previous", "frequency", "crosslayer", "mix"]),
+    st.sampled_from(["previous", "frequency", "crosslayer", "mix", "lags"]),
     st.integers(1, 8),  # predicted set size
+    st.sampled_from([0.0, 0.5, 2.0]),  # min_gain
 )
 def test_prefetch_bound_and_capacity_are_never_exceeded(seed, num_experts, top_k, budget, name,
-                                                        count):
+                                                        count, min_gain):
     top_k = min(top_k, num_experts)
     trace = random_trace(seed, 30, 3, num_experts, top_k)
     capacity = int(np.random.default_rng(seed).integers(top_k, num_experts + 1))
@@ -163,8 +241,9 @@ def test_prefetch_bound_and_capacity_are_never_exceeded(seed, num_experts, top_k
     seen = []
     original = replay_mod.prefetch_step
 
-    def spy(scores, predicted, order, resident, resident_count, cap, bound):
-        fetched = original(scores, predicted, order, resident, resident_count, cap, bound)
+    def spy(scores, predicted, order, resident, resident_count, cap, bound, min_gain):
+        fetched = original(scores, predicted, order, resident, resident_count, cap, bound,
+                           min_gain)
         if fetched is not None:
             seen.append(fetched.sum(axis=1).max())
             assert (fetched <= resident).all()  # what was fetched is resident now
@@ -175,7 +254,8 @@ def test_prefetch_bound_and_capacity_are_never_exceeded(seed, num_experts, top_k
     try:
         result = replay_mod.replay(trace, num_experts, capacity,
                                    make_policy("lru", 3, num_experts), chunk=7,
-                                   predictor=predictor, prefetch_budget=budget)
+                                   predictor=predictor, prefetch_budget=budget,
+                                   prefetch_min_gain=min_gain)
     finally:
         replay_mod.prefetch_step = original
     assert max(seen, default=0) <= budget
@@ -229,15 +309,24 @@ def test_cli_json_has_stall_free_rate(capsys):
     assert result["prefetches"] <= 3 * result["tokens"] * result["layers"]
 
 
-def test_cli_gptoss_best_uses_the_shipped_table(capsys):
+def test_cli_gptoss_best_runs_over_its_tuned_policy(capsys):
     code, out, _ = run_main(["--trace", "gptoss", "--cache", "8", "--policy", "lru", "--prefetch",
                              "best", "--datasets", "Polyglot-or-Not_Fact-Completion", "--json"],
                             capsys)
     assert code == 0
     result = json.loads(out)
     assert result["tokens"] == 1188 and result["prefetch"] == "best"
+    best = replay_mod.PREFETCH_SETTINGS["best"]
+    assert result["policy"] == best["policy"] and "not --policy lru" in result["note"]
+    assert result["prefetch_min_gain"] == best["min_gain"]
     demand = replay_mod.run_one("gptoss", 8, "lru", ["Polyglot-or-Not_Fact-Completion"])
     assert result["stall_free_rate"] > demand["stall_free_rate"]  # prefetch is worth something
+
+
+def test_gptoss_crosslayer_uses_the_shipped_table():
+    trace = replay_mod.load_trace("gptoss")
+    predictor = replay_mod.build_predictor("mix", trace, replay_mod.split_trace(trace))
+    assert predictor.provenance["command"] == "python bench/replay.py --fit-table"
 
 
 def test_shipped_table_is_the_mmlu_fit():
@@ -253,8 +342,8 @@ def test_shipped_table_is_the_mmlu_fit():
     "argv, expected",
     [
         (["--prefetch", "oracle"],
-         "expected one of previous, frequency, crosslayer, mix, best (predictors: previous, "
-         "frequency, crosslayer, mix)"),
+         "expected one of previous, frequency, crosslayer, mix, lags, best (predictors: "
+         "previous, frequency, crosslayer, mix, lags)"),
         (["--prefetch", "mix", "--prefetch-budget", "-1"], "found --prefetch-budget -1"),
         (["--prefetch-budget", "2"], "--prefetch-budget needs --prefetch NAME"),
         (["--prefetch", "mix", "--policy", "belady"], "belady needs the future"),
@@ -268,7 +357,7 @@ def test_cli_bad_prefetch_input(argv, expected, capsys):
 
 
 def test_predictor_library_errors():
-    with pytest.raises(ValueError, match="known predictors: previous, frequency, crosslayer, mix"):
+    with pytest.raises(ValueError, match="known predictors: previous, frequency, crosslayer, mix, lags"):
         make_predictor("router")
     with pytest.raises(ValueError, match="not fitted"):
         make_predictor("crosslayer").scores(SMALL)
