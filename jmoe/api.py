@@ -16,8 +16,9 @@ from jmoe.errors import InputError
 from jmoe.expert_engine import ResidentEngine
 from jmoe.generation import TokenCallback, as_rows, check_token_ids, generate_tokens
 from jmoe.loading import abstract_model, flat_params, load_model
-from jmoe.offload.engine import OffloadEngine
-from jmoe.offload.placement import HOST, Placement, plan_placement
+from jmoe.offload.engine import MISS_MODES, OffloadEngine
+from jmoe.offload.layer_groups import layer_groups_from
+from jmoe.offload.placement import Placement, plan_placement
 from jmoe.offload.policies import CachePolicy, policy_factory
 from jmoe.orbax_store import is_orbax_checkpoint, read_manifest, restore_model
 from jmoe.model import MoETransformer
@@ -131,7 +132,8 @@ class Model:
 
 def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolicy = "lfru",
          offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
-         dtype: str | None = None, backend: str = "auto", progress: bool = True) -> Model:
+         miss_mode: str = "fetch", offload_group_size: int = 0, offload_num_in_group: int = 1,
+         offload_prefetch_step: int = 1, dtype: str | None = None, backend: str = "auto", progress: bool = True) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all.
@@ -141,6 +143,13 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
     device_budget_gb: choose the largest cache that fits in this much device memory.
     prefetch: at decode, copy up to this many experts per layer ahead of need, guessed by applying the
         next layer's router to the current layer's input (results unchanged; 0 = off).
+    miss_mode: where an expert that is not in a device slot is computed: "fetch" copies its weights to the
+        device; "host" computes it on the host where its weights live (only activations cross) and brings
+        it into the cache for later steps in the background. Results are the same either way.
+    offload_group_size, offload_num_in_group, offload_prefetch_step: layer-group weight prefetch for
+        models whose dense weights do not fit either: in every group of G decoder layers the last N keep
+        their weights (those matched by offload_params; without patterns, all non-expert weights) in
+        pinned host memory, and each is copied in when the layer K before it starts. 0 = off.
     dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
     progress: show a progress bar and print the placement summary to stderr.
@@ -151,7 +160,9 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
     # An Orbax checkpoint keeps the dtype it was converted to; an HF one says its dtype in config.json.
     dtype = jnp.dtype(dtype or (read_manifest(model_dir)["dtype"] if orbax else config.dtype))
     placement = plan_placement(config, flat_params(nnx.to_pure_dict(abstract_model(config, dtype)[1])),
-                               cache=cache, offload_params=offload_params, device_budget_gb=device_budget_gb)
+                               cache=cache, offload_params=offload_params, device_budget_gb=device_budget_gb,
+                               layer_groups=layer_groups_from(offload_group_size, offload_num_in_group,
+                                                              offload_prefetch_step))
     if orbax:
         module = restore_model(model_dir, config, dtype=dtype, memory_kind_of=placement.memory_kind_of,
                                progress=progress)
@@ -160,20 +171,24 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
                             place=lambda p, host: jax.device_put(host, memory_sharding(placement.memory_kind_of(p))))
     if progress:
         print(placement.summary(), file=sys.stderr)
-    return Model(module, config, make_engine(config, placement, policy, dtype, backend, prefetch), placement,
+    return Model(module, config, make_engine(config, placement, policy, dtype, backend, prefetch, miss_mode),
+                 placement,
                  load_tokenizer(model_dir), model_dir)
 
 
-def make_engine(config: ModelConfig, placement: Placement, policy, dtype, backend: str, prefetch: int = 0):
-    """The resident engine when nothing is offloaded, else the offload engine."""
+def make_engine(config: ModelConfig, placement: Placement, policy, dtype, backend: str, prefetch: int = 0,
+                miss_mode: str = "fetch"):
+    """The resident engine when no expert is offloaded, else the offload engine."""
     # Checked even when nothing is offloaded, so a bad argument is never silently ignored.
     if prefetch < 0:
         raise InputError(f"prefetch must be >= 0 experts per layer (0 = off), found {prefetch}")
+    if miss_mode not in MISS_MODES:
+        raise InputError(f"miss_mode must be one of {', '.join(MISS_MODES)}, found {miss_mode!r}")
     if isinstance(policy, str):
         policy_factory(policy)
-    if not placement.offloaded_layers and not any(k == HOST for k in placement.memory_kind.values()):
-        return ResidentEngine(config, backend)
-    return OffloadEngine(config, placement, policy, dtype, backend, prefetch)
+    if not placement.offloaded_layers:
+        return ResidentEngine(config, backend, placement)
+    return OffloadEngine(config, placement, policy, dtype, backend, prefetch, miss_mode)
 
 
 def memory_sharding(memory_kind: str) -> jax.sharding.Sharding:

@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pick the largest cache that fits in this much device memory")
     p.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
+    p.add_argument("--miss-mode", choices=("fetch", "host"), default="fetch",
+                   help="an expert not on the device: 'fetch' copies it in (default), 'host' computes it on the host")
+    p.add_argument("--offload-group-size", type=int, default=0, metavar="G",
+                   help="layer-group weight prefetch: in every G layers, keep the last N layers' weights (those "
+                        "matched by --offload-params, else all non-expert ones) on the host (0 = off)")
+    p.add_argument("--offload-num-in-group", type=int, default=1, metavar="N", help="offloaded layers per group")
+    p.add_argument("--offload-prefetch-step", type=int, default=1, metavar="K",
+                   help="fetch an offloaded layer's weights when the layer K before it starts")
     p.add_argument("--stats", action="store_true", help="print a per-layer expert cache table after generation")
     p.add_argument("--backend", default="auto", help="expert kernel backend (jmoe.kernels.moe_ffn)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -58,7 +66,9 @@ def run(args: argparse.Namespace) -> dict:
 
     model_dir = resolve_model_dir(args.model)
     model = jmoe.load(model_dir, args.cache, policy=args.policy, offload_params=args.offload_params,
-                      device_budget_gb=args.device_budget_gb, prefetch=args.prefetch, backend=args.backend, progress=not args.json)
+                      device_budget_gb=args.device_budget_gb, prefetch=args.prefetch, miss_mode=args.miss_mode,
+                      offload_group_size=args.offload_group_size, offload_num_in_group=args.offload_num_in_group,
+                      offload_prefetch_step=args.offload_prefetch_step, backend=args.backend, progress=not args.json)
     tokenizer = model.require_tokenizer()
     if not args.prompt:
         raise JmoeError("--prompt is empty; give some text to continue")

@@ -21,6 +21,8 @@ from jmoe.kernels import moe_ffn
 
 # (moe layer position, x [N, d], expert ids [N, k] with -1 = none, router weights [N, k]) -> y [N, d]
 ExpertCompute = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+# (decoder layer index, residual stream x [B, T, d]) -> x, run as each layer starts (e.g. to fetch weights)
+BeforeLayer = Callable[[int, jax.Array], jax.Array]
 
 _INIT_STD = 0.02
 
@@ -206,13 +208,15 @@ class MoETransformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, kv_cache: tuple, write_index, pad_len: jax.Array, *,
                  expert_compute: ExpertCompute | None = None, backend: str = "reference",
-                 last_only: bool = False, forced_routing: jax.Array | None = None) -> ForwardOut:
+                 last_only: bool = False, forced_routing: jax.Array | None = None,
+                 before_layer: BeforeLayer | None = None) -> ForwardOut:
         """Run `tokens` [B, T] whose first row entries sit at cache column `write_index`.
 
         Row b is left-padded by `pad_len[b]` columns: those cache columns are never attended to and its
         token positions count from its first real token. `expert_compute` replaces the resident expert
         computation (the offload engine passes its own); routing is returned for the cache manager.
         `forced_routing` int32 [L_moe, B, T, k] (benchmarks only) replaces every MoE layer's expert choice.
+        `before_layer` runs as each decoder layer starts (the offload engine fetches layer weights with it).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -232,6 +236,8 @@ class MoETransformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)
         new_cache, routing = [], []
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                x = before_layer(i, x)
             k_cache, v_cache = kv_cache[i]
             attn_out, k_cache, v_cache = layer.attn(layer.input_norm(x), rope, k_cache, v_cache, write_index,
                                                     mask_for(cfg.sliding_windows[i]))

@@ -20,7 +20,7 @@ def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, 
     model = nnx.merge(graphdef, engine.prepare_params(params))
     compute, finish = engine.bind(engine_state, model, num_tokens=tokens.shape[0] * tokens.shape[1])
     out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, backend=engine.backend,
-                last_only=last_only, forced_routing=forced_routing)
+                last_only=last_only, forced_routing=forced_routing, before_layer=engine.layer_hook(model))
     return out, finish()
 
 

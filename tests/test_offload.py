@@ -236,3 +236,41 @@ def test_offload_arguments_are_checked_even_when_everything_is_resident(olmoe_di
         jmoe.load(olmoe_dir, policy="fifo", progress=False)
     with pytest.raises(jmoe.InputError, match="prefetch must be >= 0"):
         jmoe.load(olmoe_dir, prefetch=-1, progress=False)
+
+
+@pytest.mark.parametrize("name", FAMILY_REPRESENTATIVES)
+def test_host_miss_mode_and_prefetch_match_resident(name, hf_checkpoints, resident):
+    """Miss mode "host" (missed experts computed where their weights live), alone and with prefetch."""
+    cfg, ref_logits, ref_tokens = resident[name]
+    k = cfg.num_experts_per_tok
+    for cache, prefetch in ((0, 0), (k, k)):  # no cache at all; a cache of k filled ahead by prefetch
+        model = jmoe.load(hf_checkpoints[name][0], cache=cache, miss_mode="host", prefetch=prefetch, progress=False)
+        np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0,
+                                   err_msg=f"cache={cache} prefetch={prefetch}")
+        assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens, f"cache={cache} prefetch={prefetch}"
+
+
+def test_host_miss_mode_moves_no_expert_weights_at_decode_without_cache(olmoe_dir):
+    """With no cache slots, "fetch" copies every needed expert at each decode step; "host" copies none."""
+    moved = {}
+    for mode in ("fetch", "host"):
+        model = jmoe.load(olmoe_dir, cache=0, miss_mode=mode, progress=False)
+        model.generate(PROMPTS[1], max_new_tokens=1)  # the prompt step alone (it streams in both modes)
+        prompt_bytes = sum(s["bytes_moved"] for s in model.stats())
+        model.set_policy("lfru")
+        model.generate(PROMPTS[1], max_new_tokens=6)
+        moved[mode] = sum(s["bytes_moved"] for s in model.stats()) - prompt_bytes
+    assert moved["host"] == 0
+    assert moved["fetch"] >= 5 * model.config.num_moe_layers * model._placement.expert_bytes
+
+
+def test_host_miss_mode_admits_misses_into_the_cache_for_later_steps(olmoe_dir):
+    fetch = jmoe.load(olmoe_dir, cache=3, policy="lru", progress=False)
+    host = jmoe.load(olmoe_dir, cache=3, policy="lru", miss_mode="host", progress=False)
+    for model in (fetch, host):
+        model.generate(PROMPTS[0], max_new_tokens=12)
+    # Same cache decisions in both modes (decode misses never need scratch slots with one row).
+    assert [(s["hits"], s["evictions"]) for s in host.stats()] == [(s["hits"], s["evictions"]) for s in fetch.stats()]
+    assert all(s["hits"] > 0 for s in host.stats())
+    with pytest.raises(jmoe.InputError, match="miss_mode must be one of fetch, host, found 'cpu'"):
+        jmoe.load(olmoe_dir, cache=3, miss_mode="cpu", progress=False)

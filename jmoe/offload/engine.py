@@ -15,10 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.config import ModelConfig
+from jmoe.expert_engine import ResidentEngine
 from jmoe.offload.manager import SlotManager
-from jmoe.offload.placement import HOST, Placement
+from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
-from jmoe.offload.slots import LayerSlots, admit_and_compute, device_copy, prefetch, stream_and_compute
+from jmoe.offload.slots import (LayerSlots, admit_and_compute, device_copy, host_compute_misses, prefetch,
+                                stream_and_compute)
+
+MISS_MODES = ("fetch", "host")
 
 
 class EngineState(NamedTuple):
@@ -29,15 +33,18 @@ class EngineState(NamedTuple):
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
 
 
-class OffloadEngine:
+class OffloadEngine(ResidentEngine):
+    """Expert slots for the offloaded MoE layers (the other layers' experts stay resident); parameters
+    offloaded by pattern or layer group are fetched as in ResidentEngine."""
+
     def __init__(self, config: ModelConfig, placement: Placement, policy: str | CachePolicy, dtype,
-                 backend: str = "auto", prefetch: int = 0):
-        self.config, self.placement, self.backend = config, placement, backend
+                 backend: str = "auto", prefetch: int = 0, miss_mode: str = "fetch"):
+        super().__init__(config, backend, placement)
         self.prefetch = prefetch  # experts per layer copied ahead from the next layer's router guess
+        # "fetch": a missed expert is copied to the device and computed there; "host": computed on the host.
+        self.miss_mode = miss_mode
         self.layers = placement.offloaded_layers
         self.num_slots = placement.cache
-        self.host_param_keys = frozenset(k for k, kind in placement.memory_kind.items()
-                                         if kind == HOST and "experts" not in k.split("."))
         self._dtype = dtype
         self._blocks = None  # the model's offloaded MoE blocks, set by attach
         self.reset(policy)
@@ -61,24 +68,13 @@ class OffloadEngine:
             self.install_pinned()
 
     # ---- inside the jitted step -------------------------------------------------------------------
-    def prepare_params(self, params):
-        """Parameters offloaded by pattern (not experts) are copied to the device at every step."""
-        if not self.host_param_keys:
-            return params
-
-        def to_device(path, leaf):
-            # Parameter paths are dict keys followed by the Variable's `.value` attribute.
-            key = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
-            return jax.device_put(leaf, jax.memory.Space.Device) if key in self.host_param_keys else leaf
-
-        return jax.tree_util.tree_map_with_path(to_device, params)
-
     def bind(self, state: EngineState, model, num_tokens: int):
         cfg = self.config
         lo = len(self.layers)
         position = {moe: i for i, moe in enumerate(self.layers)}
         blocks = model.moe_blocks()
-        # Decode-sized steps admit misses into cache slots; bigger ones stream experts through scratch.
+        # Decode-sized steps admit misses into cache slots (or, in miss mode "host", compute them on the host
+        # and admit them in the background); bigger ones stream experts through double-buffered chunks.
         admit = min(num_tokens * cfg.num_experts_per_tok, cfg.num_experts) <= self.placement.scratch
         layer_slots = [LayerSlots(*state.buffers[i], state.slot_of_expert[i], state.expert_in_slot[i])
                        for i in range(lo)]
@@ -100,19 +96,25 @@ class OffloadEngine:
                 # Guess the next layer's experts with its router on this layer's input; the copies are
                 # independent of this layer's compute, so they can overlap it.
                 nxt = position[moe_index + 1]
-                probs = jax.nn.softmax(blocks[moe_index + 1].router(x).astype(jnp.float32), axis=-1)
+                # A layer group may not have fetched that router yet: device_put is a no-op if it has.
+                router = jax.device_put(blocks[moe_index + 1].router.kernel[...], jax.memory.Space.Device)
+                probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
                 scores = jnp.max(jnp.where((ids >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
                 ahead = prefetch(layer_slots[nxt], victim_order[nxt], *host_experts(moe_index + 1), scores,
                                  limit=prefetch_limit)
                 layer_slots[nxt], victim_order[nxt] = ahead.slots, ahead.victim_order
                 prefetched[nxt] = (ahead.copied, ahead.evicted)
-            if admit:
+            if admit and self.miss_mode == "host":
+                y, layer_slots[i], counts[i] = host_compute_misses(
+                    layer_slots[i], victim_order[i], *host_experts(moe_index), x, ids, weights, backend=self.backend,
+                    admit_limit=min(self.placement.scratch, self.num_slots))
+            elif admit:
                 y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], *host_experts(moe_index), x,
                                                       ids, weights, backend=self.backend)
                 layer_slots[i] = adm.slots
             else:
-                y, layer_slots[i], counts[i] = stream_and_compute(layer_slots[i], *host_experts(moe_index), x, ids,
-                                                                  weights, backend=self.backend)
+                y, counts[i] = stream_and_compute(layer_slots[i], *host_experts(moe_index), x, ids, weights,
+                                                  backend=self.backend)
             return y
 
         def finish() -> EngineState:

@@ -7,7 +7,10 @@ Rules, in order:
   (`re:layers\\.(1[0-9])\\..*experts`). Expert tensors of a layer move as a unit (they share slots);
   any other matched parameter stays in pinned host memory and is copied in at every step;
 - `device_budget_gb` picks the largest cache that fits next to the device-resident weights, the KV
-  cache and the scratch slots.
+  cache and the scratch slots;
+- `layer_groups` (jmoe.offload.layer_groups) limits offloading to N of every G decoder layers: the
+  patterns then match only those layers' parameters (no pattern: all their non-expert weights), and their
+  non-expert weights are fetched K layers ahead inside the step instead of all at its start.
 A pattern that matches nothing and a budget that cannot hold the dense weights are errors.
 """
 
@@ -21,6 +24,7 @@ import numpy as np
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.hf_layout import ParamPath, param_key
+from jmoe.offload.layer_groups import LayerGroups, prefetch_buffer_bytes
 
 DEVICE, HOST = "device", "pinned_host"
 # Scratch slots per offloaded layer, in units of top_k: enough for a decode batch of this many rows
@@ -68,6 +72,9 @@ class Placement:
     scratch: int  # scratch slots per offloaded layer
     expert_bytes: int  # bytes of one expert (gate_up + down)
     notes: tuple[str, ...] = ()
+    layer_groups: LayerGroups | None = None
+    fetched_keys: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # layer -> keys fetched ahead
+    fetch_buffer_bytes: int = 0  # device memory the fetched layer weights can take at once
 
     def memory_kind_of(self, path: ParamPath) -> str:
         return self.memory_kind[param_key(path)]
@@ -78,6 +85,7 @@ class Placement:
 
     def totals(self) -> dict[str, int]:
         device = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == DEVICE) + self.slot_bytes
+        device += self.fetch_buffer_bytes
         host = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == HOST)
         return {"device_bytes": device, "host_bytes": host}
 
@@ -98,6 +106,10 @@ class Placement:
             lines.append(f"{'expert slots':<16}{DEVICE:<14}{len(self.offloaded_layers):>8}"
                          f"{self.slot_bytes / 2**20:>12.2f}   ({self.cache} cache + {self.scratch} scratch "
                          f"per layer, {len(self.offloaded_layers)} layers)")
+        if self.fetched_keys:
+            lines.append(f"{'layer prefetch':<16}{DEVICE:<14}{len(self.fetched_keys):>8}"
+                         f"{self.fetch_buffer_bytes / 2**20:>12.2f}   ({self.layer_groups.describe()}: "
+                         f"layers {', '.join(map(str, sorted(self.fetched_keys)))})")
         totals = self.totals()
         lines.append(f"total on device {totals['device_bytes'] / 2**20:.2f} MB, in pinned host memory "
                      f"{totals['host_bytes'] / 2**20:.2f} MB")
@@ -106,7 +118,8 @@ class Placement:
 
 
 def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache: int | None,
-                   offload_params: list[str] | None = None, device_budget_gb: float | None = None) -> Placement:
+                   offload_params: list[str] | None = None, device_budget_gb: float | None = None,
+                   layer_groups: LayerGroups | None = None) -> Placement:
     """Decide every parameter's memory kind and the slot counts. `abstract` maps paths to shape/dtype."""
     if cache is not None and (not isinstance(cache, (int, np.integer)) or cache < 0):
         raise InputError(f"cache must be a whole number >= 0 (experts kept on the device per MoE layer), "
@@ -119,11 +132,15 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache
     host_keys: set[str] = set()
     offloaded: set[int] = set()
     notes: list[str] = []
-    for pattern in offload_params or []:
-        matched = [p for p in abstract if pattern_matches(pattern, keys[p])]
+    candidates = list(abstract)
+    if layer_groups is not None:
+        candidates = [p for p in abstract if p[0] == "layers" and layer_groups.offloaded(p[1])]
+    for pattern, matched in select_params(offload_params, candidates, keys, layer_groups):
         if not matched:
-            example = ", ".join(keys[p] for p in list(abstract)[:6])
-            raise InputError(f"offload_params pattern {pattern!r} matches no parameter; parameter names look "
+            example = ", ".join(keys[p] for p in candidates[:6])
+            where = (f"no parameter of the grouped layers ({layer_groups.describe()})" if layer_groups
+                     else "no parameter")
+            raise InputError(f"offload_params pattern {pattern!r} matches {where}; parameter names look "
                              f"like: {example}, ... (plain patterns match whole dotted segments, 're:' "
                              f"patterns are regular expressions)")
         for path in matched:
@@ -132,6 +149,14 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache
             else:
                 host_keys.add(keys[path])
     experts_offloaded_by_pattern = bool(offloaded)
+    fetched_keys: dict[int, tuple[str, ...]] = {}
+    if layer_groups is not None:  # grouped layers' non-expert weights are fetched ahead inside the step
+        for path in abstract:
+            if keys[path] in host_keys:
+                fetched_keys[path[1]] = fetched_keys.get(path[1], ()) + (keys[path],)
+    fetch_buffer = prefetch_buffer_bytes(
+        layer_groups, {layer: sum(nbytes[k] for k in ks) for layer, ks in fetched_keys.items()}, cfg.num_layers
+    ) if fetched_keys else 0
     if (cache is not None and cache < cfg.num_experts) or device_budget_gb is not None:
         offloaded = set(range(cfg.num_moe_layers))
     if experts_offloaded_by_pattern and cache is None and device_budget_gb is None:
@@ -148,11 +173,12 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache
                     if k not in host_keys and not is_expert_param(tuple(k.split("."))))
         kv = 2 * cfg.num_layers * BUDGET_KV_TOKENS * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         per_slot = cfg.num_moe_layers * expert_bytes
-        floor = dense + kv + scratch * per_slot
+        floor = dense + fetch_buffer + kv + scratch * per_slot
         if budget < floor:
             raise InputError(f"device_budget_gb={device_budget_gb} ({budget / 2**30:.3f} GB) cannot hold the "
                              f"dense weights ({dense / 2**30:.3f} GB) + KV cache for {BUDGET_KV_TOKENS} tokens "
-                             f"({kv / 2**30:.3f} GB) + scratch slots ({scratch * per_slot / 2**30:.3f} GB) = "
+                             f"({kv / 2**30:.3f} GB) + layer prefetch buffers ({fetch_buffer / 2**30:.3f} GB) + scratch "
+                             f"slots ({scratch * per_slot / 2**30:.3f} GB) = "
                              f"{floor / 2**30:.3f} GB; raise the budget or offload more with offload_params")
         cache = int(min(cfg.num_experts, (budget - floor) // per_slot)) if per_slot else cfg.num_experts
         notes.append(f"device_budget_gb={device_budget_gb}: chose cache={cache} of {cfg.num_experts} experts per "
@@ -171,4 +197,14 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache
         memory_kind[key] = HOST if on_host else DEVICE
     return Placement(memory_kind, nbytes, {keys[p]: param_group(p) for p in abstract}, offloaded_layers,
                      min(cache or 0, cfg.num_experts) if offloaded_layers else 0,
-                     scratch if offloaded_layers else 0, expert_bytes, tuple(notes))
+                     scratch if offloaded_layers else 0, expert_bytes, tuple(notes), layer_groups, fetched_keys,
+                     fetch_buffer)
+
+
+def select_params(patterns: list[str] | None, candidates: list[ParamPath], keys: dict[ParamPath, str],
+                  layer_groups: LayerGroups | None) -> list[tuple[str, list[ParamPath]]]:
+    """(pattern, the candidate parameters it matches) for each pattern; with layer groups and no pattern,
+    every non-expert weight of the grouped layers."""
+    if not patterns and layer_groups is not None:
+        return [("(all non-expert weights)", [p for p in candidates if not is_expert_param(p)])]
+    return [(pattern, [p for p in candidates if pattern_matches(pattern, keys[p])]) for pattern in patterns or []]

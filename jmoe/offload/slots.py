@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.kernels import moe_ffn
+from jmoe.offload.host_compute import experts_on_host
 
 
 class LayerSlots(NamedTuple):
@@ -31,8 +32,9 @@ def device_copy(host: jax.Array, expert) -> jax.Array:
     return jax.device_put(piece, jax.memory.Space.Device)
 
 
-def _copy_experts(slots: LayerSlots, host_gate_up, host_down, experts, destinations, count):
-    """Copy experts[j] into buffer slot destinations[j] for j < count (a dynamic trip count)."""
+def _copy_experts(buffers, host_gate_up, host_down, experts, destinations, count):
+    """Copy experts[j] into slot destinations[j] of `buffers` (w_gate_up, w_down) for j < count (a dynamic
+    trip count); returns the updated buffers."""
 
     def body(j, buffers):
         gate_up, down = buffers
@@ -41,7 +43,7 @@ def _copy_experts(slots: LayerSlots, host_gate_up, host_down, experts, destinati
         down = jax.lax.dynamic_update_slice_in_dim(down, device_copy(host_down, experts[j]), destinations[j], axis=0)
         return gate_up, down
 
-    return jax.lax.fori_loop(0, count, body, (slots.w_gate_up, slots.w_down))
+    return jax.lax.fori_loop(0, count, body, tuple(buffers))
 
 
 def needed_experts(ids: jax.Array, num_experts: int) -> jax.Array:
@@ -83,7 +85,8 @@ def admit(slots: LayerSlots, victim_order, host_gate_up, host_down, wanted, prot
     cached = j < n_cached  # miss j lands in cache slot victims[j]
     victims = jnp.pad(victims, (0, max(0, limit - num_cache)), constant_values=-1)[:limit]
     destinations = jnp.where(cached, victims, num_cache + j - n_cached)
-    gate_up, down = _copy_experts(slots, host_gate_up, host_down, miss_ids, destinations, n_copy)
+    gate_up, down = _copy_experts((slots.w_gate_up, slots.w_down), host_gate_up, host_down, miss_ids, destinations,
+                                  n_copy)
 
     # Tables: evicted experts leave, admitted experts enter (scatters to index E / S are dropped).
     if num_cache:
@@ -142,37 +145,79 @@ def prefetch(slots: LayerSlots, victim_order, host_gate_up, host_down, scores, *
 
 
 def stream_and_compute(slots: LayerSlots, host_gate_up, host_down, x, ids, weights, *,
-                       backend: str) -> tuple[jax.Array, LayerSlots, StepCounts]:
-    """Prefill path: cached experts from their slots, every other needed expert streamed through the
-    M scratch slots in chunks. Exact for any number of distinct experts; the cache is left unchanged."""
+                       backend: str) -> tuple[jax.Array, StepCounts]:
+    """Prefill path: cached experts from their slots, every other needed expert streamed from host memory
+    through two device buffers of half the scratch size each, in turn: while one chunk of experts is
+    computed, the next chunk is copied into the other buffer (the copy and the compute are independent,
+    so XLA can overlap them). Exact for any number of distinct experts; the cache is left unchanged.
+    The buffers are temporaries of the step: the layer's persistent slots are only read."""
     num_experts = slots.slot_of_expert.shape[0]
     num_cache = slots.expert_in_slot.shape[0]
-    num_scratch = slots.w_gate_up.shape[0] - num_cache
+    chunk_size = max(1, (slots.w_gate_up.shape[0] - num_cache) // 2)
     cached_slot = jnp.where(ids >= 0, slots.slot_of_expert[jnp.maximum(ids, 0)], -1)
     y = moe_ffn(x, cached_slot, weights, slots.w_gate_up, slots.w_down, backend=backend).astype(jnp.float32)
 
     missing = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0)
     n_miss = jnp.sum(missing, dtype=jnp.int32)
-    miss_ids = jnp.nonzero(missing, size=num_experts, fill_value=0)[0].astype(jnp.int32)
-    # Rank of each expert among the missing ones: chunk c holds ranks [c*M, (c+1)*M).
+    miss_ids = jnp.nonzero(missing, size=num_experts + 2 * chunk_size, fill_value=0)[0].astype(jnp.int32)
+    # Rank of each expert among the missing ones: chunk c holds ranks [c*chunk_size, (c+1)*chunk_size).
     rank = jnp.where(missing, jnp.cumsum(missing) - 1, -1)
     token_rank = jnp.where(ids >= 0, rank[jnp.maximum(ids, 0)], -1)
-    scratch = num_cache + jnp.arange(num_scratch, dtype=jnp.int32)
 
-    def chunk(c, carry):
-        acc, gate_up, down = carry
-        first = c * num_scratch
-        count = jnp.minimum(num_scratch, n_miss - first)
-        experts = jax.lax.dynamic_slice_in_dim(jnp.pad(miss_ids, (0, num_scratch)), first, num_scratch)
-        gate_up, down = _copy_experts(slots._replace(w_gate_up=gate_up, w_down=down), host_gate_up, host_down,
-                                      experts, scratch, count)
-        local = token_rank - first
-        slot_ids = jnp.where((token_rank >= 0) & (local >= 0) & (local < num_scratch), num_cache + local, -1)
-        acc = acc + moe_ffn(x, slot_ids, weights, gate_up, down, backend=backend).astype(jnp.float32)
-        return acc, gate_up, down
+    def fill(buffer, c):
+        """Copy chunk c of the missing experts into `buffer` (nothing when c is past the last chunk)."""
+        first = c * chunk_size
+        count = jnp.clip(n_miss - first, 0, chunk_size)
+        experts = jax.lax.dynamic_slice_in_dim(miss_ids, first, chunk_size)
+        return _copy_experts(buffer, host_gate_up, host_down, experts, jnp.arange(chunk_size), count)
 
-    num_chunks = (n_miss + num_scratch - 1) // num_scratch
-    y, gate_up, down = jax.lax.fori_loop(0, num_chunks, chunk, (y, slots.w_gate_up, slots.w_down))
+    def compute(buffer, c):
+        local = token_rank - c * chunk_size
+        slot_ids = jnp.where((token_rank >= 0) & (local >= 0) & (local < chunk_size), local, -1)
+        return moe_ffn(x, slot_ids, weights, *buffer, backend=backend).astype(jnp.float32)
+
+    def chunk_pair(p, carry):
+        # Chunk 2p sits in `front`; fill `back` with 2p+1 while computing 2p, then `front` with 2p+2.
+        acc, front, back = carry
+        c = 2 * p
+        back = fill(back, c + 1)
+        acc = acc + compute(front, c)
+        front = fill(front, c + 2)
+        acc = acc + compute(back, c + 1)
+        return acc, front, back
+
+    d, f = x.shape[1], slots.w_down.shape[1]
+    empty = (jnp.zeros((chunk_size, d, 2 * f), slots.w_gate_up.dtype),
+             jnp.zeros((chunk_size, f, d), slots.w_down.dtype))
+    num_pairs = (n_miss + 2 * chunk_size - 1) // (2 * chunk_size)
+    y, _, _ = jax.lax.fori_loop(0, num_pairs, chunk_pair, (y, fill(empty, 0), empty))
     hits = count_hits(slots.slot_of_expert, ids)
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, jnp.int32(0))
-    return y.astype(x.dtype), slots._replace(w_gate_up=gate_up, w_down=down), counts
+    return y.astype(x.dtype), counts
+
+
+
+def host_compute_misses(slots: LayerSlots, victim_order, host_gate_up, host_down, x, ids, weights, *, backend: str,
+                        admit_limit: int) -> tuple[jax.Array, LayerSlots, StepCounts]:
+    """Miss mode "host", decode path: cached experts run on the device from their slots; every other needed
+    expert runs on the host, where its weights live, so only activations cross the link.
+
+    Up to `admit_limit` missed experts are also copied into victim cache slots for later steps (never
+    scratch): this step's result does not depend on those copies, so they stay off its critical path.
+    """
+    num_experts = slots.slot_of_expert.shape[0]
+    cached_slot = jnp.where(ids >= 0, slots.slot_of_expert[jnp.maximum(ids, 0)], -1)
+    y = moe_ffn(x, cached_slot, weights, slots.w_gate_up, slots.w_down, backend=backend).astype(jnp.float32)
+    needed = needed_experts(ids, num_experts)
+    missing = needed & (slots.slot_of_expert < 0)
+    most = min(num_experts, ids.size)  # distinct experts a step can miss
+    miss_ids = jnp.nonzero(missing, size=most, fill_value=0)[0].astype(jnp.int32)
+    y = y + experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host_gate_up, host_down)
+    hits = count_hits(slots.slot_of_expert, ids)
+    copied = evicted = jnp.int32(0)
+    if admit_limit:
+        adm = admit(slots, victim_order, host_gate_up, host_down, missing, needed, limit=admit_limit,
+                    use_scratch=False)
+        slots, copied, evicted = adm.slots, adm.copied, adm.evicted
+    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, copied, evicted)
+    return y.astype(x.dtype), slots, counts

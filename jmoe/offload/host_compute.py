@@ -1,0 +1,54 @@
+"""Expert FFNs computed on the host, where offloaded expert weights live (miss mode "host").
+
+Inside a jitted step, `compute_on("device_host")` runs a sub-computation on the host CPU. Only the
+activations, routing and the list of experts cross to the host and the result comes back: the expert
+weights stay in pinned host memory and are read there. JAX types every array with its memory space
+and refuses operations that mix host and device arrays, so everything the host computation builds is
+derived from its host inputs (or explicitly placed in host memory).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
+
+from jmoe.kernels.activations import get_activation
+
+_HOST = jax.memory.Space.Host
+
+
+@compute_on("device_host")
+@functools.partial(jax.jit, static_argnames=("activation",))
+def _experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *, activation: str):
+    act = get_activation(activation)
+    f = host_down.shape[1]
+
+    def add_expert(j, acc):
+        expert = experts[j]
+        # Each token's routing weight for this expert (0 when it did not choose it). A product, not jnp.where:
+        # where would broadcast its scalar 0 into a device-typed array.
+        token_weight = jnp.sum(weights.astype(jnp.float32) * (ids == expert), axis=1, keepdims=True)
+        gate_up = jnp.dot(x, jax.lax.dynamic_index_in_dim(host_gate_up, expert, 0, keepdims=False),
+                          preferred_element_type=jnp.float32)
+        h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
+        y = jnp.dot(h, jax.lax.dynamic_index_in_dim(host_down, expert, 0, keepdims=False),
+                    preferred_element_type=jnp.float32)
+        return acc + token_weight * y
+
+    return jax.lax.fori_loop(0, count, add_expert, jax.device_put(jnp.zeros(x.shape, jnp.float32), _HOST))
+
+
+def experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *, activation: str = "swiglu"):
+    """float32 [T, d] on the device: sum over `experts[:count]` (int32, distinct) of every token's routing
+    weight for that expert times the expert's FFN, computed on the host from `host_gate_up` [E, d, 2f] and
+    `host_down` [E, f, d] (pinned host memory). ids int32 [T, k] (-1 = none), weights [T, k].
+
+    Each listed expert's weights are read once and applied to all T rows, so this suits decode-sized
+    steps; big prefill steps stream experts to the device instead (jmoe.offload.slots).
+    """
+    x, ids, weights, experts, count = jax.device_put((x, ids, weights, experts, count), _HOST)
+    y = _experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, activation=activation)
+    return jax.device_put(y, jax.memory.Space.Device)

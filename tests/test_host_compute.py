@@ -1,0 +1,41 @@
+"""Expert FFNs computed on the host (miss mode "host") against the reference kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmoe.kernels import moe_ffn_reference
+from jmoe.offload.host_compute import experts_on_host
+
+HOST = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_listed_experts_on_host_match_the_reference(dtype, atol):
+    e, d, f, t, k = 6, 16, 8, 5, 2
+    keys = jax.random.split(jax.random.key(0), 4)
+    gate_up = jax.random.normal(keys[0], (e, d, 2 * f), jnp.float32).astype(dtype)
+    down = jax.random.normal(keys[1], (e, f, d), jnp.float32).astype(dtype)
+    x = jax.random.normal(keys[2], (t, d), jnp.float32).astype(dtype)
+    weights = jax.random.uniform(keys[3], (t, k)).astype(dtype)
+    ids = jnp.array([[0, 5], [2, -1], [3, 3], [5, 1], [-1, -1]], jnp.int32)
+    listed = jnp.array([5, 3, 0, 4], jnp.int32)  # expert 4 is listed but unused; 2 and 1 are used but unlisted
+    count = jnp.int32(3)  # only the first three entries count
+
+    y = jax.jit(experts_on_host)(x, ids, weights, listed, count, jax.device_put(gate_up, HOST),
+                                 jax.device_put(down, HOST))
+
+    only_listed = jnp.where(jnp.isin(ids, listed[:3]), ids, -1)
+    expected = moe_ffn_reference(x, only_listed, weights, gate_up, down).astype(jnp.float32)
+    assert y.dtype == jnp.float32 and y.sharding.memory_kind == "device"
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), atol=atol, rtol=atol)
+    assert np.abs(np.asarray(y)[4]).max() == 0.0  # a row that chose nothing gets nothing
+
+
+def test_the_expert_compute_is_marked_for_the_host():
+    e, d, f = 4, 8, 4
+    args = (jnp.ones((1, d)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), jnp.arange(2, dtype=jnp.int32),
+            jnp.int32(2), jax.device_put(jnp.ones((e, d, 2 * f)), HOST), jax.device_put(jnp.ones((e, f, d)), HOST))
+    text = jax.jit(experts_on_host).lower(*args).as_text()
+    assert '_xla_compute_type = "host"' in text
