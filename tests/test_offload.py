@@ -132,7 +132,8 @@ def test_device_budget_picks_largest_fitting_cache(olmoe_dir):
     dense = base.totals()["device_bytes"] - base.slot_bytes
     kv = 2 * 2 * BUDGET_KV_TOKENS * 4 * 8 * 4  # layers, tokens, kv heads, head_dim, float32
     per_slot = 2 * base.expert_bytes
-    budget = dense + kv + (base.scratch + 3) * per_slot + per_slot // 2
+    stream = 2 * base.scratch * base.expert_bytes  # prefill's two chunk buffers, one layer at a time
+    budget = dense + kv + stream + (base.scratch + 3) * per_slot + per_slot // 2
     model = jmoe.load(olmoe_dir, device_budget_gb=budget / 2**30, progress=False)
     assert model._placement.cache == 3
 

@@ -105,7 +105,8 @@ class Placement:
         if self.offloaded_layers:
             lines.append(f"{'expert slots':<16}{DEVICE:<14}{len(self.offloaded_layers):>8}"
                          f"{self.slot_bytes / 2**20:>12.2f}   ({self.cache} cache + {self.scratch} scratch "
-                         f"per layer, {len(self.offloaded_layers)} layers)")
+                         f"per layer, {len(self.offloaded_layers)} layers; prefill streams through up to "
+                         f"{2 * self.scratch * self.expert_bytes / 2**20:.2f} MB more, one layer at a time)")
         if self.fetched_keys:
             lines.append(f"{'layer prefetch':<16}{DEVICE:<14}{len(self.fetched_keys):>8}"
                          f"{self.fetch_buffer_bytes / 2**20:>12.2f}   ({self.layer_groups.describe()}: "
@@ -173,12 +174,14 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache
                     if k not in host_keys and not is_expert_param(tuple(k.split("."))))
         kv = 2 * cfg.num_layers * BUDGET_KV_TOKENS * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         per_slot = cfg.num_moe_layers * expert_bytes
-        floor = dense + fetch_buffer + kv + scratch * per_slot
+        stream = 2 * scratch * expert_bytes  # prefill's two chunk buffers, one layer at a time
+        floor = dense + fetch_buffer + kv + scratch * per_slot + stream
         if budget < floor:
             raise InputError(f"device_budget_gb={device_budget_gb} ({budget / 2**30:.3f} GB) cannot hold the "
                              f"dense weights ({dense / 2**30:.3f} GB) + KV cache for {BUDGET_KV_TOKENS} tokens "
                              f"({kv / 2**30:.3f} GB) + layer prefetch buffers ({fetch_buffer / 2**30:.3f} GB) + scratch "
-                             f"slots ({scratch * per_slot / 2**30:.3f} GB) = "
+                             f"slots ({scratch * per_slot / 2**30:.3f} GB) + prefill stream buffers "
+                             f"({stream / 2**30:.3f} GB) = "
                              f"{floor / 2**30:.3f} GB; raise the budget or offload more with offload_params")
         cache = int(min(cfg.num_experts, (budget - floor) // per_slot)) if per_slot else cfg.num_experts
         notes.append(f"device_budget_gb={device_budget_gb}: chose cache={cache} of {cfg.num_experts} experts per "
