@@ -192,21 +192,23 @@ def host_compute_misses(slots: LayerSlots, victim_order, host_gate_up, host_down
     expert runs on the host, where its weights live, so only activations cross the link.
 
     Up to `admit_limit` missed experts are also copied into victim cache slots for later steps (never
-    scratch): this step's result does not depend on those copies, so they stay off its critical path.
+    scratch, never a slot this step reads). The host compute does not wait for those copies; the device
+    part reads the slots after them, because reading first made XLA copy the whole slot buffers to keep
+    the version read (72 MB per layer and step on the GPT-OSS-shaped model).
     """
     num_experts = slots.slot_of_expert.shape[0]
+    hits = count_hits(slots.slot_of_expert, ids)
     cached_slot = jnp.where(ids >= 0, slots.slot_of_expert[jnp.maximum(ids, 0)], -1)
-    y = moe_ffn(x, cached_slot, weights, slots.w_gate_up, slots.w_down, backend=backend).astype(jnp.float32)
     needed = needed_experts(ids, num_experts)
     missing = needed & (slots.slot_of_expert < 0)
-    most = min(num_experts, ids.size)  # distinct experts a step can miss
-    miss_ids = jnp.nonzero(missing, size=most, fill_value=0)[0].astype(jnp.int32)
-    y = y + experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host_gate_up, host_down)
-    hits = count_hits(slots.slot_of_expert, ids)
+    miss_ids = jnp.nonzero(missing, size=min(num_experts, ids.size), fill_value=0)[0].astype(jnp.int32)
+    y_host = experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host_gate_up, host_down)
     copied = evicted = jnp.int32(0)
     if admit_limit:
         adm = admit(slots, victim_order, host_gate_up, host_down, missing, needed, limit=admit_limit,
                     use_scratch=False)
         slots, copied, evicted = adm.slots, adm.copied, adm.evicted
+    y = moe_ffn(x, cached_slot, weights, slots.w_gate_up, slots.w_down, backend=backend).astype(jnp.float32)
+    y = y + y_host
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, copied, evicted)
     return y.astype(x.dtype), slots, counts

@@ -1,0 +1,158 @@
+"""Decode throughput with and without prefetch, in both miss modes, and with layer-group weight prefetch.
+
+  python bench/decode_modes.py                 # both parts -> bench/results/decode_modes_cpu.md
+  python bench/decode_modes.py --part default  # the default model only (a few minutes)
+
+Part "default": the shipped model (checkpoints/default) with its own router, batch 1 and batch 4
+(four different code prompts), cache 4 of 16 experts per layer, LFRU.
+Part "gptoss": the GPT-OSS-20B-shaped random model of bench/decode_trace.py, routing forced from the
+held-out GPT-OSS-20B trace, batch 1, cache 8 of 32, LFRU.
+
+Rows: every expert resident; then the offload engine with prefetch off / on (`prefetch=k`: the next
+layer's router guess, up to k experts per layer) in miss mode "fetch" (a missed expert is copied to the
+device) and "host" (computed on the host with compute_on("device_host")); then layer-group weight
+prefetch (every second layer's non-expert weights on the host, fetched one layer ahead) on top of the
+resident experts. Each row: a new load, an unmeasured generation (compiles, warms the cache), then the
+same generation again, measured. "Stall-free" = the engine's hit rate over the measured decode steps:
+accesses whose expert sat in a device slot when its layer started (a prefetched expert counts).
+On this CPU JAX's device and pinned_host memory are both host RAM: a "copy" is a memcpy and "host
+compute" runs on the same cores, so these numbers show the engine's overheads, not PCIe effects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import write_random_checkpoint, write_result  # noqa: E402
+from decode import PROMPT  # noqa: E402
+from decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, Run  # noqa: E402
+from replay import load_trace, split_trace  # noqa: E402
+from trace_routing import TraceRouting  # noqa: E402
+
+from jmoe.sampling import SamplingParams  # noqa: E402
+
+BATCH_PROMPTS = [DEFAULT_PROMPT, "def parse(text):\n    result = []\n    for line in text.splitlines():\n",
+                 "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+                 "import sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"]
+TABLE_HEAD = ("| setting | batch | tok/s (all rows) | ms/step | stall-free | MB moved/step |\n"
+              "|---|---|---|---|---|---|")
+
+
+def measure(model, prompts: list[list[int]], tokens: int, routing=None) -> Run:
+    """The prompt step and `tokens` decode steps for every row; statistics of the decode steps only."""
+    model.forced_routing = routing
+    after_prompt = []
+
+    def snapshot(_):  # called after every step; the first call follows the prompt step
+        if not after_prompt:
+            after_prompt.append(model.stats())
+
+    result = model.generate_detailed(prompts, tokens + 1, SamplingParams(), on_tokens=snapshot)
+    return Run(result, after_prompt[0] if after_prompt else [], model.stats())
+
+
+def settings(k: int, cache: int) -> list[tuple[str, dict]]:
+    return [("resident", {}),
+            (f"cache {cache}, fetch", dict(cache=cache)),
+            (f"cache {cache}, fetch, prefetch {k}", dict(cache=cache, prefetch=k)),
+            (f"cache {cache}, host", dict(cache=cache, miss_mode="host")),
+            (f"cache {cache}, host, prefetch {k}", dict(cache=cache, miss_mode="host", prefetch=k)),
+            ("resident experts, layer groups G=2 N=1 K=1",
+             dict(offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1)),
+            ("resident (again, to show drift over the run)", {})]
+
+
+def run_rows(directory, batches: dict[int, list[list[int]]], tokens: int, k: int, cache: int, log,
+             routing=None) -> list[str]:
+    import jmoe
+
+    rows = []
+    for label, kwargs in settings(k, cache):
+        model = jmoe.load(directory, policy="lfru", progress=False, **kwargs)
+        for batch, prompts in batches.items():
+            if model.stats():
+                model.set_policy("lfru")  # every measurement starts from an empty cache
+            measure(model, prompts, tokens, routing and routing[0])  # compile, warm the cache
+            run = measure(model, prompts, tokens, routing and routing[1])
+            stall_free = "-" if run.hit_rate is None else f"{run.hit_rate:.1%}"
+            rows.append(f"| {label} | {batch} | {run.tps * batch:.1f} | {run.step_s * 1e3:.1f} | {stall_free} | "
+                        f"{run.moved_per_step / 1e6:.2f} |")
+            log(rows[-1])
+        model = None
+    return rows
+
+
+def part_default(args, log) -> str:
+    import jmoe
+    from jmoe.generate import DEFAULT_MODEL_DIR
+
+    tokenizer = jmoe.load(DEFAULT_MODEL_DIR, progress=False).require_tokenizer()
+    prompts = [tokenizer.encode(p) for p in BATCH_PROMPTS]
+    cfg = jmoe.load_config(DEFAULT_MODEL_DIR)
+    rows = run_rows(DEFAULT_MODEL_DIR, {1: prompts[:1], 4: prompts}, args.default_tokens,
+                    cfg.num_experts_per_tok, args.default_cache, log)
+    return (f"## (a) Default model, its own routing\n\n`checkpoints/default` ({cfg.num_moe_layers} MoE layers, "
+            f"{cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, float32), greedy, {args.default_tokens} "
+            f"decode steps after code prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
+            f"batch 4 = four different prompts (left-padded). tok/s counts every row's tokens.\n\n"
+            f"{TABLE_HEAD}\n" + "\n".join(rows) + "\n")
+
+
+def part_gptoss(args, log) -> str:
+    directory = write_random_checkpoint(args.workdir / "gptoss_shaped_mixtral", **GPTOSS_SHAPED)
+    import jmoe
+
+    cfg = jmoe.load_config(directory)
+    heldout = split_trace(load_trace("gptoss"))["eval_ids"]
+    p, n = len(PROMPT), args.tokens
+    routing = (TraceRouting(heldout[:p + n], p, cfg), TraceRouting(heldout[p + n:2 * (p + n)], p, cfg))
+    rows = run_rows(directory, {1: [PROMPT]}, n, cfg.num_experts_per_tok, args.gptoss_cache, log, routing)
+    return (f"## (b) GPT-OSS-20B-shaped random model, routing forced from the GPT-OSS-20B trace\n\n"
+            f"The model of `bench/decode_trace.py` ({cfg.num_layers} MoE layers, {cfg.num_experts} experts, "
+            f"top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, float32); expert ids forced from the "
+            f"held-out trace rows (warm-up rows 0-{p + n - 1}, measured rows {p + n}-{2 * (p + n) - 1}); batch 1, "
+            f"{n} decode steps. The prefetch guess uses the model's own (random) router, which is unrelated to "
+            f"the forced routing, so it shows the cost of prefetching with a poor guess.\n\n"
+            f"{TABLE_HEAD}\n" + "\n".join(rows) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["all", "default", "gptoss"], default="all")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench"))
+    parser.add_argument("--default-tokens", type=int, default=64)
+    parser.add_argument("--default-cache", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=16, help="GPT-OSS-shaped model: decode steps per run")
+    parser.add_argument("--gptoss-cache", type=int, default=8)
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(args.workdir / "jax_cache"))
+    began = time.perf_counter()
+
+    def log(message):
+        print(f"[{time.perf_counter() - began:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+    load_before = open("/proc/loadavg").read().split()[:3]
+    sections = []
+    if args.part in ("all", "default"):
+        sections.append(part_default(args, log))
+    if args.part in ("all", "gptoss"):
+        sections.append(part_gptoss(args, log))
+    load_after = open("/proc/loadavg").read().split()[:3]
+    body = (__doc__.split("\n\n", 2)[2] + f"\nLoad average {' '.join(load_before)} before, "
+            f"{' '.join(load_after)} after; whole run {time.perf_counter() - began:.0f} s. Single runs: read "
+            f"differences under ~10% as noise.\n\n" + "\n".join(sections))
+    print(write_result(f"decode_modes_{jax.default_backend()}.md",
+                       "Decode with prefetch, miss modes and layer groups", body))
+
+
+if __name__ == "__main__":
+    main()
