@@ -66,3 +66,19 @@ def write_result(name: str, title: str, body: str) -> Path:
               f"- Command: `python {' '.join(sys.argv)}`\n\n")
     path.write_text(header + body)
     return path
+
+
+def run_parts(args, parts: dict) -> tuple[list[str], str]:
+    """Run the report sections `parts` {name: fn(args, log)} chosen by `args.part` ("all" or a name), with
+    timestamped progress on stderr; returns the sections and a line on load average and run time."""
+    began = time.perf_counter()
+
+    def log(message):
+        print(f"[{time.perf_counter() - began:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+    load_before = open("/proc/loadavg").read().split()[:3]
+    sections = [fn(args, log) for name, fn in parts.items() if args.part in ("all", name)]
+    load_after = open("/proc/loadavg").read().split()[:3]
+    conditions = (f"load average {' '.join(load_before)} before, {' '.join(load_after)} after; whole run "
+                  f"{time.perf_counter() - began:.0f} s")
+    return sections, conditions

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -31,32 +30,18 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import write_random_checkpoint, write_result  # noqa: E402
+from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
 from decode import PROMPT  # noqa: E402
-from decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, Run  # noqa: E402
+from decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, measure  # noqa: E402
 from replay import load_trace, split_trace  # noqa: E402
 from trace_routing import TraceRouting  # noqa: E402
 
-from jmoe.sampling import SamplingParams  # noqa: E402
 
 BATCH_PROMPTS = [DEFAULT_PROMPT, "def parse(text):\n    result = []\n    for line in text.splitlines():\n",
                  "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
                  "import sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"]
 TABLE_HEAD = ("| setting | batch | tok/s (all rows) | ms/step | stall-free | MB moved/step |\n"
               "|---|---|---|---|---|---|")
-
-
-def measure(model, prompts: list[list[int]], tokens: int, routing=None) -> Run:
-    """The prompt step and `tokens` decode steps for every row; statistics of the decode steps only."""
-    model.forced_routing = routing
-    after_prompt = []
-
-    def snapshot(_):  # called after every step; the first call follows the prompt step
-        if not after_prompt:
-            after_prompt.append(model.stats())
-
-    result = model.generate_detailed(prompts, tokens + 1, SamplingParams(), on_tokens=snapshot)
-    return Run(result, after_prompt[0] if after_prompt else [], model.stats())
 
 
 def settings(k: int, cache: int) -> list[tuple[str, dict]]:
@@ -135,20 +120,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(args.workdir / "jax_cache"))
-    began = time.perf_counter()
-
-    def log(message):
-        print(f"[{time.perf_counter() - began:6.0f} s] {message}", file=sys.stderr, flush=True)
-
-    load_before = open("/proc/loadavg").read().split()[:3]
-    sections = []
-    if args.part in ("all", "default"):
-        sections.append(part_default(args, log))
-    if args.part in ("all", "gptoss"):
-        sections.append(part_gptoss(args, log))
-    load_after = open("/proc/loadavg").read().split()[:3]
-    body = (__doc__.split("\n\n", 2)[2] + f"\nLoad average {' '.join(load_before)} before, "
-            f"{' '.join(load_after)} after; whole run {time.perf_counter() - began:.0f} s. Single runs: read "
+    sections, conditions = run_parts(args, {"default": part_default, "gptoss": part_gptoss})
+    body = (__doc__.split("\n\n", 2)[2] + f"\nRun conditions: {conditions}. Single runs: read "
             f"differences under ~10% as noise.\n\n" + "\n".join(sections))
     print(write_result(f"decode_modes_{jax.default_backend()}.md",
                        "Decode with prefetch, miss modes and layer groups", body))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -30,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import write_random_checkpoint, write_result  # noqa: E402
+from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
 from decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode  # noqa: E402
 from replay import frequency_table, load_trace, replay, split_trace  # noqa: E402
 from trace_routing import TraceRouting  # noqa: E402
@@ -61,8 +60,8 @@ class Run:
         self.moved_per_step = sum(b["bytes_moved"] - a["bytes_moved"] for a, b in zip(first, last)) / self.steps
 
 
-def measure(model, prompt: list[int], tokens: int, routing=None) -> Run:
-    """Run the prompt step and `tokens` decode steps; statistics of the decode steps only."""
+def measure(model, prompts: list[list[int]], tokens: int, routing=None) -> Run:
+    """The prompt step and `tokens` decode steps for every row; statistics of the decode steps only."""
     model.forced_routing = routing
     after_prompt = []
 
@@ -70,7 +69,7 @@ def measure(model, prompt: list[int], tokens: int, routing=None) -> Run:
         if not after_prompt:
             after_prompt.append(model.stats())
 
-    result = model.generate_detailed([prompt], tokens + 1, SamplingParams(), on_tokens=snapshot)
+    result = model.generate_detailed(prompts, tokens + 1, SamplingParams(), on_tokens=snapshot)
     return Run(result, after_prompt[0], model.stats())
 
 
@@ -117,8 +116,8 @@ def part_gptoss(args, log) -> str:
     cfg = resident.config
     params = sum(resident._placement.nbytes.values()) // 4
     own_tps, _ = jmoe_decode(resident, n)
-    measure(resident, PROMPT, n, TraceRouting(warm_rows, p, cfg))  # compile with forced routing
-    base = measure(resident, PROMPT, n, TraceRouting(measured_rows, p, cfg))
+    measure(resident, [PROMPT], n, TraceRouting(warm_rows, p, cfg))  # compile with forced routing
+    base = measure(resident, [PROMPT], n, TraceRouting(measured_rows, p, cfg))
     log(f"resident: own routing {own_tps:.2f} tok/s, forced {base.tps:.2f} tok/s")
     del resident
     hf_tps = transformers_decode(directory, args.hf_tokens)
@@ -135,8 +134,8 @@ def part_gptoss(args, log) -> str:
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
         for name in POLICIES:
             model.set_policy(factories[name]())
-            measure(model, PROMPT, n, TraceRouting(warm_rows, p, cfg))
-            run = measure(model, PROMPT, n, TraceRouting(measured_rows, p, cfg))
+            measure(model, [PROMPT], n, TraceRouting(warm_rows, p, cfg))
+            run = measure(model, [PROMPT], n, TraceRouting(measured_rows, p, cfg))
             expected = replay_hits(seen, n, experts, cache, factories[name])
             rows.append(row(f"{cache} | {name}", run, base.step_s, bandwidth, f" {expected:.1%} |"))
             log(rows[-1])
@@ -186,8 +185,8 @@ def part_default(args, log) -> str:
     cfg = resident.config
     prompt = resident.require_tokenizer().encode(DEFAULT_PROMPT)
     e, k, n = cfg.num_experts, cfg.num_experts_per_tok, args.default_tokens
-    measure(resident, prompt, n)  # compile
-    base = measure(resident, prompt, n)
+    measure(resident, [prompt], n)  # compile
+    base = measure(resident, [prompt], n)
     log(f"default resident: {base.tps:.2f} tok/s over {base.steps} steps")
     del resident
     caches = sorted({k, e // 4, e // 2})
@@ -199,8 +198,8 @@ def part_default(args, log) -> str:
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
         for name in POLICIES:
             model.set_policy(name)
-            measure(model, prompt, n)
-            run = measure(model, prompt, n)
+            measure(model, [prompt], n)
+            run = measure(model, [prompt], n)
             steps.add(run.steps)
             rows.append(row(f"{cache} | {name}", run, base.step_s, bandwidth))
             log(rows[-1])
@@ -233,23 +232,10 @@ def main(argv=None) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     # Each cache size compiles its own programs (about a minute each here); keep them for the next run.
     jax.config.update("jax_compilation_cache_dir", str(args.workdir / "jax_cache"))
-    began = time.perf_counter()
-
-    def log(message):
-        print(f"[{time.perf_counter() - began:6.0f} s] {message}", file=sys.stderr, flush=True)
-
-    load_before = open("/proc/loadavg").read().split()[:3]
-    sections = []
-    if args.part in ("all", "default"):
-        sections.append(part_default(args, log))
-    if args.part in ("all", "gptoss"):
-        sections.append(part_gptoss(args, log))
-    load_after = open("/proc/loadavg").read().split()[:3]
+    sections, conditions = run_parts(args, {"default": part_default, "gptoss": part_gptoss})
     body = (f"Batch-1 greedy decode on CPU (JAX's 'device' and 'pinned_host' memory are both host RAM here, so "
-            f"a host-to-slot copy is a memcpy). The machine is shared with other jobs: load average "
-            f"{' '.join(load_before)} before, {' '.join(load_after)} after; whole run "
-            f"{time.perf_counter() - began:.0f} s. Single runs, no repeats: read differences under ~10% as "
-            f"noise.\n\n" + "\n".join(sections))
+            f"a host-to-slot copy is a memcpy). The machine is shared with other jobs: {conditions}. Single "
+            f"runs, no repeats: read differences under ~10% as noise.\n\n" + "\n".join(sections))
     print(write_result("decode_trace_cpu.md", "Decode throughput with real routing (CPU)", body))
 
 
