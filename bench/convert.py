@@ -102,8 +102,8 @@ def load_once(kind: str, hf_dir: str, orbax_dir: str) -> None:
     import jax
 
     from jmoe.config import load_config
-    from jmoe.loading import load_model
-    from jmoe.orbax_store import restore_model
+    from jmoe.checkpoint.loading import load_model
+    from jmoe.checkpoint.orbax_store import restore_model
 
     cfg = load_config(hf_dir)
     start = time.perf_counter()

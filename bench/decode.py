@@ -42,7 +42,7 @@ PROMPT = list(range(100, 132))
 
 def bytes_read_per_token(model) -> int:
     """Weights one batch-1 decode token reads: every dense matrix, top_k experts per MoE layer, one embedding row."""
-    placement, cfg = model._placement, model.config
+    placement, cfg = model.placement_plan, model.config
     dense = sum(b for k, b in placement.nbytes.items() if placement.groups[k] not in ("experts", "embedding"))
     embed = placement.nbytes["embed"]
     embed_read = embed if cfg.tie_word_embeddings else embed // cfg.vocab_size
@@ -51,7 +51,7 @@ def bytes_read_per_token(model) -> int:
 
 def jmoe_decode(model, new_tokens: int) -> tuple[float, float]:
     """(decode tokens/s, seconds per step) at batch 1, greedy, after a warm-up run."""
-    from jmoe.sampling import SamplingParams
+    from jmoe.decode.sampling import SamplingParams
 
     # Warm up with the same length: the KV-cache length (and so the compiled step) depends on it.
     model.generate_detailed([PROMPT], new_tokens, SamplingParams())
@@ -83,7 +83,7 @@ def cmd_compare(args) -> None:
     for name, spec in COMPARE_MODELS.items():
         directory = write_random_checkpoint(args.workdir / f"compare_{name}", **spec)
         model = jmoe.load(directory, progress=False)
-        params = sum(model._placement.nbytes.values()) // 4
+        params = sum(model.placement_plan.nbytes.values()) // 4
         jmoe_tps, _ = jmoe_decode(model, args.tokens)
         hf_tps = transformers_decode(directory, args.tokens)
         per_token = bytes_read_per_token(model)
@@ -116,12 +116,12 @@ def copy_bandwidth_gbs(model) -> float:
 
 def cmd_cache(args) -> None:
     import jmoe
-    from jmoe.sampling import SamplingParams
+    from jmoe.decode.sampling import SamplingParams
 
     directory = write_random_checkpoint(args.workdir / "cache_mixtral", **CACHE_MODEL)
     resident = jmoe.load(directory, progress=False)
     cfg = resident.config
-    params = sum(resident._placement.nbytes.values()) // 4
+    params = sum(resident.placement_plan.nbytes.values()) // 4
     resident_tps, resident_step = jmoe_decode(resident, args.tokens)
     del resident
     e, k = cfg.num_experts, cfg.num_experts_per_tok

@@ -77,7 +77,7 @@ def run_rows(directory, batches: dict[int, list[list[int]]], tokens: int, k: int
 
 def part_default(args, log) -> str:
     import jmoe
-    from jmoe.generate import DEFAULT_MODEL_DIR
+    from jmoe.cli.common import DEFAULT_MODEL_DIR
 
     tokenizer = jmoe.load(DEFAULT_MODEL_DIR, progress=False).require_tokenizer()
     prompts = [tokenizer.encode(p) for p in BATCH_PROMPTS]

@@ -35,7 +35,7 @@ from replay import frequency_table, load_trace, replay, split_trace  # noqa: E40
 from trace_routing import TraceRouting  # noqa: E402
 
 from jmoe.offload.policies import make_policy  # noqa: E402
-from jmoe.sampling import SamplingParams  # noqa: E402
+from jmoe.decode.sampling import SamplingParams  # noqa: E402
 
 POLICIES = ("lru", "lfru", "static")
 GPTOSS_CACHES = (4, 6, 8, 12, 16, 32)
@@ -62,14 +62,14 @@ class Run:
 
 def measure(model, prompts: list[list[int]], tokens: int, routing=None) -> Run:
     """The prompt step and `tokens` decode steps for every row; statistics of the decode steps only."""
-    model.forced_routing = routing
     after_prompt = []
 
     def snapshot(_):  # called after every step; the first call follows the prompt step
         if not after_prompt:
             after_prompt.append(model.stats())
 
-    result = model.generate_detailed(prompts, tokens + 1, SamplingParams(), on_tokens=snapshot)
+    result = model.generate_detailed(prompts, tokens + 1, SamplingParams(), on_tokens=snapshot,
+                                     routing_override=routing)
     return Run(result, after_prompt[0], model.stats())
 
 
@@ -114,7 +114,7 @@ def part_gptoss(args, log) -> str:
 
     resident = jmoe.load(directory, progress=False)
     cfg = resident.config
-    params = sum(resident._placement.nbytes.values()) // 4
+    params = sum(resident.placement_plan.nbytes.values()) // 4
     own_tps, _ = jmoe_decode(resident, n)
     measure(resident, [PROMPT], n, TraceRouting(warm_rows, p, cfg))  # compile with forced routing
     base = measure(resident, [PROMPT], n, TraceRouting(measured_rows, p, cfg))
@@ -176,7 +176,7 @@ def model_expert_mb(cfg) -> float:
 
 def part_default(args, log) -> str:
     import jmoe
-    from jmoe.generate import DEFAULT_MODEL_DIR
+    from jmoe.cli.common import DEFAULT_MODEL_DIR
 
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         log(f"{DEFAULT_MODEL_DIR} not found: part (a) skipped")

@@ -11,44 +11,55 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmoe.checkpoint.loading import load_model
+from jmoe.checkpoint.orbax_store import is_orbax_checkpoint, read_manifest, restore_model
+from jmoe.checkpoint.tokenizer import TextTokenizer, load_tokenizer
 from jmoe.config import ModelConfig, load_config
+from jmoe.decode.generation import RoutingOverride, TokenCallback, as_rows, check_token_ids, generate_tokens
+from jmoe.decode.sampling import SamplingParams
+from jmoe.decode.steps import make_logits_fn, make_step_fn
+from jmoe.decode.streaming import stdout_streamer
 from jmoe.errors import InputError
-from jmoe.expert_engine import ResidentEngine
-from jmoe.generation import TokenCallback, as_rows, check_token_ids, generate_tokens
-from jmoe.loading import abstract_model, flat_params, load_model
-from jmoe.offload.engine import MISS_MODES, OffloadEngine
-from jmoe.offload.layer_groups import layer_groups_from
-from jmoe.offload.placement import Placement, plan_placement
-from jmoe.offload.policies import CachePolicy, policy_factory
-from jmoe.orbax_store import is_orbax_checkpoint, read_manifest, restore_model
+from jmoe.kernels import BACKENDS
+from jmoe.memory import sharding_for
 from jmoe.model import MoETransformer
-from jmoe.sampling import SamplingParams
-from jmoe.steps import make_logits_fn, make_step_fn
-from jmoe.tokenizer import TextTokenizer, load_tokenizer, stdout_streamer
+from jmoe.model.params import abstract_params, flat_params
+from jmoe.offload.engine import make_engine
+from jmoe.offload.options import OffloadOptions
+from jmoe.offload.placement import Placement, plan_placement
+from jmoe.offload.policies import CachePolicy
+from jmoe.offload.resident import ResidentEngine
+
+PARAM_DTYPES = ("float32", "bfloat16")  # what the expert kernels compute in
 
 
 class Model:
     """A loaded MoE language model with its expert engine and (optionally) its tokenizer."""
 
-    def __init__(self, module: MoETransformer, config: ModelConfig, engine, placement: Placement,
-                 tokenizer: TextTokenizer | None = None, source: Path | None = None):
+    def __init__(self, module: MoETransformer, config: ModelConfig, engine, tokenizer: TextTokenizer | None = None,
+                 source: Path | None = None):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.source = source
-        self._placement = placement
-        engine.attach(module)
+        engine.attach(module.moe_layer_views())
         self.graphdef, self.params = nnx.split(module)
         self.kv_dtype = module.embed[...].dtype
         self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
         self._step_fns: dict[SamplingParams, object] = {}
-        self._sampling = SamplingParams()
-        # Benchmarks only: step index -> int32 [L_moe, B, T, k] expert ids replacing the router's choice.
-        self.forced_routing = None
 
     def module(self) -> MoETransformer:
         """The Flax NNX module (for research code: inspect, fine-tune, call directly)."""
         return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def placement_plan(self) -> Placement:
+        """Where every parameter lives, the slot counts and the byte totals (the engine owns it)."""
+        return self.engine.placement
+
+    def placement(self) -> dict[str, dict]:
+        """Per parameter: its memory kind and bytes."""
+        return self.placement_plan.as_dict()
 
     def _finish_step(self, engine_state, routing, extra=()):
         """The one device-to-host read of a step: engine tables, routing and whatever the caller needs."""
@@ -70,13 +81,16 @@ class Model:
         logits, routing, state = self._logits_fn(self.params, self.engine.state, jnp.asarray(rows, jnp.int32))
         return logits, self._finish_step(state, routing, routing)
 
-    def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int):
-        """One jitted generation step; returns (next tokens as NumPy [B], the updated kv cache)."""
-        fn = self._step_fns.get(self._sampling)
+    def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int, sampling: SamplingParams,
+                 forced_routing: np.ndarray | None = None):
+        """One jitted generation step; returns (next tokens as NumPy [B], the updated kv cache).
+
+        forced_routing: None, or int [L_moe, B, T, k] expert ids replacing the routers' choice.
+        """
+        fn = self._step_fns.get(sampling)
         if fn is None:
-            fn = self._step_fns[self._sampling] = make_step_fn(self.graphdef, self.engine, self._sampling)
-        forced = None if self.forced_routing is None else jnp.asarray(self.forced_routing(step, tokens.shape),
-                                                                       jnp.int32)
+            fn = self._step_fns[sampling] = make_step_fn(self.graphdef, self.engine, sampling)
+        forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
         next_tokens, routing, kv_cache, state = fn(self.params, self.engine.state, tokens, kv_cache,
                                                    jnp.int32(write_index), pad_len, key, jnp.int32(step), forced)
         return self._finish_step(state, routing, next_tokens), kv_cache
@@ -92,10 +106,13 @@ class Model:
                                       seed, on_tokens).tokens
 
     def generate_detailed(self, rows: list[list[int]], max_new_tokens: int, sampling: SamplingParams, seed: int = 0,
-                          on_tokens: TokenCallback | None = None):
-        """Like generate, returning a GenerationResult with timings (used by the CLI and benchmarks)."""
-        self._sampling = sampling
-        return generate_tokens(self, rows, max_new_tokens, seed, on_tokens)
+                          on_tokens: TokenCallback | None = None, routing_override: RoutingOverride | None = None):
+        """Like generate, returning a GenerationResult with timings (used by the CLI and benchmarks).
+
+        routing_override: (step, tokens shape) -> expert ids replacing the routers' choice (benchmarks
+        that drive a random-weight model from a recorded trace, jmoe.traces.forced_routing).
+        """
+        return generate_tokens(self, rows, max_new_tokens, sampling, seed, on_tokens, routing_override)
 
     def require_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:
@@ -119,11 +136,7 @@ class Model:
 
     def set_policy(self, policy) -> None:
         """Empty the expert cache and continue with another policy (name or CachePolicy); no recompilation."""
-        self.engine.reset(policy)
-
-    def placement(self) -> dict[str, dict]:
-        """Per parameter: its memory kind and bytes."""
-        return self._placement.as_dict()
+        self.engine.reset(OffloadOptions(policy=policy).policy)
 
     def stats(self) -> list[dict]:
         """Per MoE layer: hits, misses, evictions, bytes moved (empty when every expert is resident)."""
@@ -154,49 +167,53 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
     progress: show a progress bar and print the placement summary to stderr.
     """
+    options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
+                             offload_group_size, offload_num_in_group, offload_prefetch_step)
+    return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress)
+
+
+def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str | None = None, backend: str = "auto",
+                      progress: bool = True) -> Model:
+    """`load` with the offload settings already gathered in an OffloadOptions (the command lines use this)."""
+    check_backend(backend)
     model_dir = Path(path)
     config = load_config(model_dir)
     orbax = is_orbax_checkpoint(model_dir)
     # An Orbax checkpoint keeps the dtype it was converted to; an HF one says its dtype in config.json.
-    dtype = jnp.dtype(dtype or (read_manifest(model_dir)["dtype"] if orbax else config.dtype))
-    placement = plan_placement(config, flat_params(nnx.to_pure_dict(abstract_model(config, dtype)[1])),
-                               cache=cache, offload_params=offload_params, device_budget_gb=device_budget_gb,
-                               layer_groups=layer_groups_from(offload_group_size, offload_num_in_group,
-                                                              offload_prefetch_step))
+    dtype = param_dtype(dtype or (read_manifest(model_dir)["dtype"] if orbax else config.dtype))
+    placement = plan_placement(config, abstract_params(config, dtype), options)
     if orbax:
         module = restore_model(model_dir, config, dtype=dtype, memory_kind_of=placement.memory_kind_of,
                                progress=progress)
     else:
         module = load_model(model_dir, config, dtype=dtype, progress=progress,
-                            place=lambda p, host: jax.device_put(host, memory_sharding(placement.memory_kind_of(p))))
+                            place=lambda p, host: jax.device_put(host, sharding_for(placement.memory_kind_of(p))))
     if progress:
         print(placement.summary(), file=sys.stderr)
-    return Model(module, config, make_engine(config, placement, policy, dtype, backend, prefetch, miss_mode),
-                 placement,
-                 load_tokenizer(model_dir), model_dir)
+    return Model(module, config, make_engine(config, placement, options, dtype, backend), load_tokenizer(model_dir),
+                 model_dir)
 
 
-def make_engine(config: ModelConfig, placement: Placement, policy, dtype, backend: str, prefetch: int = 0,
-                miss_mode: str = "fetch"):
-    """The resident engine when no expert is offloaded, else the offload engine."""
-    # Checked even when nothing is offloaded, so a bad argument is never silently ignored.
-    if prefetch < 0:
-        raise InputError(f"prefetch must be >= 0 experts per layer (0 = off), found {prefetch}")
-    if miss_mode not in MISS_MODES:
-        raise InputError(f"miss_mode must be one of {', '.join(MISS_MODES)}, found {miss_mode!r}")
-    if isinstance(policy, str):
-        policy_factory(policy)
-    if not placement.offloaded_layers:
-        return ResidentEngine(config, backend, placement)
-    return OffloadEngine(config, placement, policy, dtype, backend, prefetch, miss_mode)
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
 
 
-def memory_sharding(memory_kind: str) -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+def param_dtype(name) -> jnp.dtype:
+    """The parameter dtype called `name`; float32 or bfloat16, what the expert kernels compute in."""
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in PARAM_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, found {name!r}; pass dtype= / --dtype "
+                         f"with one of them")
+    return dtype
 
 
 def random_model(config: ModelConfig, seed: int = 0, backend: str = "auto") -> Model:
     """A randomly initialised model with every parameter on the device (tests, benchmarks, training)."""
+    check_backend(backend)
     module = MoETransformer(config, rngs=nnx.Rngs(seed))
-    placement = plan_placement(config, flat_params(nnx.to_pure_dict(nnx.state(module))), cache=None)
-    return Model(module, config, ResidentEngine(config, backend), placement)
+    placement = plan_placement(config, flat_params(nnx.to_pure_dict(nnx.state(module))))
+    return Model(module, config, ResidentEngine(config, placement, backend))

@@ -8,11 +8,11 @@ A new family (DeepSeek-V3, GPT-OSS) is a new entry plus whatever new switch it n
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 from jmoe.errors import ConfigError
+from jmoe.jsonfile import read_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 
@@ -42,6 +42,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     qk_norm: str = "none"  # "none" | "per_head" (RMSNorm over head_dim) | "full" (over the projection)
+    expert_activation: str = "swiglu"  # a jmoe.kernels ACTIVATIONS name, passed to every expert computation
     qkv_bias: bool = False
     o_bias: bool = False
     clip_qkv: float | None = None
@@ -209,14 +210,6 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
     )
 
 
-def read_json(path: Path, what: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: {what} is not valid JSON ({e}); re-export it from the source model") from e
-
-
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read config.json (and generation_config.json when present) from a model directory."""
     model_dir = Path(model_dir)
@@ -224,7 +217,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if not config_path.is_file():
         raise ConfigError(f"{model_dir}: no config.json found; expected a Hugging Face model directory "
                           f"containing config.json and *.safetensors (pass it with --model)")
-    hf = read_json(config_path, "config.json")
+    advice = "re-export it from the source model"
+    hf = read_json(config_path, "config.json", ConfigError, advice)
     gen_path = model_dir / "generation_config.json"
-    generation = read_json(gen_path, "generation_config.json") if gen_path.is_file() else None
+    generation = read_json(gen_path, "generation_config.json", ConfigError, advice) if gen_path.is_file() else None
     return parse_config(hf, str(config_path), generation)

@@ -1,39 +1,8 @@
-"""Convert a Hugging Face MoE checkpoint (safetensors) to an Orbax checkpoint that jmoe restores fast.
+"""`python -m jmoe.convert`: see jmoe.cli.convert."""
 
-python -m jmoe.convert HF_DIR OUT_DIR [--dtype bfloat16|float32] [--overwrite]
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
 
-from jmoe.errors import JmoeError
-from jmoe.orbax_store import convert_checkpoint
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jmoe.convert", description=__doc__.splitlines()[0])
-    p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory (config.json, *.safetensors)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="output directory for the Orbax checkpoint")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="parameter dtype to store (default: the dtype in config.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is not empty")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        out = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
-                                 progress=not args.quiet)
-    except JmoeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
-
+from jmoe.cli.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
 """The one public entry point: validate shapes/dtypes, pick a backend, call it."""
 
-import jax
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
 from jmoe.kernels.activations import get_activation
@@ -72,22 +73,22 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        num_tokens, top_k = slot_ids.shape
-        backend = select_backend(jax.default_backend(), num_tokens * top_k)
+        backend = AUTO_BACKEND
     return _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, activation=activation)
 
 
-def select_backend(platform: str, num_pairs: int) -> str:
-    """The backend `auto` runs, from the platform and the static (token, j) pair count.
+# What `auto` runs, on every platform and at every size for now. CPU: the fastest measured at decode and
+# prefill (bench/results/kernels_cpu.md; never interpret-mode Pallas, never XLA:CPU's dense ragged_dot).
+# GPU: the Pallas/Triton kernels have not run on one yet, so auto stays on the portable XLA path there;
+# the row-tile size of xla_tiled adapts to decode (small tiles) and prefill (large tiles).
+AUTO_BACKEND = "xla_tiled"
 
-    Decode vs prefill is handled inside the tiled backends by the row-tile size (16 rows at
-    decode: GEMV-like, each needed slot read once; up to 128 at prefill)."""
-    del num_pairs  # measured on CPU: one choice wins at every size; tile size does the rest
-    if platform == "gpu":
-        # The Pallas/Triton kernels have not yet run on a GPU (no GPU was available when they were
-        # written): until `pytest tests/test_kernels.py -k gpu_backends` and bench/kernels.py --full
-        # have been run there, auto stays on the portable XLA path; pass backend="pallas" to try it.
-        return "xla_tiled"
-    # CPU: measured fastest at decode and prefill (bench/results/kernels_cpu.md); never
-    # interpret-mode Pallas, never the dense ragged_dot lowering.
-    return "xla_tiled"
+
+class ExpertKernel(NamedTuple):
+    """A backend and an activation bound together: how one model computes its expert FFNs."""
+
+    backend: str
+    activation: str
+
+    def __call__(self, x, slot_ids, weights, w_gate_up, w_down):
+        return moe_ffn(x, slot_ids, weights, w_gate_up, w_down, backend=self.backend, activation=self.activation)

@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jmoe.orbax_store as orbax_store
+import jmoe.checkpoint.convert as converter
 from hf_models import FAMILY_CASES, write_checkpoint
 from jmoe.config import load_config
 from jmoe.convert import main
 from jmoe.errors import CheckpointError
-from jmoe.loading import flat_params, load_model
-from jmoe.orbax_store import MANIFEST, MARKER, PARAMS_DIR, convert_checkpoint, is_orbax_checkpoint, restore_model
+from jmoe.checkpoint.loading import load_model
+from jmoe.model.params import flat_params
+from jmoe.checkpoint.convert import convert_checkpoint
+from jmoe.checkpoint.orbax_store import MANIFEST, MARKER, PARAMS_DIR, is_orbax_checkpoint, restore_model
 
 
 def params_of(module) -> dict:
@@ -110,7 +112,7 @@ def test_cli_reports_bad_source(tmp_path, capsys):
 
 
 def _fail_on_third_param(monkeypatch):
-    real, calls = orbax_store.assemble_param, []
+    real, calls = converter.assemble_param, []
 
     def flaky(*args):
         calls.append(1)
@@ -118,7 +120,7 @@ def _fail_on_third_param(monkeypatch):
             raise RuntimeError("simulated crash mid-conversion")
         return real(*args)
 
-    monkeypatch.setattr(orbax_store, "assemble_param", flaky)
+    monkeypatch.setattr(converter, "assemble_param", flaky)
 
 
 def test_interrupted_conversion_leaves_nothing_that_loads(hf_checkpoints, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jmoe.generate import DEFAULT_MODEL_DIR
+from jmoe.cli.common import DEFAULT_MODEL_DIR
 
 MAX_BYTES = 40 * 1024 * 1024
 SNIPPET = "import os\n\n\nclass Cache:\n    def get(self, key, default=None):\n        return self._data.get(key, default)\n"

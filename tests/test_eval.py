@@ -11,6 +11,8 @@ import pytest
 import jmoe
 from hf_models import VOCAB, write_checkpoint, write_word_tokenizer
 from jmoe import eval as jeval
+from jmoe.cli import eval as eval_cli
+from jmoe.eval import metrics as eval_metrics
 from jmoe.errors import InputError
 
 SEQ = 32
@@ -99,7 +101,7 @@ def test_padded_rows_and_positions_do_not_count(model, stream):
 def test_last_batch_rows_round_up_to_a_power_of_two_at_most_batch_size(windows, batch_size, rows):
     lengths = np.full(windows, 5)
     lengths[-1] = 2
-    tokens, mask = jeval.padded_batch(np.ones((windows, 5), np.int32), lengths, batch_size)
+    tokens, mask = eval_metrics.padded_batch(np.ones((windows, 5), np.int32), lengths, batch_size)
     assert tokens.shape == mask.shape == (rows, 5)
     assert mask.sum(1).tolist() == lengths.tolist() + [0] * (rows - windows)
     assert (mask == (np.arange(5) < mask.sum(1)[:, None])).all()  # real tokens are a prefix of each row
@@ -122,12 +124,12 @@ def test_routing_statistics_are_consistent(model, stream):
 
 def test_five_batches_of_one_shape_compile_once(model_dir, stream):
     model = jmoe.load(model_dir, progress=False)  # fresh jit caches
-    nll_compiles = jeval._nll_sum._cache_size()
+    nll_compiles = eval_metrics._nll_sum._cache_size()
     result = jeval.evaluate(model, np.resize(stream, 5 * 3 * 24), batch_size=3, seq_len=24)
     assert result.batch_shapes == [[3, 24]]
     assert result.windows == 15
     assert model._logits_fn._cache_size() == 1
-    assert jeval._nll_sum._cache_size() == nll_compiles + 1
+    assert eval_metrics._nll_sum._cache_size() == nll_compiles + 1
     assert result.steady_tokens_per_second > 0  # batches 2..5 are timed without compilation
 
 
@@ -142,19 +144,19 @@ def test_token_file_formats_match_the_text(model, stream, text_file, tmp_path):
 
 @pytest.fixture
 def loads(monkeypatch, model):
-    """Make the CLI reuse the module's model (no recompilation); records jmoe.load's arguments."""
+    """Make the CLI reuse the module's model (no recompilation); records the loader's arguments."""
     calls = []
 
-    def fake_load(path, **kwargs):
-        calls.append((path, kwargs))
+    def fake_load(path, options, **kwargs):
+        calls.append((path, {"cache": options.cache, "policy": options.policy, **kwargs}))
         return model
 
-    monkeypatch.setattr(jmoe, "load", fake_load)
+    monkeypatch.setattr(jmoe.api, "load_with_options", fake_load)
     return calls
 
 
 def test_cli_json_prints_one_object(model_dir, text_file, model, loads, capsys):
-    code = jeval.main(["--model", str(model_dir), "--data", str(text_file), "--seq-len", str(SEQ),
+    code = eval_cli.main(["--model", str(model_dir), "--data", str(text_file), "--seq-len", str(SEQ),
                        "--batch-size", "4", "--cache", "2", "--policy", "lru", "--json"])
     out = capsys.readouterr().out
     assert code == 0
@@ -169,7 +171,7 @@ def test_cli_json_prints_one_object(model_dir, text_file, model, loads, capsys):
 
 def test_cli_table(model_dir, text_file, loads, capsys):
     args = ["--model", str(model_dir), "--data", str(text_file), "--seq-len", str(SEQ), "--batch-size", "4"]
-    assert jeval.main(args) == 0
+    assert eval_cli.main(args) == 0
     out = capsys.readouterr().out
     assert out.startswith("perplexity ")
     table_rows = [line for line in out.splitlines() if line.startswith("| ")]
@@ -192,7 +194,7 @@ def _write(path, text):
     (lambda d: _write(d / "data.csv", "1,2"), [], "unknown data format '.csv'"),
 ])
 def test_cli_bad_input(model_dir, tmp_path, capsys, make_data, flags, expected):
-    code = jeval.main(["--model", str(model_dir), "--data", str(make_data(tmp_path))] + flags)
+    code = eval_cli.main(["--model", str(model_dir), "--data", str(make_data(tmp_path))] + flags)
     err = capsys.readouterr().err
     assert code == 2
     last = err.strip().splitlines()[-1]  # after the loader's progress output

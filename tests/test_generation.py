@@ -55,7 +55,7 @@ def test_sampling_is_seeded_and_filters_apply(model):
 def test_top_k_only_draws_from_the_k_most_likely():
     import jax
 
-    from jmoe.sampling import SamplingParams, sample
+    from jmoe.decode.sampling import SamplingParams, sample
 
     logits = jax.numpy.asarray(np.random.RandomState(0).randn(1, 50).astype(np.float32))
     top2 = set(np.argsort(-np.asarray(logits[0]))[:2].tolist())
@@ -64,7 +64,7 @@ def test_top_k_only_draws_from_the_k_most_likely():
 
 
 def test_sampling_parameter_errors():
-    from jmoe.sampling import SamplingParams
+    from jmoe.decode.sampling import SamplingParams
 
     with pytest.raises(jmoe.InputError, match="temperature"):
         SamplingParams(-1.0)

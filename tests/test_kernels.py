@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jmoe.kernels import grouping, moe_ffn
-from jmoe.kernels.dispatch import select_backend
+from jmoe.kernels.dispatch import AUTO_BACKEND
 from jmoe.kernels.pallas_grouped import choose_blocks
 from jmoe.kernels.triton_grouped import triton_launch
 
@@ -164,9 +164,7 @@ def test_unreferenced_and_padding_slots_are_never_read(backend, num_tokens):
 
 
 def test_auto_picks_the_portable_tiled_path_until_pallas_is_measured_on_gpu():
-    for num_pairs in [1, 8, 64, 65, 32768]:
-        assert select_backend("cpu", num_pairs) == "xla_tiled"  # never interpret-mode Pallas on CPU
-        assert select_backend("gpu", num_pairs) == "xla_tiled"
+    assert AUTO_BACKEND == "xla_tiled"  # never interpret-mode Pallas on CPU, not yet Pallas on GPU
 
 
 _tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))

@@ -54,7 +54,7 @@ def test_placement_keeps_the_last_n_of_every_group_on_the_host(sparse_step_dir):
     assert kinds["embed"] == "device" and kinds["final_norm.scale"] == "device"
     module = model.module()
     assert module.layers[1].attn.q.kernel[...].sharding.memory_kind == "pinned_host"
-    placement = model._placement
+    placement = model.placement_plan
     layer_bytes = {layer: sum(placement.nbytes[k] for k in keys) for layer, keys in placement.fetched_keys.items()}
     assert sorted(layer_bytes) == [1, 3]
     # With K = 1 a fetched layer is on the device alone (layers 1 and 3 are never within one step of each other).
@@ -78,7 +78,7 @@ def test_every_fetch_waits_for_the_layer_it_is_issued_at(sparse_step_dir):
     model = jmoe.load(sparse_step_dir, offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1,
                       progress=False)
     text = model._logits_fn.lower(model.params, model.engine.state, np.asarray(LOGIT_IDS, np.int32)).as_text()
-    assert text.count("stablehlo.optimization_barrier") == len(model._placement.fetched_keys) == 2
+    assert text.count("stablehlo.optimization_barrier") == len(model.placement_plan.fetched_keys) == 2
 
 
 def test_bad_group_settings(sparse_step_dir):

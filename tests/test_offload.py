@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import jmoe
+from jmoe.decode.sampling import SamplingParams
 from hf_models import VOCAB
-from jmoe.expert_engine import ResidentEngine
+from jmoe.offload.resident import ResidentEngine
 from jmoe.offload.policies import policy_names
 
 FAMILY_REPRESENTATIVES = ["mixtral_e4k2_gqa2", "qwen2_moe_shared_dense", "qwen3_moe_headdim_tied",
@@ -61,7 +62,7 @@ def test_offloaded_experts_live_in_pinned_host_and_device_bytes_match_summary(ol
     assert placement["layers.0.attn.q.kernel"]["memory_kind"] == "device"
     device_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params) if leaf.sharding.memory_kind == "device")
     device_bytes += sum(leaf.nbytes for leaf in jax.tree.leaves(model.engine.state.buffers))
-    assert device_bytes == model._placement.totals()["device_bytes"]
+    assert device_bytes == model.placement_plan.totals()["device_bytes"]
 
 
 def test_prefill_routing_to_every_expert_with_cache_top_k_is_exact(olmoe_dir):
@@ -94,7 +95,7 @@ def test_statistics_add_up(olmoe_dir):
     k = model.config.num_experts_per_tok
     for layer in model.stats():
         assert layer["hits"] + layer["misses"] == fed * k
-        assert layer["bytes_moved"] % model._placement.expert_bytes == 0
+        assert layer["bytes_moved"] % model.placement_plan.expert_bytes == 0
     import json
 
     json.dumps(model.stats())
@@ -128,14 +129,14 @@ def test_offload_params_by_segment_and_regex(olmoe_dir):
 def test_device_budget_picks_largest_fitting_cache(olmoe_dir):
     from jmoe.offload.placement import BUDGET_KV_TOKENS
 
-    base = jmoe.load(olmoe_dir, cache=0, progress=False)._placement
+    base = jmoe.load(olmoe_dir, cache=0, progress=False).placement_plan
     dense = base.totals()["device_bytes"] - base.slot_bytes
     kv = 2 * 2 * BUDGET_KV_TOKENS * 4 * 8 * 4  # layers, tokens, kv heads, head_dim, float32
     per_slot = 2 * base.expert_bytes
     stream = 2 * base.scratch * base.expert_bytes  # prefill's two chunk buffers, one layer at a time
     budget = dense + kv + stream + (base.scratch + 3) * per_slot + per_slot // 2
     model = jmoe.load(olmoe_dir, device_budget_gb=budget / 2**30, progress=False)
-    assert model._placement.cache == 3
+    assert model.placement_plan.cache == 3
 
 
 def test_bad_input(olmoe_dir):
@@ -168,7 +169,7 @@ def test_cli_cache_flags_and_stats_table(hf_checkpoints, tmp_path, capsys):
 
 
 def test_orbax_checkpoint_restores_into_placement(olmoe_dir, tmp_path):
-    from jmoe.orbax_store import convert_checkpoint
+    from jmoe.checkpoint.convert import convert_checkpoint
 
     out = convert_checkpoint(olmoe_dir, tmp_path / "orbax", progress=False)
     model = jmoe.load(out, cache=2, progress=False)
@@ -182,11 +183,12 @@ def test_forced_routing_drives_the_cache(olmoe_dir):
     """Trace-forced routing (a benchmark option): the engine sees exactly the forced experts."""
     model = jmoe.load(olmoe_dir, cache=2, progress=False)
     moe_layers = model.config.num_moe_layers
-    model.forced_routing = lambda step, shape: np.broadcast_to(np.array([0, 1, 2, 3], np.int32),
-                                                               (moe_layers, *shape, 4))
+    def forced(step, shape):
+        return np.broadcast_to(np.array([0, 1, 2, 3], np.int32), (moe_layers, *shape, 4))
+
     model.set_policy("lru")
     prompt = PROMPTS[1]
-    out = model.generate(prompt, max_new_tokens=6)[0]
+    out = model.generate_detailed([prompt], 6, SamplingParams(), routing_override=forced).tokens[0]
     for layer in model.stats():
         # The prompt misses every access (the cache starts empty) and admits two of the four experts into
         # the two slots; every decode step then hits those two and takes the other two through scratch
@@ -202,7 +204,7 @@ def test_router_prefetch_keeps_results_and_respects_its_bound(olmoe_dir, residen
     np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
     assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens
     before = model.stats()
-    k, expert_bytes = model.config.num_experts_per_tok, model._placement.expert_bytes
+    k, expert_bytes = model.config.num_experts_per_tok, model.placement_plan.expert_bytes
     steps = 9
     model.generate(PROMPTS[1], max_new_tokens=steps + 1)
     first, second = [
@@ -213,7 +215,7 @@ def test_router_prefetch_keeps_results_and_respects_its_bound(olmoe_dir, residen
     prompt_copies = model.config.num_experts
     assert first["bytes_moved"] <= (prompt_copies + steps * k) * expert_bytes
     assert second["bytes_moved"] <= (prompt_copies + steps * (k + 2)) * expert_bytes
-    with pytest.raises(jmoe.InputError, match="prefetch must be >= 0"):
+    with pytest.raises(jmoe.InputError, match="prefetch must be a whole number >= 0"):
         jmoe.load(olmoe_dir, cache=3, prefetch=-1)
 
 
@@ -235,7 +237,7 @@ def test_static_policy_instance_is_installed_before_the_first_step(olmoe_dir):
 def test_offload_arguments_are_checked_even_when_everything_is_resident(olmoe_dir):
     with pytest.raises(ValueError, match="unknown cache policy 'fifo'"):
         jmoe.load(olmoe_dir, policy="fifo", progress=False)
-    with pytest.raises(jmoe.InputError, match="prefetch must be >= 0"):
+    with pytest.raises(jmoe.InputError, match="prefetch must be a whole number >= 0"):
         jmoe.load(olmoe_dir, prefetch=-1, progress=False)
 
 
@@ -262,7 +264,7 @@ def test_host_miss_mode_moves_no_expert_weights_at_decode_without_cache(olmoe_di
         model.generate(PROMPTS[1], max_new_tokens=6)
         moved[mode] = sum(s["bytes_moved"] for s in model.stats()) - prompt_bytes
     assert moved["host"] == 0
-    assert moved["fetch"] >= 5 * model.config.num_moe_layers * model._placement.expert_bytes
+    assert moved["fetch"] >= 5 * model.config.num_moe_layers * model.placement_plan.expert_bytes
 
 
 def test_host_miss_mode_admits_misses_into_the_cache_for_later_steps(olmoe_dir):

@@ -10,7 +10,7 @@ from jmoe.offload.policies import (
     LRUPolicy,
     StaticPolicy,
     choose_victims,
-    eviction_order,
+    eviction_ranking,
     initial_residents,
     make_policy,
     policy_names,
@@ -24,6 +24,13 @@ def counts_row(num_experts, used):
     for expert, n in used.items():
         row[0, expert] = n
     return row
+
+
+def eviction_order(priority_row, resident_ids, needed_ids=()):
+    """The eviction rule written plainly (the oracle): resident experts the step does not need, by
+    ascending priority, equal priorities lower id first."""
+    ids = sorted(set(map(int, resident_ids)) - set(map(int, needed_ids)), key=lambda e: (priority_row[e], e))
+    return np.array(ids, dtype=np.int64)
 
 
 def feed(policy, steps):
@@ -91,11 +98,11 @@ def test_static_pins_most_frequent_and_never_changes():
     policy = StaticPolicy(1, 4, frequency=np.array([[5, 1, 3, 3]]))
     assert policy.admits_misses is False
     # Two slots: expert 0 (5), then 2 and 3 tie at 3 -> the lower id (2) is evicted, 3 stays.
-    assert policy.pinned(2).tolist() == [[True, False, False, True]]
+    assert initial_residents(policy.priority(), 2).tolist() == [[True, False, False, True]]
     before = policy.priority().copy()
     feed(policy, [{1: 100}, {1: 100}])
     assert np.array_equal(policy.priority(), before)
-    assert policy.pinned(2).tolist() == [[True, False, False, True]]
+    assert initial_residents(policy.priority(), 2).tolist() == [[True, False, False, True]]
 
 
 def test_static_requires_a_frequency_table_of_the_right_shape():
@@ -133,6 +140,19 @@ def test_choose_victims_refuses_when_too_few_evictable():
     needed = np.array([[True, False, False]])
     with pytest.raises(ValueError, match="layer 0 must evict 2"):
         choose_victims(np.zeros((1, 3)), resident, needed, np.array([2]))
+
+
+def test_eviction_ranking_puts_candidates_first_in_rule_order():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        priority = rng.integers(0, 3, (2, 7)).astype(float)
+        priority[0, rng.integers(0, 7)] = np.inf  # +inf priorities still rank among the candidates
+        candidate = rng.random((2, 7)) < 0.6
+        ranking = eviction_ranking(priority, candidate)
+        for layer in range(2):
+            n = candidate[layer].sum()
+            assert ranking[layer, :n].tolist() == eviction_order(priority[layer], np.flatnonzero(candidate[layer])).tolist()
+            assert sorted(ranking[layer, n:].tolist()) == np.flatnonzero(~candidate[layer]).tolist()
 
 
 def test_choose_victims_agrees_with_eviction_order():

@@ -16,8 +16,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jmoe.config import ModelConfig, parse_config
-from jmoe.hf_layout import expected_tensors
-from jmoe.loading import flat_params
+from jmoe.checkpoint.hf_layout import expected_tensors
+from jmoe.model.params import flat_params
 
 STORAGE_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 

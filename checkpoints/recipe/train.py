@@ -28,7 +28,7 @@ from checkpoints.recipe.export import export, qwen3_moe_config
 from checkpoints.recipe.moe_train import make_loss_fn, make_optimizer, make_train_step
 from checkpoints.recipe.tokenizer import EOS_TOKEN, token_stream, train_tokenizer
 from jmoe.config import parse_config
-from jmoe.loading import flat_params, nest_params
+from jmoe.model.params import flat_params, nest_params
 from jmoe.model import MoETransformer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """The offload engine: device slots for the experts of offloaded MoE layers, fed from pinned host memory.
 
-It plugs into the jitted steps through the expert-engine interface (see jmoe.expert_engine): its state
+It plugs into the jitted steps through the expert-engine interface (see jmoe.offload.resident): its state
 (slot buffers, slot tables and the manager's victim order) goes into every step and comes back
 updated; between steps the SlotManager reads the step's routing and the new tables (both part of the
 step's single device-to-host read) and writes the next victim order.
@@ -15,14 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.config import ModelConfig
-from jmoe.expert_engine import ResidentEngine
+from jmoe.memory import to_device
+from jmoe.model import MoELayerView, router_probabilities
 from jmoe.offload.manager import SlotManager
+from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
+from jmoe.offload.resident import ResidentEngine
 from jmoe.offload.slots import (LayerSlots, admit_and_compute, device_copy, host_compute_misses, prefetch,
                                 stream_and_compute)
-
-MISS_MODES = ("fetch", "host")
 
 
 class EngineState(NamedTuple):
@@ -37,17 +38,17 @@ class OffloadEngine(ResidentEngine):
     """Expert slots for the offloaded MoE layers (the other layers' experts stay resident); parameters
     offloaded by pattern or layer group are fetched as in ResidentEngine."""
 
-    def __init__(self, config: ModelConfig, placement: Placement, policy: str | CachePolicy, dtype,
-                 backend: str = "auto", prefetch: int = 0, miss_mode: str = "fetch"):
-        super().__init__(config, backend, placement)
-        self.prefetch = prefetch  # experts per layer copied ahead from the next layer's router guess
+    def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, dtype,
+                 backend: str = "auto"):
+        super().__init__(config, placement, backend)
+        self.prefetch = options.prefetch  # experts per layer copied ahead from the next layer's router guess
         # "fetch": a missed expert is copied to the device and computed there; "host": computed on the host.
-        self.miss_mode = miss_mode
+        self.miss_mode = options.miss_mode
         self.layers = placement.offloaded_layers
         self.num_slots = placement.cache
         self._dtype = dtype
-        self._blocks = None  # the model's offloaded MoE blocks, set by attach
-        self.reset(policy)
+        self._host_experts = None  # (w_gate_up, w_down) of each offloaded layer in pinned host memory, from attach
+        self.reset(options.policy)
         self._install = jax.jit(self._install_fn, donate_argnums=(0,))
 
     def reset(self, policy: str | CachePolicy) -> None:
@@ -64,15 +65,15 @@ class OffloadEngine(ResidentEngine):
             victim_order=jnp.asarray(self.manager.victim_order()),
             counts=jnp.zeros((lo, 4), jnp.int32),
         )
-        if self._blocks is not None:  # attached to a model: a static policy can install now
+        if self._host_experts is not None:  # attached to a model: a static policy can install now
             self.install_pinned()
 
     # ---- inside the jitted step -------------------------------------------------------------------
-    def bind(self, state: EngineState, model, num_tokens: int):
+    def bind(self, state: EngineState, layers: list[MoELayerView], num_tokens: int):
         cfg = self.config
         lo = len(self.layers)
         position = {moe: i for i, moe in enumerate(self.layers)}
-        blocks = model.moe_blocks()
+        kernel = self.kernel
         # Decode-sized steps admit misses into cache slots (or, in miss mode "host", compute them on the host
         # and admit them in the background); bigger ones stream experts through double-buffered chunks.
         admit = min(num_tokens * cfg.num_experts_per_tok, cfg.num_experts) <= self.placement.scratch
@@ -83,38 +84,33 @@ class OffloadEngine(ResidentEngine):
         prefetch_limit = min(self.prefetch, self.num_slots)  # prefetches only go into cache slots
         counts = [None] * lo
 
-        def host_experts(moe_index):
-            experts = blocks[moe_index].experts
-            return experts.w_gate_up[...], experts.w_down[...]
-
         def compute(moe_index, x, ids, weights):
-            block = blocks[moe_index]
+            layer = layers[moe_index]
             if moe_index not in position:
-                return block.resident_experts(x, ids, weights, self.backend)
+                return self.resident_experts(layer, x, ids, weights)
             i = position[moe_index]
+            host = (layer.w_gate_up, layer.w_down)
             if admit and prefetch_limit and moe_index + 1 in position:
                 # Guess the next layer's experts with its router on this layer's input; the copies are
                 # independent of this layer's compute, so they can overlap it.
-                nxt = position[moe_index + 1]
-                # A layer group may not have fetched that router yet: device_put is a no-op if it has.
-                router = jax.device_put(blocks[moe_index + 1].router.kernel[...], jax.memory.Space.Device)
-                probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
+                nxt, upcoming = position[moe_index + 1], layers[moe_index + 1]
+                # A layer group may not have fetched that router yet: to_device is a no-op if it has.
+                probs = router_probabilities(cfg, to_device(upcoming.router), x)
                 scores = jnp.max(jnp.where((ids >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
-                ahead = prefetch(layer_slots[nxt], victim_order[nxt], *host_experts(moe_index + 1), scores,
+                ahead = prefetch(layer_slots[nxt], victim_order[nxt], upcoming.w_gate_up, upcoming.w_down, scores,
                                  limit=prefetch_limit)
                 layer_slots[nxt], victim_order[nxt] = ahead.slots, ahead.victim_order
                 prefetched[nxt] = (ahead.copied, ahead.evicted)
             if admit and self.miss_mode == "host":
                 y, layer_slots[i], counts[i] = host_compute_misses(
-                    layer_slots[i], victim_order[i], *host_experts(moe_index), x, ids, weights, backend=self.backend,
+                    layer_slots[i], victim_order[i], *host, x, ids, weights, kernel=kernel,
                     admit_limit=min(self.placement.scratch, self.num_slots))
             elif admit:
-                y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], *host_experts(moe_index), x,
-                                                      ids, weights, backend=self.backend)
+                y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], *host, x, ids, weights,
+                                                      kernel=kernel)
                 layer_slots[i] = adm.slots
             else:
-                y, counts[i] = stream_and_compute(layer_slots[i], *host_experts(moe_index), x, ids, weights,
-                                                  backend=self.backend)
+                y, counts[i] = stream_and_compute(layer_slots[i], *host, x, ids, weights, kernel=kernel)
             return y
 
         def finish() -> EngineState:
@@ -150,8 +146,7 @@ class OffloadEngine(ResidentEngine):
 
     def install(self, experts: np.ndarray) -> None:
         """Fill every offloaded layer's cache slots with `experts` int [Lo, S] (a donated update)."""
-        host = [(b.experts.w_gate_up[...], b.experts.w_down[...]) for b in self._blocks]
-        self.state = self._install(self.state, host, jnp.asarray(experts, jnp.int32))
+        self.state = self._install(self.state, self._host_experts, jnp.asarray(experts, jnp.int32))
         slot_of_expert = np.full((len(self.layers), self.config.num_experts), -1, np.int32)
         slot_of_expert[np.arange(len(self.layers))[:, None], experts] = np.arange(experts.shape[1])
         self.manager.slot_of_expert = slot_of_expert
@@ -171,11 +166,17 @@ class OffloadEngine(ResidentEngine):
         slot_of_expert = jnp.full((experts.shape[0], num_experts), -1, jnp.int32).at[rows, experts].set(slots_range)
         return state._replace(buffers=tuple(buffers), slot_of_expert=slot_of_expert, expert_in_slot=experts)
 
-    def attach(self, model) -> None:
-        """Remember the model's MoE blocks (their host expert arrays feed install)."""
-        blocks = model.moe_blocks()
-        self._blocks = [blocks[i] for i in self.layers]
+    def attach(self, layers: list[MoELayerView]) -> None:
+        """Remember the offloaded layers' expert arrays in pinned host memory (they feed install)."""
+        self._host_experts = [(layers[i].w_gate_up, layers[i].w_down) for i in self.layers]
         self.install_pinned()
 
     def stats(self) -> list[dict]:
         return self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))
+
+
+def make_engine(config: ModelConfig, placement: Placement, options: OffloadOptions, dtype, backend: str):
+    """The resident engine when no expert is offloaded, else the offload engine."""
+    if not placement.offloaded_layers:
+        return ResidentEngine(config, placement, backend)
+    return OffloadEngine(config, placement, options, dtype, backend)

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
 from jmoe.kernels.activations import get_activation
-
-_HOST = jax.memory.Space.Host
+from jmoe.memory import to_device, to_host
 
 
 @compute_on("device_host")
@@ -38,10 +37,10 @@ def _experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *
                     preferred_element_type=jnp.float32)
         return acc + token_weight * y
 
-    return jax.lax.fori_loop(0, count, add_expert, jax.device_put(jnp.zeros(x.shape, jnp.float32), _HOST))
+    return jax.lax.fori_loop(0, count, add_expert, to_host(jnp.zeros(x.shape, jnp.float32)))
 
 
-def experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *, activation: str = "swiglu"):
+def experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *, activation: str):
     """float32 [T, d] on the device: sum over `experts[:count]` (int32, distinct) of every token's routing
     weight for that expert times the expert's FFN, computed on the host from `host_gate_up` [E, d, 2f] and
     `host_down` [E, f, d] (pinned host memory). ids int32 [T, k] (-1 = none), weights [T, k].
@@ -49,6 +48,6 @@ def experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *,
     Each listed expert's weights are read once and applied to all T rows, so this suits decode-sized
     steps; big prefill steps stream experts to the device instead (jmoe.offload.slots).
     """
-    x, ids, weights, experts, count = jax.device_put((x, ids, weights, experts, count), _HOST)
+    x, ids, weights, experts, count = to_host((x, ids, weights, experts, count))
     y = _experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, activation=activation)
-    return jax.device_put(y, jax.memory.Space.Device)
+    return to_device(y)

@@ -15,8 +15,10 @@ import dataclasses
 import jax
 from flax import nnx
 
+from jmoe.arguments import is_whole_number
 from jmoe.errors import InputError
-from jmoe.hf_layout import param_key
+from jmoe.memory import to_device
+from jmoe.model.params import param_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +29,7 @@ class LayerGroups:
 
     def __post_init__(self):
         g, n, k = self.group_size, self.num_in_group, self.prefetch_step
-        if not all(isinstance(v, int) for v in (g, n, k)):
+        if not all(is_whole_number(v) for v in (g, n, k)):
             raise InputError(f"offload group settings must be whole numbers, found group size {g!r}, "
                              f"num in group {n!r}, prefetch step {k!r}")
         if g < 1:
@@ -71,7 +73,7 @@ def layer_fetch_hook(groups: LayerGroups, fetched_keys: dict[int, tuple[str, ...
             # The barrier makes the copies depend on layer i's input, so they cannot be hoisted earlier.
             x, host_values = jax.lax.optimization_barrier((x, [variables[k][...] for k in keys]))
             for key, value in zip(keys, host_values):
-                variables[key][...] = jax.device_put(value, jax.memory.Space.Device)
+                variables[key][...] = to_device(value)
         return x
 
     return before_layer

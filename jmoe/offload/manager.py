@@ -5,16 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jmoe.offload.policies import CachePolicy, StaticPolicy, initial_residents, make_policy
-
-
-def expert_counts(routing: np.ndarray, num_experts: int) -> np.ndarray:
-    """routing int [L, ...] (expert ids, -1 = none) -> int [L, E] accesses per expert."""
-    layers = routing.shape[0]
-    flat = routing.reshape(layers, -1)
-    valid = flat >= 0
-    index = (np.arange(layers)[:, None] * num_experts + flat)[valid]
-    return np.bincount(index, minlength=layers * num_experts).reshape(layers, num_experts)
+from jmoe.offload.policies import (CachePolicy, StaticPolicy, eviction_ranking, expert_counts, initial_residents,
+                                   make_policy)
 
 
 def experts_in_slots(slot_of_expert: np.ndarray, num_slots: int) -> np.ndarray:
@@ -73,17 +65,19 @@ class SlotManager:
     def victim_order(self) -> np.ndarray:
         """int [L, S]: cache slots the next step may overwrite, first choice first (-1 = none).
 
-        Empty slots come first, then occupied slots by ascending policy priority of their expert, ties
-        by the lower expert id: the same rule as jmoe.offload.policies.choose_victims.
+        Empty slots come first (lowest slot first), then occupied slots in the eviction rule's order of
+        their experts (jmoe.offload.policies.eviction_ranking).
         """
         if not self.admits_misses or self.num_slots == 0:
             return np.full((self.num_layers, self.num_slots), -1, np.int32)
+        resident = self.slot_of_expert >= 0
+        ranking = eviction_ranking(self.policy.priority(), resident)  # [L, E], resident experts first
+        rank_of_expert = np.argsort(ranking, axis=-1)
         expert_in_slot = experts_in_slots(self.slot_of_expert, self.num_slots)
         rows = np.arange(self.num_layers)[:, None]
-        priority = np.where(expert_in_slot >= 0, self.policy.priority()[rows, np.maximum(expert_in_slot, 0)],
-                            -np.inf)
-        order = np.lexsort((expert_in_slot, priority), axis=-1)
-        return order.astype(np.int32)
+        empty_key = np.arange(self.num_slots) - self.num_slots  # negative: before every expert's rank
+        key = np.where(expert_in_slot >= 0, rank_of_expert[rows, np.maximum(expert_in_slot, 0)], empty_key)
+        return np.argsort(key, axis=-1, kind="stable").astype(np.int32)
 
     def stats(self, layer_ids: tuple[int, ...]) -> list[dict]:
         out = []

@@ -23,10 +23,10 @@ import numpy as np
 
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
-from jmoe.hf_layout import ParamPath, param_key
+from jmoe.memory import DEVICE, PINNED_HOST
+from jmoe.model.params import ParamPath, param_key
 from jmoe.offload.layer_groups import LayerGroups, prefetch_buffer_bytes
-
-DEVICE, HOST = "device", "pinned_host"
+from jmoe.offload.options import OffloadOptions
 # Scratch slots per offloaded layer, in units of top_k: enough for a decode batch of this many rows
 # to take its misses without falling back to chunked streaming.
 SCRATCH_ROWS = 4
@@ -86,7 +86,7 @@ class Placement:
     def totals(self) -> dict[str, int]:
         device = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == DEVICE) + self.slot_bytes
         device += self.fetch_buffer_bytes
-        host = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == HOST)
+        host = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == PINNED_HOST)
         return {"device_bytes": device, "host_bytes": host}
 
     def as_dict(self) -> dict[str, dict]:
@@ -118,16 +118,11 @@ class Placement:
         return "\n".join(lines)
 
 
-def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache: int | None,
-                   offload_params: list[str] | None = None, device_budget_gb: float | None = None,
-                   layer_groups: LayerGroups | None = None) -> Placement:
+def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
+                   options: OffloadOptions = OffloadOptions()) -> Placement:
     """Decide every parameter's memory kind and the slot counts. `abstract` maps paths to shape/dtype."""
-    if cache is not None and (not isinstance(cache, (int, np.integer)) or cache < 0):
-        raise InputError(f"cache must be a whole number >= 0 (experts kept on the device per MoE layer), "
-                         f"found {cache!r}")
-    if cache is not None and device_budget_gb is not None:
-        raise InputError(f"give either cache ({cache}) or device_budget_gb ({device_budget_gb}), not both: "
-                         f"the budget chooses the cache")
+    cache, device_budget_gb, layer_groups = options.cache, options.device_budget_gb, options.layer_groups
+    offload_params = options.offload_params
     keys = {path: param_key(path) for path in abstract}
     nbytes = {keys[p]: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for p, a in abstract.items()}
     host_keys: set[str] = set()
@@ -197,7 +192,7 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object], *, cache
     for path in abstract:
         key = keys[path]
         on_host = key in host_keys or (is_expert_param(path) and moe_position(cfg, path) in offloaded)
-        memory_kind[key] = HOST if on_host else DEVICE
+        memory_kind[key] = PINNED_HOST if on_host else DEVICE
     return Placement(memory_kind, nbytes, {keys[p]: param_group(p) for p in abstract}, offloaded_layers,
                      min(cache or 0, cfg.num_experts) if offloaded_layers else 0,
                      scratch if offloaded_layers else 0, expert_bytes, tuple(notes), layer_groups, fetched_keys,

@@ -2,8 +2,8 @@
 
 A policy sees, after every step (a decode step, or a prefill chunk), how many tokens each expert
 of each layer served, and ranks the experts by a priority. It never moves anything itself: the
-offload manager (and ``bench/replay.py``) turn priorities into evictions with the one shared
-rule in :func:`choose_victims` / :func:`eviction_order`:
+offload manager (and the trace replay, ``jmoe.traces``) turn priorities into evictions with the one
+shared rule, :func:`eviction_ranking` (and :func:`choose_victims`, built on it):
 
     on a miss, evict the resident expert with the LOWEST priority among those the current step
     does not need; ties are broken by evicting the LOWER expert id.
@@ -40,7 +40,8 @@ __all__ = [
     "LFRUPolicy",
     "StaticPolicy",
     "choose_victims",
-    "eviction_order",
+    "eviction_ranking",
+    "expert_counts",
     "initial_residents",
     "make_policy",
     "register_policy",
@@ -244,15 +245,32 @@ class StaticPolicy(CachePolicy):
     def priority(self) -> np.ndarray:
         return self._frequency
 
-    def pinned(self, capacity: int) -> np.ndarray:
-        """Bool ``[num_layers, num_experts]``: the experts this policy keeps in ``capacity`` slots."""
-        return initial_residents(self._frequency, capacity)
-
 
 # ----------------------------------------------------------------------------------------------
 # The eviction rule, shared by the engine's manager and the trace replay.
 
 _FLOAT_MAX = np.finfo(np.float64).max
+
+
+def expert_counts(routing: np.ndarray, num_experts: int) -> np.ndarray:
+    """routing int ``[L, ...]`` (expert ids, -1 = none) -> int64 ``[L, E]``: accesses per expert of each layer."""
+    routing = np.asarray(routing)
+    layers = routing.shape[0]
+    flat = routing.reshape(layers, -1)
+    valid = flat >= 0
+    index = (np.arange(layers)[:, None] * num_experts + flat)[valid]
+    return np.bincount(index, minlength=layers * num_experts).reshape(layers, num_experts)
+
+
+def eviction_ranking(priority: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """The eviction rule. int ``[L, E]``: per layer, expert ids in the order they are evicted: the
+    ``candidate`` experts (bool ``[L, E]``) by ascending priority, equal priorities lower id first;
+    then every other expert (never a victim)."""
+    # Non-candidates sort after every candidate (key +inf; candidates' +inf priorities are clipped to
+    # the largest finite float); the stable sort keeps equal keys in ascending id order.
+    key = np.full(np.shape(priority), np.inf)
+    np.minimum(priority, _FLOAT_MAX, out=key, where=candidate)
+    return np.argsort(key, axis=-1, kind="stable")
 
 
 def choose_victims(
@@ -270,9 +288,8 @@ def choose_victims(
       num_victims: int ``[L]`` (or a scalar), how many experts each layer must evict.
 
     Returns:
-      bool ``[L, E]``: the victims. In each layer they are the ``num_victims[l]`` resident,
-      not-needed experts of lowest priority; among equal priorities the lower expert id goes
-      first.
+      bool ``[L, E]``: the victims, the first ``num_victims[l]`` of :func:`eviction_ranking` over the
+      resident experts the step does not need.
 
     Raises ValueError when a layer has fewer evictable experts than it must evict.
     """
@@ -290,36 +307,12 @@ def choose_victims(
             f"{int(evictable[layer])} are resident and not needed by this step; the cache "
             f"must have at least as many slots as experts one step needs"
         )
-    # Non-candidates sort after every candidate (key +inf; candidates' +inf priorities are
-    # clipped to the largest finite float). The stable sort keeps equal priorities in ascending
-    # expert-id order, so the lower id is evicted first.
-    key = np.full(priority.shape, np.inf)
-    np.minimum(priority, _FLOAT_MAX, out=key, where=candidate)
-    order = np.argsort(key, axis=-1, kind="stable")
+    order = eviction_ranking(priority, candidate)
     take = np.arange(num_experts) < num_victims[:, None]  # the first num_victims sorted positions
     order += np.arange(0, num_layers * num_experts, num_experts)[:, None]  # flat indices
     victims = np.zeros(num_layers * num_experts, dtype=bool)
     victims[order[take]] = True
     return victims.reshape(num_layers, num_experts)
-
-
-def eviction_order(
-    priority_row: np.ndarray,
-    resident_expert_ids: np.ndarray,
-    needed_expert_ids: np.ndarray | None = None,
-) -> np.ndarray:
-    """One layer: the resident expert ids that may be evicted, first victim first.
-
-    Experts in ``needed_expert_ids`` are left out (the current step needs them). The rest are
-    ordered by ascending ``priority_row[id]``, ties by ascending id. Same rule as
-    :func:`choose_victims`.
-    """
-    ids = np.unique(np.asarray(resident_expert_ids, dtype=np.int64))  # unique also sorts by id
-    if needed_expert_ids is not None:
-        ids = ids[~np.isin(ids, np.asarray(needed_expert_ids, dtype=np.int64))]
-    priority_row = np.asarray(priority_row)
-    order = np.argsort(priority_row[ids], kind="stable")  # stable: ties keep ascending id
-    return ids[order]
 
 
 def initial_residents(priority: np.ndarray, capacity: int) -> np.ndarray:

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jmoe.kernels import moe_ffn
+from jmoe.kernels import ExpertKernel
+from jmoe.memory import to_device
 from jmoe.offload.host_compute import experts_on_host
 
 
@@ -29,7 +30,7 @@ class LayerSlots(NamedTuple):
 def device_copy(host: jax.Array, expert) -> jax.Array:
     """One expert's weights from pinned host memory into device memory: slice, then device_put."""
     piece = jax.lax.dynamic_slice_in_dim(host, expert, 1, axis=0)
-    return jax.device_put(piece, jax.memory.Space.Device)
+    return to_device(piece)
 
 
 def _copy_experts(buffers, host_gate_up, host_down, experts, destinations, count):
@@ -120,7 +121,7 @@ class StepCounts(NamedTuple):
 
 
 def admit_and_compute(slots: LayerSlots, victim_order, host_gate_up, host_down, x, ids, weights, *,
-                      backend: str) -> tuple[jax.Array, Admission, StepCounts]:
+                      kernel: ExpertKernel) -> tuple[jax.Array, Admission, StepCounts]:
     """Decode path: every missed expert goes into a victim cache slot or, when none is left, a scratch slot.
 
     Needs M >= the number of distinct experts one step can miss (the caller checks it statically).
@@ -131,7 +132,7 @@ def admit_and_compute(slots: LayerSlots, victim_order, host_gate_up, host_down, 
     hits = count_hits(slots.slot_of_expert, ids)
     adm = admit(slots, victim_order, host_gate_up, host_down, needed, needed, limit=num_scratch, use_scratch=True)
     slot_ids = jnp.where(ids >= 0, adm.compute_slot[jnp.maximum(ids, 0)], -1)
-    y = moe_ffn(x, slot_ids, weights, adm.slots.w_gate_up, adm.slots.w_down, backend=backend)
+    y = kernel(x, slot_ids, weights, adm.slots.w_gate_up, adm.slots.w_down)
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, adm.copied, adm.evicted)
     return y, adm, counts
 
@@ -145,7 +146,7 @@ def prefetch(slots: LayerSlots, victim_order, host_gate_up, host_down, scores, *
 
 
 def stream_and_compute(slots: LayerSlots, host_gate_up, host_down, x, ids, weights, *,
-                       backend: str) -> tuple[jax.Array, StepCounts]:
+                       kernel: ExpertKernel) -> tuple[jax.Array, StepCounts]:
     """Prefill path: cached experts from their slots, every other needed expert streamed from host memory in
     chunks of M (the scratch slot count), each copied into a step-local buffer of its own and then computed.
     The chunks are unrolled (at most E / M of them), so chunk c + 1's copy does not depend on chunk c's
@@ -157,7 +158,7 @@ def stream_and_compute(slots: LayerSlots, host_gate_up, host_down, x, ids, weigh
     chunk_size = slots.w_gate_up.shape[0] - num_cache
     num_chunks = -(-num_experts // chunk_size)
     cached_slot = jnp.where(ids >= 0, slots.slot_of_expert[jnp.maximum(ids, 0)], -1)
-    y = moe_ffn(x, cached_slot, weights, slots.w_gate_up, slots.w_down, backend=backend).astype(jnp.float32)
+    y = kernel(x, cached_slot, weights, slots.w_gate_up, slots.w_down).astype(jnp.float32)
 
     missing = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0)
     n_miss = jnp.sum(missing, dtype=jnp.int32)
@@ -170,7 +171,7 @@ def stream_and_compute(slots: LayerSlots, host_gate_up, host_down, x, ids, weigh
     def compute(buffer, first):
         local = token_rank - first
         slot_ids = jnp.where((token_rank >= 0) & (local >= 0) & (local < chunk_size), local, -1)
-        return moe_ffn(x, slot_ids, weights, *buffer, backend=backend).astype(jnp.float32)
+        return kernel(x, slot_ids, weights, *buffer).astype(jnp.float32)
 
     for c in range(num_chunks):
         first = c * chunk_size
@@ -186,8 +187,8 @@ def stream_and_compute(slots: LayerSlots, host_gate_up, host_down, x, ids, weigh
     return y.astype(x.dtype), counts
 
 
-def host_compute_misses(slots: LayerSlots, victim_order, host_gate_up, host_down, x, ids, weights, *, backend: str,
-                        admit_limit: int) -> tuple[jax.Array, LayerSlots, StepCounts]:
+def host_compute_misses(slots: LayerSlots, victim_order, host_gate_up, host_down, x, ids, weights, *,
+                        kernel: ExpertKernel, admit_limit: int) -> tuple[jax.Array, LayerSlots, StepCounts]:
     """Miss mode "host", decode path: cached experts run on the device from their slots; every other needed
     expert runs on the host, where its weights live, so only activations cross the link.
 
@@ -202,13 +203,14 @@ def host_compute_misses(slots: LayerSlots, victim_order, host_gate_up, host_down
     needed = needed_experts(ids, num_experts)
     missing = needed & (slots.slot_of_expert < 0)
     miss_ids = jnp.nonzero(missing, size=min(num_experts, ids.size), fill_value=0)[0].astype(jnp.int32)
-    y_host = experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host_gate_up, host_down)
+    y_host = experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host_gate_up, host_down,
+                             activation=kernel.activation)
     copied = evicted = jnp.int32(0)
     if admit_limit:
         adm = admit(slots, victim_order, host_gate_up, host_down, missing, needed, limit=admit_limit,
                     use_scratch=False)
         slots, copied, evicted = adm.slots, adm.copied, adm.evicted
-    y = moe_ffn(x, cached_slot, weights, slots.w_gate_up, slots.w_down, backend=backend).astype(jnp.float32)
+    y = kernel(x, cached_slot, weights, slots.w_gate_up, slots.w_down).astype(jnp.float32)
     y = y + y_host
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, copied, evicted)
     return y.astype(x.dtype), slots, counts

@@ -16,11 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.config import ModelConfig
+from jmoe.decode.sampling import SamplingParams
 from jmoe.errors import InputError
 from jmoe.model import empty_kv_cache
 
 # Called after every step with the tokens generated so far for each row.
 TokenCallback = Callable[[list[list[int]]], None]
+# (step, tokens shape (B, T)) -> int [L_moe, B, T, k]: expert ids replacing the routers' choice at that step
+# (step 0 is the prompt), e.g. jmoe.traces.forced_routing.TraceRouting driving a benchmark from a trace.
+RoutingOverride = Callable[[int, tuple[int, int]], np.ndarray]
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -69,8 +73,9 @@ class GenerationResult:
     decode_steps: int
 
 
-def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, seed: int,
-                    on_tokens: TokenCallback | None = None) -> GenerationResult:
+def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling: SamplingParams, seed: int,
+                    on_tokens: TokenCallback | None = None,
+                    routing_override: RoutingOverride | None = None) -> GenerationResult:
     """Run prefill + decode for `model` (a jmoe.Model); see Model.generate for the arguments."""
     cfg: ModelConfig = model.config
     check_token_ids(cfg, rows, "generate")
@@ -94,8 +99,12 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, seed: int
     out: list[list[int]] = [[] for _ in rows]
     done = np.zeros(batch, bool)
 
+    def step(tokens, kv_cache, write_index: int, index: int):
+        forced = None if routing_override is None else routing_override(index, tokens.shape)
+        return model.run_step(jnp.asarray(tokens), kv_cache, write_index, pad_len_dev, key, index, sampling, forced)
+
     start = time.perf_counter()
-    next_tokens, kv_cache = model.run_step(jnp.asarray(tokens), kv_cache, 0, pad_len_dev, key, 0)
+    next_tokens, kv_cache = step(tokens, kv_cache, 0, 0)
     prefill_seconds = time.perf_counter() - start
     steps = 0
     decode_start = time.perf_counter()
@@ -109,7 +118,6 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, seed: int
             on_tokens(out)
         if done.all() or n == max_new_tokens - 1:
             break
-        next_tokens, kv_cache = model.run_step(jnp.asarray(next_tokens[:, None]), kv_cache, prompt_len + n,
-                                               pad_len_dev, key, n + 1)
+        next_tokens, kv_cache = step(next_tokens[:, None], kv_cache, prompt_len + n, n + 1)
         steps += 1
     return GenerationResult(out, prefill_seconds, time.perf_counter() - decode_start, steps)

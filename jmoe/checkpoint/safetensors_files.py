@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jmoe.errors import CheckpointError
+from jmoe.jsonfile import read_json
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -50,10 +51,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a model directory; refuses pickle checkpoints."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({e})") from e
+        advice = "re-export the checkpoint or fix the index"
+        weight_map = read_json(index, "sharded-checkpoint index", CheckpointError, advice).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: expected a 'weight_map' object (tensor name -> shard file), found "
+                                  f"{type(weight_map).__name__}; {advice}")
         files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jmoe.errors import InputError
-from jmoe.tokenizer import TextTokenizer
+from jmoe.checkpoint.tokenizer import TextTokenizer
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 TOKEN_SUFFIXES = (".npy", ".ids")

@@ -1,6 +1,6 @@
 """Batched evaluation over a token stream: perplexity, throughput, per-MoE-layer routing statistics.
 
-    python -m jmoe.eval --model DIR --data FILE [--batch-size 8] [--seq-len T] [--cache N] [--policy lfru] [--json]
+    python -m jmoe.eval --model DIR --data FILE [--batch-size 8] [--seq-len T] [--cache N ...] [--json]
 
 Windows: the stream is cut into NON-overlapping windows of seq_len tokens (the last one may be
 shorter). Each window predicts its tokens 2..n from the tokens before them in the same window, so a
@@ -22,9 +22,7 @@ Data formats are described in jmoe.eval_data (.npy, .ids, text with the model's 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -36,8 +34,9 @@ import numpy as np
 from tqdm import tqdm
 
 from jmoe.config import ModelConfig
-from jmoe.errors import InputError, JmoeError
-from jmoe.eval_data import check_data_path, read_tokens
+from jmoe.errors import InputError
+from jmoe.eval.data import read_tokens
+from jmoe.offload.policies import expert_counts
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEQ_LEN = 256  # capped at the model's max_position_embeddings when seq_len is not given
@@ -136,10 +135,7 @@ def padded_batch(windows: np.ndarray, lengths: np.ndarray, batch_size: int) -> t
 
 def expert_load(routing: np.ndarray, mask: np.ndarray, num_experts: int) -> np.ndarray:
     """routing int [L, b, T, k] -> int64 [L, E]: (token, choice) pairs per expert at real positions."""
-    chosen = routing[:, mask]  # [L, n, k]
-    offsets = np.arange(chosen.shape[0])[:, None, None] * num_experts
-    flat = np.bincount((chosen + offsets).ravel(), minlength=chosen.shape[0] * num_experts)
-    return flat.reshape(chosen.shape[0], num_experts)
+    return expert_counts(routing[:, mask], num_experts)
 
 
 def layer_routing(layer: int, load: np.ndarray) -> LayerRouting:
@@ -197,72 +193,3 @@ def evaluate_file(model, path: str | Path, batch_size: int = DEFAULT_BATCH_SIZE,
                   progress: bool = False) -> EvalResult:
     """evaluate() on a data file: .npy / .ids token ids, or text encoded with the model's tokenizer."""
     return evaluate(model, read_tokens(path, model.tokenizer), batch_size, seq_len, progress)
-
-
-# ---- command line -------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    from jmoe.generate import DEFAULT_MODEL_DIR
-    from jmoe.offload.policies import policy_names
-
-    p = argparse.ArgumentParser(prog="python -m jmoe.eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None,
-                   help=f"Hugging Face model directory (default: the shipped model, {DEFAULT_MODEL_DIR})")
-    p.add_argument("--data", type=Path, required=True,
-                   help="token ids (.npy 1-D integer array; .ids whitespace-separated integers) or text "
-                        "(.txt .text .md .rst .py, encoded with the model's tokenizer.json)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="windows per batch")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help=f"window length (default: min({DEFAULT_SEQ_LEN}, max_position_embeddings))")
-    p.add_argument("--cache", type=int, default=None,
-                   help="experts per MoE layer kept on the device (default: all)")
-    p.add_argument("--policy", default="lfru", choices=policy_names(), help="expert cache policy")
-    p.add_argument("--backend", default="auto", help="expert kernel backend (jmoe.kernels.moe_ffn)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    return p
-
-
-def run(args: argparse.Namespace) -> dict:
-    import jmoe
-    from jmoe.generate import resolve_model_dir
-
-    model_dir = resolve_model_dir(args.model)
-    data_format = check_data_path(args.data)  # fail on a bad path before the (slow) model load
-    model = jmoe.load(model_dir, cache=args.cache, policy=args.policy, backend=args.backend)
-    result = evaluate_file(model, args.data, args.batch_size, args.seq_len, progress=True)
-    return {"model": str(model_dir), "data": str(args.data), "data_format": data_format, "cache": args.cache,
-            "policy": args.policy, "backend": args.backend, **result.as_dict()}
-
-
-def format_report(report: dict) -> str:
-    steady = report["steady_tokens_per_second"]
-    lines = [
-        f"perplexity {report['perplexity']:.4f} (mean NLL {report['nll']:.4f} nats over "
-        f"{report['predicted_tokens']} predicted tokens)",
-        f"{report['tokens']} tokens in {report['windows']} non-overlapping windows of {report['seq_len']}, "
-        f"batch size {report['batch_size']}, shapes {report['batch_shapes']}",
-        f"{report['tokens_per_second']:.1f} tokens/s overall ({report['seconds']:.2f} s, compilation included)"
-        + (f", {steady:.1f} tokens/s after the first batch of each shape" if steady else ""),
-        "",
-        "| layer | entropy (nats) | entropy / log E | busiest expert | busiest share | load per expert |",
-        "|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in report["routing"]:
-        lines.append(f"| {r['layer']} | {r['entropy_nats']:.3f} | {r['entropy_normalized']:.3f} | "
-                     f"{r['busiest_expert']} | {r['busiest_share']:.3f} | {' '.join(map(str, r['load']))} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        report = run(args)
-    except JmoeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report) if args.json else format_report(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jmoe.model.params import ParamPath
 from jmoe.config import ModelConfig
-
-ParamPath = tuple  # e.g. ("layers", 3, "mlp", "experts", "w_down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +90,3 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
             table[f"{moe}.shared_expert_gate.weight"] = TensorTarget(mlp + ("shared_expert_gate", "kernel"), (),
                                                                      True, (1, d))
     return table
-
-
-def param_key(path: ParamPath) -> str:
-    """Dotted name of a parameter path, as used in placement patterns and reports."""
-    return ".".join(str(p) for p in path)

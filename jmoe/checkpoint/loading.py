@@ -16,11 +16,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jmoe.checkpoint.hf_layout import IGNORABLE, TensorTarget, expected_tensors
+from jmoe.model.params import ParamPath, abstract_model, flat_params, nest_params, param_key
+from jmoe.checkpoint.safetensors_files import TensorInfo, index_tensors, read_tensor
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError
-from jmoe.hf_layout import IGNORABLE, ParamPath, TensorTarget, expected_tensors, param_key
 from jmoe.model import MoETransformer
-from jmoe.safetensors_reader import TensorInfo, index_tensors, read_tensor
 
 Placer = Callable[[ParamPath, np.ndarray], jax.Array]
 
@@ -49,31 +50,6 @@ def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected
         if found != target.hf_shape:
             raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has shape {list(found)}, expected "
                                   f"{list(target.hf_shape)} from config.json; the checkpoint and config disagree")
-
-
-def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
-
-
-def flat_params(pure: dict, prefix: tuple = ()) -> dict[ParamPath, object]:
-    """Nested pure dict -> {path tuple: leaf}."""
-    flat = {}
-    for key, value in pure.items():
-        if isinstance(value, dict):
-            flat.update(flat_params(value, prefix + (key,)))
-        else:
-            flat[prefix + (key,)] = value
-    return flat
-
-
-def nest_params(flat: dict[ParamPath, object]) -> dict:
-    nested: dict = {}
-    for path, value in flat.items():
-        node = nested
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return nested
 
 
 def assemble_param(shape, dtype, pieces: list[tuple[TensorTarget, TensorInfo]]) -> np.ndarray:

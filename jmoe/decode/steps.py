@@ -1,8 +1,9 @@
 """The jitted programs a Model runs: a full forward for logits, and one generation step.
 
-Each program merges the NNX model from (graphdef, params) inside jit, asks the expert engine for the
-function that computes experts (resident weights, or device slots fed from pinned host memory), and
-returns the engine's updated state next to the model's outputs. Caches and engine state are donated.
+Each program merges the NNX model from (graphdef, params) inside jit, hands the expert engine the MoE
+layers' weights and routers and gets back the function that computes experts (resident weights, or
+device slots fed from pinned host memory), and returns the engine's updated state next to the model's
+outputs. Caches and engine state are donated.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmoe.decode.sampling import SamplingParams, sample
 from jmoe.model import empty_kv_cache
-from jmoe.sampling import SamplingParams, sample
 
 
 def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
          forced_routing=None):
     model = nnx.merge(graphdef, engine.prepare_params(params))
-    compute, finish = engine.bind(engine_state, model, num_tokens=tokens.shape[0] * tokens.shape[1])
-    out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, backend=engine.backend,
-                last_only=last_only, forced_routing=forced_routing, before_layer=engine.layer_hook(model))
+    compute, finish = engine.bind(engine_state, model.moe_layer_views(),
+                                  num_tokens=tokens.shape[0] * tokens.shape[1])
+    out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, last_only=last_only,
+                forced_routing=forced_routing, before_layer=engine.layer_hook(model))
     return out, finish()
 
 
@@ -42,8 +44,7 @@ def make_step_fn(graphdef, engine, sampling: SamplingParams):
 
     Returns (next tokens int32 [B], routing ids [L_moe, B, T, k], kv cache, engine state). Used for the
     prompt (T = padded prompt length) and for every decode step (T = 1): two compiled shapes in all.
-    `forced_routing` is None, or (benchmarks only) int32 [L_moe, B, T, k] expert ids to use instead of
-    the router's.
+    `forced_routing` is None, or int32 [L_moe, B, T, k] expert ids to use instead of the router's.
     """
 
     def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, forced_routing):
@@ -53,4 +54,3 @@ def make_step_fn(graphdef, engine, sampling: SamplingParams):
         return next_tokens, out.routing, out.kv_cache, engine_state
 
     return jax.jit(step_fn, donate_argnums=(1, 3))
-

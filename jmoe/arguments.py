@@ -1,0 +1,29 @@
+"""Checks of user-given arguments, shared by the API and the command lines: each returns the value in its
+canonical type or raises InputError naming the argument, what it must be and what was found."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from jmoe.errors import InputError
+
+
+def is_whole_number(value) -> bool:
+    """An integer of any integer type, and not a boolean (booleans are not counts)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def whole_number(name: str, value, minimum: int = 0, meaning: str = "") -> int:
+    """`value` as an int >= minimum; `meaning` says in the error what the number counts."""
+    if not is_whole_number(value) or value < minimum:
+        raise InputError(f"{name} must be a whole number >= {minimum}{f' ({meaning})' if meaning else ''}, "
+                         f"found {value!r}")
+    return int(value)
+
+
+def positive_finite(name: str, value) -> float:
+    """`value` as a float > 0 that is neither inf nor NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise InputError(f"{name} must be a finite number > 0, found {value!r}")
+    return float(value)

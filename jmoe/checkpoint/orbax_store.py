@@ -1,0 +1,153 @@
+"""jmoe's Orbax checkpoint format: its files, telling it apart from a Hugging Face directory, and restoring it.
+
+Layout (written by jmoe.checkpoint.convert):
+    jmoe_orbax.json       marker, written first: {"format": "jmoe-orbax", "format_version": 1}
+    params/               the Orbax checkpoint: nested dict of arrays, keys are the jmoe parameter
+                          path as strings, e.g. params["layers"]["3"]["mlp"]["experts"]["w_down"]
+    config.json, generation_config.json, tokenizer files   copied from the source
+    jmoe_manifest.json    written last: dtype, every parameter's shape, source files with sizes and sha256
+
+Restoring reads each group straight into the memory kind `memory_kind_of(path)` asks for, so experts
+meant for pinned host memory never pass through device memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from jmoe.model.params import ParamPath, abstract_model, flat_params, nest_params, param_key
+from jmoe.config import ModelConfig
+from jmoe.errors import CheckpointError, InputError
+from jmoe.jsonfile import read_json
+from jmoe.memory import DEVICE, MEMORY_KINDS, sharding_for
+from jmoe.model import MoETransformer
+
+FORMAT = "jmoe-orbax"
+FORMAT_VERSION = 1
+MARKER = "jmoe_orbax.json"
+MANIFEST = "jmoe_manifest.json"
+PARAMS_DIR = "params"
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "chat_template.jinja")
+TMP_INFIX = ".jmoe-converting-"  # in the name of a conversion's temporary directory
+
+MemoryKindOf = Callable[[ParamPath], str]
+
+
+def param_groups(paths) -> dict[tuple, list[ParamPath]]:
+    """Parameters grouped for streaming: () for the top-level ones, ("layers", i) for each decoder layer."""
+    groups: dict[tuple, list[ParamPath]] = {}
+    for path in paths:
+        groups.setdefault(path[:2] if path[0] == "layers" else (), []).append(path)
+    return groups
+
+
+def orbax_key(path: ParamPath) -> tuple[str, ...]:
+    return tuple(str(p) for p in path)  # Orbax tree keys must be strings; layer indices become "3"
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    """True for a directory written by the jmoe converter (complete or not: `restore_model` checks that).
+
+    A Hugging Face directory has none of the converter's files, so this tells the two apart.
+    """
+    path = Path(path)
+    return path.is_dir() and any((path / name).exists() for name in (MARKER, MANIFEST, PARAMS_DIR))
+
+
+def read_manifest(orbax_dir: str | Path) -> dict:
+    """The manifest of a complete jmoe Orbax checkpoint; CheckpointError naming what is missing otherwise."""
+    orbax_dir = Path(orbax_dir)
+    redo = f"convert again with `python -m jmoe.convert HF_DIR {orbax_dir} --overwrite`"
+    if not orbax_dir.is_dir():
+        raise CheckpointError(f"{orbax_dir}: no such directory; expected a jmoe Orbax checkpoint directory")
+    if TMP_INFIX in orbax_dir.name:
+        raise CheckpointError(f"{orbax_dir}: this is the temporary directory of an unfinished conversion, not a "
+                              f"checkpoint; delete it and {redo}")
+    if not (orbax_dir / MARKER).is_file():
+        raise CheckpointError(f"{orbax_dir}: no {MARKER}; expected a jmoe Orbax checkpoint written by "
+                              f"`python -m jmoe.convert` (a Hugging Face directory loads with jmoe.load); "
+                              f"if this was converted, the directory is incomplete: {redo}")
+    damaged = "the checkpoint is damaged: convert it again with `python -m jmoe.convert`"
+    marker = read_json(orbax_dir / MARKER, "format marker", CheckpointError, damaged)
+    if marker.get("format") != FORMAT or marker.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{orbax_dir / MARKER}: expected format {FORMAT!r} version {FORMAT_VERSION}, found "
+                              f"{marker.get('format')!r} version {marker.get('format_version')!r}; {redo} "
+                              f"with this version of jmoe")
+    if not (orbax_dir / MANIFEST).is_file():
+        raise CheckpointError(f"{orbax_dir}: no {MANIFEST}; the conversion did not finish or the directory "
+                              f"was copied incompletely: {redo}")
+    manifest = read_json(orbax_dir / MANIFEST, "manifest", CheckpointError, damaged)
+    if not ocp.is_orbax_checkpoint(orbax_dir / PARAMS_DIR):
+        raise CheckpointError(f"{orbax_dir / PARAMS_DIR}: missing or not an Orbax checkpoint; the directory "
+                              f"is incomplete: {redo}")
+    return manifest
+
+
+def _check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, object], cfg: ModelConfig) -> None:
+    stored = {name: tuple(entry["shape"]) for name, entry in manifest["params"].items()}
+    wanted = {param_key(p): tuple(a.shape) for p, a in abstract.items()}
+    missing = sorted(set(wanted) - set(stored))
+    unexpected = sorted(set(stored) - set(wanted))
+    wrong = [f"{n} (stored {list(stored[n])}, expected {list(wanted[n])})"
+             for n in wanted if n in stored and stored[n] != wanted[n]]
+    problems = [f"{what}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                for what, names in (("missing parameters", missing), ("unexpected parameters", unexpected),
+                                    ("shape mismatches", wrong)) if names]
+    if problems:
+        raise CheckpointError(f"{orbax_dir}: the checkpoint does not match the config (model_type "
+                              f"{cfg.family!r}): " + "; ".join(problems) + "; pass the config.json it was "
+                              "converted from")
+
+
+def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory_kind_of: MemoryKindOf | None = None,
+                  progress: bool = True) -> MoETransformer:
+    """Restore a converted checkpoint into a MoETransformer, each array directly in its memory kind.
+
+    dtype: parameter dtype (default: the dtype the checkpoint was converted to).
+    memory_kind_of: jmoe parameter path, e.g. ("layers", 3, "mlp", "experts", "w_down") -> "device" or
+        "pinned_host"; default: everything on "device".
+    """
+    orbax_dir = Path(orbax_dir)
+    manifest = read_manifest(orbax_dir)
+    dtype = np.dtype(jnp.dtype(dtype or manifest["dtype"]))
+    graphdef, state = abstract_model(cfg, dtype)
+    abstract = flat_params(nnx.to_pure_dict(state))
+    _check_params(orbax_dir, manifest, abstract, cfg)
+    loaded = {}
+    load_context = ocp.Context()
+    load_context.pytree.loading.partial_load = True  # one group at a time
+    with load_context, tqdm(total=len(abstract), desc="restoring", unit="param", disable=not progress,
+                            leave=False) as bar:
+        for group, paths in param_groups(abstract).items():
+            targets = {}
+            for path in paths:
+                kind = memory_kind_of(path) if memory_kind_of else DEVICE
+                if kind not in MEMORY_KINDS:
+                    raise InputError(f"memory_kind_of({path}) returned {kind!r}; expected one of {MEMORY_KINDS}")
+                targets[orbax_key(path)] = jax.ShapeDtypeStruct(
+                    abstract[path].shape, dtype, sharding=sharding_for(kind))
+            try:
+                restored = ocp.load(orbax_dir / PARAMS_DIR, nest_params(targets))
+            except Exception as e:  # Orbax reports unreadable data as a bare Exception
+                # keep TensorStore's first sentence; its spec dump follows in the chained exception
+                first_line = (str(e).splitlines() or [type(e).__name__])[0]
+                first_line = first_line.split(" See full TensorStore")[0].split(" [tensorstore_spec")[0][:300]
+                raise CheckpointError(f"{orbax_dir / PARAMS_DIR}: reading {param_key(group) or 'embeddings'} "
+                                      f"failed ({first_line}); the checkpoint is damaged or incomplete: "
+                                      f"convert it again with `python -m jmoe.convert`") from e
+            flat = flat_params(restored)
+            for path in paths:
+                loaded[path] = flat[orbax_key(path)]
+            bar.update(len(paths))
+    nnx.replace_by_pure_dict(state, nest_params(loaded))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,28 @@
+"""tokenizer.json of a model directory, through the Hugging Face `tokenizers` library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from jmoe.errors import ConfigError
+
+
+class TextTokenizer:
+    def __init__(self, path: Path):
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ConfigError(f"{path}: cannot read tokenizer ({e}); expected a Hugging Face tokenizer.json") from e
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(model_dir: Path) -> TextTokenizer | None:
+    path = model_dir / "tokenizer.json"
+    return TextTokenizer(path) if path.is_file() else None

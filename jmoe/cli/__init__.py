@@ -1,0 +1,1 @@
+"""Command lines: argument parsing and printing only; the work is done by the library they call."""

@@ -1,0 +1,70 @@
+"""What every command line shares: the default model, the offload flags, the kernel backend flag and the
+way errors are reported (one line on stderr, exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from jmoe.errors import JmoeError
+from jmoe.kernels import BACKENDS
+from jmoe.offload.options import MISS_MODES, OffloadOptions
+from jmoe.offload.policies import policy_names
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "default"
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None,
+                        help=f"model directory, Hugging Face or converted (default: the shipped model, "
+                             f"{DEFAULT_MODEL_DIR})")
+
+
+def resolve_model_dir(model: Path | None) -> Path:
+    if model is not None:
+        return model
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise JmoeError(f"no --model given and the default model is not present at {DEFAULT_MODEL_DIR}; "
+                        f"pass --model DIR with a Hugging Face MoE checkpoint directory")
+    return DEFAULT_MODEL_DIR
+
+
+def add_offload_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of jmoe.load's offload options and kernel backend, the same on every command line."""
+    g = parser.add_argument_group("offloading")
+    g.add_argument("--cache", type=int, default=None,
+                   help="experts per MoE layer kept on the device (default: all); the rest stay in pinned host memory")
+    g.add_argument("--policy", default="lfru", help=f"expert cache policy: {', '.join(policy_names())} (default: lfru)")
+    g.add_argument("--offload-params", nargs="+", default=None, metavar="PATTERN",
+                   help="more parameters to keep in host memory: dotted segments (w_down, attn) or 're:REGEX'")
+    g.add_argument("--device-budget-gb", type=float, default=None,
+                   help="pick the largest cache that fits in this much device memory")
+    g.add_argument("--prefetch", type=int, default=0, metavar="N",
+                   help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
+    g.add_argument("--miss-mode", choices=MISS_MODES, default="fetch",
+                   help="an expert not on the device: 'fetch' copies it in (default), 'host' computes it on the host")
+    g.add_argument("--offload-group-size", type=int, default=0, metavar="G",
+                   help="layer-group weight prefetch: in every G layers, keep the last N layers' weights (those "
+                        "matched by --offload-params, else all non-expert ones) on the host (0 = off)")
+    g.add_argument("--offload-num-in-group", type=int, default=1, metavar="N", help="offloaded layers per group")
+    g.add_argument("--offload-prefetch-step", type=int, default=1, metavar="K",
+                   help="fetch an offloaded layer's weights when the layer K before it starts")
+    parser.add_argument("--backend", default="auto", help=f"expert kernel backend: {', '.join(BACKENDS)} (jmoe.kernels)")
+
+
+def offload_options(args: argparse.Namespace) -> OffloadOptions:
+    """The OffloadOptions of parsed `add_offload_args` flags (checked there, before any loading)."""
+    return OffloadOptions(args.cache, args.policy, args.offload_params, args.device_budget_gb, args.prefetch,
+                          args.miss_mode, args.offload_group_size, args.offload_num_in_group,
+                          args.offload_prefetch_step)
+
+
+def run_cli(main: Callable[[], int]) -> int:
+    """Run a command's body; a JmoeError becomes one line on stderr and exit status 2."""
+    try:
+        return main()
+    except JmoeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

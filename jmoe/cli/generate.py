@@ -1,0 +1,98 @@
+"""Command line: `python -m jmoe.generate --model DIR --prompt "..."`.
+
+Streams the generated text to stdout, or with --json prints one JSON object (prompt, token ids, text,
+timing). Without --model it runs the default model shipped in the repository's checkpoints/ folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jmoe.cli.common import add_model_arg, add_offload_args, offload_options, resolve_model_dir, run_cli
+from jmoe.errors import JmoeError
+
+DEFAULT_PROMPT = "class Parser:\n    def __init__(self"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jmoe.generate", description=__doc__.splitlines()[0])
+    add_model_arg(p)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    add_offload_args(p)
+    p.add_argument("--stats", action="store_true", help="print a per-layer expert cache table after generation")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    from jmoe.api import load_with_options
+    from jmoe.decode.sampling import SamplingParams
+    from jmoe.decode.streaming import stdout_streamer
+
+    if not args.prompt:
+        raise JmoeError("--prompt is empty; give some text to continue")
+    options = offload_options(args)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    model_dir = resolve_model_dir(args.model)
+    model = load_with_options(model_dir, options, backend=args.backend, progress=not args.json)
+    tokenizer = model.require_tokenizer()
+    prompt_ids = tokenizer.encode(args.prompt)
+    on_tokens = None
+    if not args.json:
+        sys.stdout.write(args.prompt)
+        on_tokens = stdout_streamer(tokenizer)
+
+    result = model.generate_detailed([prompt_ids], args.max_new_tokens, sampling, args.seed, on_tokens)
+    tokens = result.tokens[0]
+    decode_tps = result.decode_steps / result.decode_seconds if result.decode_seconds > 0 else None
+    return {
+        "model": str(model_dir),
+        "prompt": args.prompt,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": tokens,
+        "text": tokenizer.decode(tokens),
+        "timing": {"prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
+                   "decode_steps": result.decode_steps, "decode_tokens_per_second": decode_tps},
+        "cache_stats": model.stats(),
+    }
+
+
+def format_stats(stats: list[dict]) -> str:
+    """Per-layer hit-rate table; says so when every expert is resident."""
+    if not stats:
+        return "expert cache: every expert is resident on the device (no --cache given), nothing to report"
+    lines = [f"{'layer':>5} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"]
+    for s in stats:
+        rate = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}"
+        lines.append(f"{s['layer']:>5} {s['hits']:>8} {s['misses']:>8} {rate:>9} {s['evictions']:>10} "
+                     f"{s['bytes_moved'] / 2**20:>10.2f}")
+    hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+    lines.append(f"total hit rate {hits / max(1, hits + misses):.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        report = run(args)
+        if args.json:
+            print(json.dumps(report))
+            return 0
+        print()
+        if args.stats:
+            print(format_stats(report["cache_stats"]))
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Grouped-query attention over a KV cache, with the per-family q/k norms, biases and clipping."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.model.layers import Linear, RMSNorm
+from jmoe.model.rope import RoPE, apply_rope
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q = Linear(d, h * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k = Linear(d, kvh * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v = Linear(d, kvh * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o = Linear(h * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        norm_dims = {"none": None, "per_head": (hd, hd), "full": (h * hd, kvh * hd)}[cfg.qk_norm]
+        self.q_norm = RMSNorm(norm_dims[0], eps=cfg.rms_norm_eps, dtype=dtype) if norm_dims else None
+        self.k_norm = RMSNorm(norm_dims[1], eps=cfg.rms_norm_eps, dtype=dtype) if norm_dims else None
+
+    def __call__(self, x, rope: RoPE, k_cache, v_cache, write_index, mask):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+        # Scores in the activation dtype, softmax in float32 (as the reference implementations do).
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache.astype(q.dtype)).astype(jnp.float32)
+        scores = scores * cfg.head_dim ** -0.5
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(b, t, -1).astype(x.dtype)
+        return self.o(out), k_cache, v_cache

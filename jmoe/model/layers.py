@@ -1,0 +1,64 @@
+"""The building blocks every family shares: linear maps, RMSNorm, the SwiGLU MLP, stacked experts.
+
+Layout choices the offload engine and the kernels rely on: linear kernels are stored [in, out]; the
+experts of a MoE layer are stacked, `w_gate_up` [E, d, 2f] (gate then up on the last axis) and
+`w_down` [E, f, d].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02
+
+
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD).astype(dtype))
+
+
+class Linear(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = normal_param(rngs, (d_in, d_out), dtype)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Normalise in float32 and cast back before the scale, as the reference implementations do.
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU MLP with gate and up fused, used by non-MoE layers and the shared expert."""
+
+    def __init__(self, d: int, f: int, *, dtype, rngs: nnx.Rngs):
+        self.w_gate_up = normal_param(rngs, (d, 2 * f), dtype)
+        self.w_down = normal_param(rngs, (f, d), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return swiglu_mlp(x, self.w_gate_up[...], self.w_down[...])
+
+
+class Experts(nnx.Module):
+    """The E experts of one MoE layer, stacked."""
+
+    def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs):
+        self.w_gate_up = normal_param(rngs, (e, d, 2 * f), dtype)
+        self.w_down = normal_param(rngs, (e, f, d), dtype)

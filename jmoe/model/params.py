@@ -1,0 +1,46 @@
+"""Parameter paths: the abstract (shape-only) model, and flat {path: leaf} <-> nested dict conversions."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.model.transformer import MoETransformer
+
+ParamPath = tuple  # e.g. ("layers", 3, "mlp", "experts", "w_down")
+
+
+def param_key(path: ParamPath) -> str:
+    """Dotted name of a parameter path, as used in placement patterns and reports."""
+    return ".".join(str(p) for p in path)
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and a state of shape/dtype structs: nothing is allocated."""
+    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> dict[ParamPath, object]:
+    """{path: shape/dtype struct} of every parameter."""
+    return flat_params(nnx.to_pure_dict(abstract_model(cfg, dtype)[1]))
+
+
+def flat_params(pure: dict, prefix: tuple = ()) -> dict[ParamPath, object]:
+    """Nested pure dict -> {path tuple: leaf}."""
+    flat = {}
+    for key, value in pure.items():
+        if isinstance(value, dict):
+            flat.update(flat_params(value, prefix + (key,)))
+        else:
+            flat[prefix + (key,)] = value
+    return flat
+
+
+def nest_params(flat: dict[ParamPath, object]) -> dict:
+    nested: dict = {}
+    for path, value in flat.items():
+        node = nested
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return nested

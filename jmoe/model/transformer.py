@@ -1,0 +1,127 @@
+"""The Flax NNX decoder-only MoE transformer shared by every supported family.
+
+All expert computation goes through one `ExpertCompute` callable, so the offload engine can swap where
+the expert weights come from without touching the rest of the model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.model.attention import Attention
+from jmoe.model.layers import INIT_STD, DenseMLP, RMSNorm, normal_param
+from jmoe.model.moe import MoEBlock, MoELayerView
+from jmoe.model.rope import rope_tables
+
+# (moe layer position, x [N, d], expert ids [N, k] with -1 = none, router weights [N, k]) -> y [N, d]
+ExpertCompute = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+# (decoder layer index, residual stream x [B, T, d]) -> x, run as each layer starts (e.g. to fetch weights)
+BeforeLayer = Callable[[int, jax.Array], jax.Array]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        if cfg.moe_layers[layer]:
+            self.mlp = MoEBlock(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
+
+
+class ForwardOut(NamedTuple):
+    logits: jax.Array  # float32 [B, T or 1, V]
+    kv_cache: tuple  # per layer (k [B, S, Hkv, hd], v [B, S, Hkv, hd])
+    routing: jax.Array  # int32 [num_moe_layers, B, T, k]: expert ids chosen (-1 for padding)
+
+
+class MoETransformer(nnx.Module):
+    """Decoder-only MoE language model. Weights are loaded from a checkpoint or initialised randomly."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None):
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        self.cfg = cfg
+        self.embed = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)) * INIT_STD
+                                ).astype(dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else normal_param(rngs, (cfg.hidden_size, cfg.vocab_size),
+                                                                           dtype)
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [self.layers[i].mlp for i in self.cfg.moe_layer_indices]
+
+    def moe_layer_views(self) -> list[MoELayerView]:
+        """Per MoE layer, the expert weights and router an expert engine computes with."""
+        return [block.view() for block in self.moe_blocks()]
+
+    def __call__(self, tokens: jax.Array, kv_cache: tuple, write_index, pad_len: jax.Array, *,
+                 expert_compute: ExpertCompute | None = None, backend: str = "reference",
+                 last_only: bool = False, forced_routing: jax.Array | None = None,
+                 before_layer: BeforeLayer | None = None) -> ForwardOut:
+        """Run `tokens` [B, T] whose first row entries sit at cache column `write_index`.
+
+        Row b is left-padded by `pad_len[b]` columns: those cache columns are never attended to and its
+        token positions count from its first real token. `expert_compute` replaces the resident expert
+        computation (the offload engine passes its own; without one, experts run from the model's own
+        weights with kernel `backend`); routing is returned for the cache manager.
+        `forced_routing` int32 [L_moe, B, T, k] (benchmarks) replaces every MoE layer's expert choice.
+        `before_layer` runs as each decoder layer starts (the offload engine fetches layer weights with it).
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        s = kv_cache[0][0].shape[1]
+        q_cols = write_index + jnp.arange(t)
+        cols = jnp.arange(s)
+        positions = jnp.maximum(q_cols[None, :] - pad_len[:, None], 0)
+        rope = rope_tables(positions, cfg)
+        base_mask = (cols[None, :] <= q_cols[:, None])[None] & (cols[None, :] >= pad_len[:, None])[:, None, :]
+        token_valid = (q_cols[None, :] >= pad_len[:, None]).reshape(-1)
+
+        def mask_for(window):
+            if window is None:
+                return base_mask
+            return base_mask & (q_cols[:, None] - cols[None, :] < window)[None]
+
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        new_cache, routing = [], []
+        for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                x = before_layer(i, x)
+            k_cache, v_cache = kv_cache[i]
+            attn_out, k_cache, v_cache = layer.attn(layer.input_norm(x), rope, k_cache, v_cache, write_index,
+                                                    mask_for(cfg.sliding_windows[i]))
+            new_cache.append((k_cache, v_cache))
+            x = x + attn_out
+            h = layer.post_norm(x).reshape(b * t, -1)
+            if isinstance(layer.mlp, MoEBlock):
+                forced = None if forced_routing is None else forced_routing[len(routing)].reshape(b * t, -1)
+                ids, weights = layer.mlp.route(h, token_valid, forced)
+                if expert_compute is None:
+                    y = layer.mlp.resident_experts(h, ids, weights, backend)
+                else:
+                    y = expert_compute(len(routing), h, ids, weights)
+                y = y + layer.mlp.shared(h)
+                routing.append(ids.reshape(b, t, -1))
+            else:
+                y = layer.mlp(h)
+            x = x + y.reshape(b, t, -1)
+        if last_only:
+            x = x[:, -1:]
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head).astype(jnp.float32)
+        routing_ids = (jnp.stack(routing) if routing
+                       else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32))
+        return ForwardOut(logits, tuple(new_cache), routing_ids)
+
+
+def empty_kv_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> tuple:
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))

@@ -1,0 +1,84 @@
+"""Where expert weights are read from during a step: the interface, and the all-resident engine.
+
+An engine owns the model's placement and has a pytree `state` that every jitted step takes (donated) and
+returns. While tracing, `prepare_params` may move parameters to the device, `layer_hook` may return a
+callback the model runs at the start of every decoder layer (to fetch weights ahead), and `bind` gets the
+MoE layers' weights and routers (`MoELayerView`s) and returns the ExpertCompute for that state plus a
+`finish` giving the updated state. Between steps, `after_step` gets the new state, the host copy of
+`readback(state)` and the step's routing (read together in one device-to-host read).
+The offload engine (jmoe.offload.engine) implements the same methods.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jmoe.kernels import ExpertKernel
+from jmoe.memory import PINNED_HOST, to_device
+from jmoe.model import ExpertCompute, MoELayerView
+from jmoe.model.params import param_key
+from jmoe.offload.layer_groups import layer_fetch_hook
+from jmoe.offload.placement import Placement
+
+
+class ResidentEngine:
+    """Every expert on the device, read from the model's own stacked weights: no state, nothing to manage.
+    Parameters the placement keeps in pinned host memory (not experts) are copied in during each step: at
+    its start, or, for layer groups, when the layer `prefetch_step` before theirs starts."""
+
+    def __init__(self, config, placement: Placement, backend: str = "auto"):
+        self.config = config
+        self.backend = backend
+        self.kernel = ExpertKernel(backend, config.expert_activation)
+        self.placement = placement
+        self.state = ()
+        fetched_ahead = {key for keys in placement.fetched_keys.values() for key in keys}
+        self.host_param_keys = frozenset(
+            key for key, kind in placement.memory_kind.items()
+            if kind == PINNED_HOST and "experts" not in key.split(".") and key not in fetched_ahead)
+
+    def attach(self, layers: list[MoELayerView]) -> None:
+        """Called once with the loaded model's MoE layers (the offload engine keeps their host arrays)."""
+
+    def reset(self, policy) -> None:
+        pass  # nothing is cached, so no policy applies
+
+    def prepare_params(self, params):
+        """Parameters offloaded by pattern (not experts, not layer groups) are copied in at every step."""
+        if not self.host_param_keys:
+            return params
+
+        def fetch(path, leaf):
+            # Parameter paths are dict keys followed by the Variable's `.value` attribute.
+            key = param_key(tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey)))
+            return to_device(leaf) if key in self.host_param_keys else leaf
+
+        return jax.tree_util.tree_map_with_path(fetch, params)
+
+    def layer_hook(self, model):
+        """The model's before-layer callback that fetches grouped layers' weights ahead (None without groups)."""
+        if not self.placement.fetched_keys:
+            return None
+        return layer_fetch_hook(self.placement.layer_groups, self.placement.fetched_keys, model)
+
+    def resident_experts(self, layer: MoELayerView, x, ids, weights) -> jax.Array:
+        """The MoE FFN of x [N, d] over experts held whole on the device."""
+        return self.kernel(x, ids, weights, layer.w_gate_up, layer.w_down)
+
+    def bind(self, state, layers: list[MoELayerView], num_tokens: int) -> tuple[ExpertCompute, Callable[[], tuple]]:
+        def compute(moe_index, x, ids, weights):
+            return self.resident_experts(layers[moe_index], x, ids, weights)
+
+        return compute, lambda: state
+
+    def readback(self, state) -> tuple:
+        return ()
+
+    def after_step(self, state, tables_host, routing: np.ndarray) -> None:
+        self.state = state
+
+    def stats(self) -> list[dict]:
+        return []
