@@ -190,7 +190,7 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
                             place=lambda p, host: jax.device_put(host, sharding_for(placement.memory_kind_of(p))))
     if progress:
         print(placement.summary(), file=sys.stderr)
-    return Model(module, config, make_engine(config, placement, options, dtype, backend), load_tokenizer(model_dir),
+    return Model(module, config, make_engine(config, placement, options, backend), load_tokenizer(model_dir),
                  model_dir)
 
 

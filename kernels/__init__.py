@@ -1,7 +1,7 @@
 """Grouped-GEMM MoE FFN kernels behind one dispatch (imported as jmoe.kernels)."""
 
 from jmoe.kernels.activations import ACTIVATIONS
-from jmoe.kernels.dispatch import BACKENDS, ExpertKernel, moe_ffn
+from jmoe.kernels.dispatch import BACKENDS, ExpertKernel, ExpertWeights, moe_ffn
 from jmoe.kernels.reference import moe_ffn_reference
 
-__all__ = ["ACTIVATIONS", "BACKENDS", "ExpertKernel", "moe_ffn", "moe_ffn_reference"]
+__all__ = ["ACTIVATIONS", "BACKENDS", "ExpertKernel", "ExpertWeights", "moe_ffn", "moe_ffn_reference"]

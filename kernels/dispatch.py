@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jmoe.kernels.activations import get_activation
@@ -84,11 +85,24 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
 AUTO_BACKEND = "xla_tiled"
 
 
+class ExpertWeights(NamedTuple):
+    """The stacked weights of S experts (or slots), a pytree whose every leaf has the expert axis first, so
+    that copying, slicing or updating one expert is the same operation on every leaf."""
+
+    w_gate_up: jax.Array  # [S, d, 2f]: gate then up on the last axis
+    w_down: jax.Array  # [S, f, d]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_gate_up.shape[0]
+
+
 class ExpertKernel(NamedTuple):
     """A backend and an activation bound together: how one model computes its expert FFNs."""
 
     backend: str
     activation: str
 
-    def __call__(self, x, slot_ids, weights, w_gate_up, w_down):
-        return moe_ffn(x, slot_ids, weights, w_gate_up, w_down, backend=self.backend, activation=self.activation)
+    def __call__(self, x, slot_ids, weights, experts: ExpertWeights):
+        return moe_ffn(x, slot_ids, weights, experts.w_gate_up, experts.w_down, backend=self.backend,
+                       activation=self.activation)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmoe.kernels import moe_ffn_reference
+from jmoe.kernels import ExpertWeights, moe_ffn_reference
 from jmoe.memory import PINNED_HOST, sharding_for
 from jmoe.offload.host_compute import experts_on_host
 
@@ -27,8 +27,7 @@ def test_listed_experts_on_host_match_the_reference(dtype, atol):
     listed = jnp.array([5, 3, 0, 4], jnp.int32)  # expert 4 is listed but unused; 2 and 1 are used but unlisted
     count = jnp.int32(3)  # only the first three entries count
 
-    y = swiglu_on_host(x, ids, weights, listed, count, jax.device_put(gate_up, HOST),
-                                 jax.device_put(down, HOST))
+    y = swiglu_on_host(x, ids, weights, listed, count, jax.device_put(ExpertWeights(gate_up, down), HOST))
 
     only_listed = jnp.where(jnp.isin(ids, listed[:3]), ids, -1)
     expected = moe_ffn_reference(x, only_listed, weights, gate_up, down).astype(jnp.float32)
@@ -40,6 +39,6 @@ def test_listed_experts_on_host_match_the_reference(dtype, atol):
 def test_the_expert_compute_is_marked_for_the_host():
     e, d, f = 4, 8, 4
     args = (jnp.ones((1, d)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), jnp.arange(2, dtype=jnp.int32),
-            jnp.int32(2), jax.device_put(jnp.ones((e, d, 2 * f)), HOST), jax.device_put(jnp.ones((e, f, d)), HOST))
+            jnp.int32(2), jax.device_put(ExpertWeights(jnp.ones((e, d, 2 * f)), jnp.ones((e, f, d))), HOST))
     text = swiglu_on_host.lower(*args).as_text()
     assert '_xla_compute_type = "host"' in text

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmoe.kernels import ExpertWeights
+
 INIT_STD = 0.02
 
 
@@ -62,3 +64,6 @@ class Experts(nnx.Module):
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs):
         self.w_gate_up = normal_param(rngs, (e, d, 2 * f), dtype)
         self.w_down = normal_param(rngs, (e, f, d), dtype)
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w_gate_up[...], self.w_down[...])

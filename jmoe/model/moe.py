@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.kernels import moe_ffn
+from jmoe.kernels import ExpertKernel, ExpertWeights
 from jmoe.model.layers import DenseMLP, Experts, Linear
 
 
@@ -29,8 +29,7 @@ class MoELayerView(NamedTuple):
     """What an expert engine needs from one MoE layer while a step is traced: the stacked expert weights
     and the router's parameters (wherever they live)."""
 
-    w_gate_up: jax.Array  # [E, d, 2f]
-    w_down: jax.Array  # [E, f, d]
+    experts: ExpertWeights
     router: tuple[jax.Array, ...]  # the arguments router_probabilities takes
 
 
@@ -66,11 +65,10 @@ class MoEBlock(nnx.Module):
         return ids, weights.astype(x.dtype)
 
     def view(self) -> MoELayerView:
-        return MoELayerView(self.experts.w_gate_up[...], self.experts.w_down[...], self.router_params())
+        return MoELayerView(self.experts.weights(), self.router_params())
 
     def resident_experts(self, x, ids, weights, backend: str):
-        return moe_ffn(x, ids, weights, self.experts.w_gate_up[...], self.experts.w_down[...], backend=backend,
-                       activation=self.cfg.expert_activation)
+        return ExpertKernel(backend, self.cfg.expert_activation)(x, ids, weights, self.experts.weights())
 
     def shared(self, x: jax.Array) -> jax.Array:
         if self.shared_expert is None:

@@ -22,12 +22,12 @@ from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-from jmoe.offload.slots import (LayerSlots, admit_and_compute, device_copy, host_compute_misses, prefetch,
-                                stream_and_compute)
+from jmoe.offload.slots import (LayerSlots, admit_and_compute, device_copy, empty_slots, host_compute_misses,
+                                prefetch, put_slot, stream_and_compute)
 
 
 class EngineState(NamedTuple):
-    buffers: tuple  # per offloaded layer: (w_gate_up [S+M, d, 2f], w_down [S+M, f, d]) on the device
+    buffers: tuple  # per offloaded layer: ExpertWeights of S + M slots on the device
     slot_of_expert: jax.Array  # int32 [Lo, E]
     expert_in_slot: jax.Array  # int32 [Lo, S]
     victim_order: jax.Array  # int32 [Lo, S], from the manager
@@ -38,35 +38,38 @@ class OffloadEngine(ResidentEngine):
     """Expert slots for the offloaded MoE layers (the other layers' experts stay resident); parameters
     offloaded by pattern or layer group are fetched as in ResidentEngine."""
 
-    def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, dtype,
-                 backend: str = "auto"):
+    def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str = "auto"):
         super().__init__(config, placement, backend)
         self.prefetch = options.prefetch  # experts per layer copied ahead from the next layer's router guess
         # "fetch": a missed expert is copied to the device and computed there; "host": computed on the host.
         self.miss_mode = options.miss_mode
         self.layers = placement.offloaded_layers
         self.num_slots = placement.cache
-        self._dtype = dtype
-        self._host_experts = None  # (w_gate_up, w_down) of each offloaded layer in pinned host memory, from attach
-        self.reset(options.policy)
+        self._policy = options.policy
+        self._host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
+        self.state = None  # allocated by attach, once the experts' shapes are known
         self._install = jax.jit(self._install_fn, donate_argnums=(0,))
+
+    def attach(self, layers: list[MoELayerView]) -> None:
+        """Take the offloaded layers' expert arrays in pinned host memory (copies come from them) and
+        allocate the slots."""
+        self._host_experts = [layers[i].experts for i in self.layers]
+        self.reset(self._policy)
 
     def reset(self, policy: str | CachePolicy) -> None:
         """Empty every slot and start over with `policy` (same compiled programs: only data changes)."""
         cfg, lo = self.config, len(self.layers)
+        self.state = None  # release the old slot buffers before allocating new ones
         self.manager = SlotManager(policy, lo, cfg.num_experts, self.num_slots, self.placement.expert_bytes)
-        d, f = cfg.hidden_size, cfg.expert_intermediate_size
         total = self.num_slots + self.placement.scratch
         self.state = EngineState(
-            buffers=tuple((jnp.zeros((total, d, 2 * f), self._dtype), jnp.zeros((total, f, d), self._dtype))
-                          for _ in range(lo)),
+            buffers=tuple(empty_slots(host, total) for host in self._host_experts),
             slot_of_expert=jnp.full((lo, cfg.num_experts), -1, jnp.int32),
             expert_in_slot=jnp.full((lo, self.num_slots), -1, jnp.int32),
             victim_order=jnp.asarray(self.manager.victim_order()),
             counts=jnp.zeros((lo, 4), jnp.int32),
         )
-        if self._host_experts is not None:  # attached to a model: a static policy can install now
-            self.install_pinned()
+        self.install_pinned()  # a static policy installs its experts now
 
     # ---- inside the jitted step -------------------------------------------------------------------
     def bind(self, state: EngineState, layers: list[MoELayerView], num_tokens: int):
@@ -77,7 +80,7 @@ class OffloadEngine(ResidentEngine):
         # Decode-sized steps admit misses into cache slots (or, in miss mode "host", compute them on the host
         # and admit them in the background); bigger ones stream experts through double-buffered chunks.
         admit = min(num_tokens * cfg.num_experts_per_tok, cfg.num_experts) <= self.placement.scratch
-        layer_slots = [LayerSlots(*state.buffers[i], state.slot_of_expert[i], state.expert_in_slot[i])
+        layer_slots = [LayerSlots(state.buffers[i], state.slot_of_expert[i], state.expert_in_slot[i])
                        for i in range(lo)]
         victim_order = [state.victim_order[i] for i in range(lo)]
         prefetched = [(jnp.int32(0), jnp.int32(0))] * lo  # (copied, evicted) ahead of each layer
@@ -89,7 +92,6 @@ class OffloadEngine(ResidentEngine):
             if moe_index not in position:
                 return self.resident_experts(layer, x, ids, weights)
             i = position[moe_index]
-            host = (layer.w_gate_up, layer.w_down)
             if admit and prefetch_limit and moe_index + 1 in position:
                 # Guess the next layer's experts with its router on this layer's input; the copies are
                 # independent of this layer's compute, so they can overlap it.
@@ -97,20 +99,19 @@ class OffloadEngine(ResidentEngine):
                 # A layer group may not have fetched that router yet: to_device is a no-op if it has.
                 probs = router_probabilities(cfg, to_device(upcoming.router), x)
                 scores = jnp.max(jnp.where((ids >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
-                ahead = prefetch(layer_slots[nxt], victim_order[nxt], upcoming.w_gate_up, upcoming.w_down, scores,
-                                 limit=prefetch_limit)
+                ahead = prefetch(layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, limit=prefetch_limit)
                 layer_slots[nxt], victim_order[nxt] = ahead.slots, ahead.victim_order
                 prefetched[nxt] = (ahead.copied, ahead.evicted)
             if admit and self.miss_mode == "host":
                 y, layer_slots[i], counts[i] = host_compute_misses(
-                    layer_slots[i], victim_order[i], *host, x, ids, weights, kernel=kernel,
+                    layer_slots[i], victim_order[i], layer.experts, x, ids, weights, kernel=kernel,
                     admit_limit=min(self.placement.scratch, self.num_slots))
             elif admit:
-                y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], *host, x, ids, weights,
-                                                      kernel=kernel)
+                y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], layer.experts, x, ids,
+                                                      weights, kernel=kernel)
                 layer_slots[i] = adm.slots
             else:
-                y, counts[i] = stream_and_compute(layer_slots[i], *host, x, ids, weights, kernel=kernel)
+                y, counts[i] = stream_and_compute(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)
             return y
 
         def finish() -> EngineState:
@@ -118,7 +119,7 @@ class OffloadEngine(ResidentEngine):
                 return state
             step_counts = jnp.stack([jnp.stack([c.hits, c.misses, c.copied + p_copied, c.evicted + p_evicted])
                                      for c, (p_copied, p_evicted) in zip(counts, prefetched)])
-            return EngineState(tuple((s.w_gate_up, s.w_down) for s in layer_slots),
+            return EngineState(tuple(s.buffers for s in layer_slots),
                                jnp.stack([s.slot_of_expert for s in layer_slots]),
                                jnp.stack([s.expert_in_slot for s in layer_slots]),
                                state.victim_order, step_counts)
@@ -156,27 +157,21 @@ class OffloadEngine(ResidentEngine):
         buffers = []
         num_slots = experts.shape[1]
         slots_range = jnp.arange(num_slots, dtype=jnp.int32)
-        for i, (gate_up, down) in enumerate(state.buffers):
+        for i, layer_buffers in enumerate(state.buffers):
             for s in range(num_slots):
-                gate_up = gate_up.at[s].set(device_copy(host[i][0], experts[i, s])[0])
-                down = down.at[s].set(device_copy(host[i][1], experts[i, s])[0])
-            buffers.append((gate_up, down))
+                layer_buffers = put_slot(layer_buffers, device_copy(host[i], experts[i, s]), s)
+            buffers.append(layer_buffers)
         num_experts = state.slot_of_expert.shape[1]
         rows = jnp.arange(experts.shape[0])[:, None]
         slot_of_expert = jnp.full((experts.shape[0], num_experts), -1, jnp.int32).at[rows, experts].set(slots_range)
         return state._replace(buffers=tuple(buffers), slot_of_expert=slot_of_expert, expert_in_slot=experts)
 
-    def attach(self, layers: list[MoELayerView]) -> None:
-        """Remember the offloaded layers' expert arrays in pinned host memory (they feed install)."""
-        self._host_experts = [(layers[i].w_gate_up, layers[i].w_down) for i in self.layers]
-        self.install_pinned()
-
     def stats(self) -> list[dict]:
         return self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))
 
 
-def make_engine(config: ModelConfig, placement: Placement, options: OffloadOptions, dtype, backend: str):
+def make_engine(config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str):
     """The resident engine when no expert is offloaded, else the offload engine."""
     if not placement.offloaded_layers:
         return ResidentEngine(config, placement, backend)
-    return OffloadEngine(config, placement, options, dtype, backend)
+    return OffloadEngine(config, placement, options, backend)

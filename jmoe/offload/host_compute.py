@@ -15,39 +15,40 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
+from jmoe.kernels import ExpertWeights
 from jmoe.kernels.activations import get_activation
 from jmoe.memory import to_device, to_host
 
 
 @compute_on("device_host")
 @functools.partial(jax.jit, static_argnames=("activation",))
-def _experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *, activation: str):
+def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, activation: str):
     act = get_activation(activation)
-    f = host_down.shape[1]
+    f = host.w_down.shape[1]
 
     def add_expert(j, acc):
         expert = experts[j]
         # Each token's routing weight for this expert (0 when it did not choose it). A product, not jnp.where:
         # where would broadcast its scalar 0 into a device-typed array.
         token_weight = jnp.sum(weights.astype(jnp.float32) * (ids == expert), axis=1, keepdims=True)
-        gate_up = jnp.dot(x, jax.lax.dynamic_index_in_dim(host_gate_up, expert, 0, keepdims=False),
+        gate_up = jnp.dot(x, jax.lax.dynamic_index_in_dim(host.w_gate_up, expert, 0, keepdims=False),
                           preferred_element_type=jnp.float32)
         h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
-        y = jnp.dot(h, jax.lax.dynamic_index_in_dim(host_down, expert, 0, keepdims=False),
+        y = jnp.dot(h, jax.lax.dynamic_index_in_dim(host.w_down, expert, 0, keepdims=False),
                     preferred_element_type=jnp.float32)
         return acc + token_weight * y
 
     return jax.lax.fori_loop(0, count, add_expert, to_host(jnp.zeros(x.shape, jnp.float32)))
 
 
-def experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, *, activation: str):
+def experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, activation: str):
     """float32 [T, d] on the device: sum over `experts[:count]` (int32, distinct) of every token's routing
-    weight for that expert times the expert's FFN, computed on the host from `host_gate_up` [E, d, 2f] and
-    `host_down` [E, f, d] (pinned host memory). ids int32 [T, k] (-1 = none), weights [T, k].
+    weight for that expert times the expert's FFN, computed on the host from `host` (the layer's experts
+    in pinned host memory). ids int32 [T, k] (-1 = none), weights [T, k].
 
     Each listed expert's weights are read once and applied to all T rows, so this suits decode-sized
     steps; big prefill steps stream experts to the device instead (jmoe.offload.slots).
     """
     x, ids, weights, experts, count = to_host((x, ids, weights, experts, count))
-    y = _experts_on_host(x, ids, weights, experts, count, host_gate_up, host_down, activation=activation)
+    y = _experts_on_host(x, ids, weights, experts, count, host, activation=activation)
     return to_device(y)

@@ -66,7 +66,7 @@ class ResidentEngine:
 
     def resident_experts(self, layer: MoELayerView, x, ids, weights) -> jax.Array:
         """The MoE FFN of x [N, d] over experts held whole on the device."""
-        return self.kernel(x, ids, weights, layer.w_gate_up, layer.w_down)
+        return self.kernel(x, ids, weights, layer.experts)
 
     def bind(self, state, layers: list[MoELayerView], num_tokens: int) -> tuple[ExpertCompute, Callable[[], tuple]]:
         def compute(moe_index, x, ids, weights):
