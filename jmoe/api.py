@@ -143,13 +143,15 @@ class Model:
         return self.engine.stats()
 
 
-def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolicy = "lfru",
+def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, policy: str | CachePolicy = "lfru",
          offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
          miss_mode: str = "fetch", offload_group_size: int = 0, offload_num_in_group: int = 1,
-         offload_prefetch_step: int = 1, dtype: str | None = None, backend: str = "auto", progress: bool = True) -> Model:
+         offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, dtype: str | None = None, backend: str = "auto",
+         progress: bool = True) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
-    cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all.
+    cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
+        number for every MoE layer, or a list with one value per MoE layer (None = that layer resident).
     policy: cache policy name ("lru", "lfu", "lfru", "static") or a jmoe.offload.policies.CachePolicy.
     offload_params: more parameters to keep in pinned host memory, by dotted-segment name ("w_down",
         "attn") or by regular expression ("re:layers\\.(1[0-9])\\..*experts").
@@ -163,12 +165,14 @@ def load(path: str | Path, cache: int | None = None, *, policy: str | CachePolic
         models whose dense weights do not fit either: in every group of G decoder layers the last N keep
         their weights (those matched by offload_params; without patterns, all non-expert weights) in
         pinned host memory, and each is copied in when the layer K before it starts. 0 = off.
+    cpu_moe_layers: keep every expert of the first N MoE layers in pinned host memory (cache 0 there; the
+        other layers follow `cache`); with miss_mode="host" they are also computed there.
     dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
     progress: show a progress bar and print the placement summary to stderr.
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
-                             offload_group_size, offload_num_in_group, offload_prefetch_step)
+                             offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress)
 
 

@@ -136,7 +136,7 @@ def test_device_budget_picks_largest_fitting_cache(olmoe_dir):
     stream = 2 * base.scratch * base.expert_bytes  # prefill's two chunk buffers, one layer at a time
     budget = dense + kv + stream + (base.scratch + 3) * per_slot + per_slot // 2
     model = jmoe.load(olmoe_dir, device_budget_gb=budget / 2**30, progress=False)
-    assert model.placement_plan.cache == 3
+    assert model.placement_plan.caches == (3, 3)
 
 
 def test_bad_input(olmoe_dir):

@@ -34,8 +34,13 @@ def resolve_model_dir(model: Path | None) -> Path:
 def add_offload_args(parser: argparse.ArgumentParser) -> None:
     """The flags of jmoe.load's offload options and kernel backend, the same on every command line."""
     g = parser.add_argument_group("offloading")
-    g.add_argument("--cache", type=int, default=None,
-                   help="experts per MoE layer kept on the device (default: all); the rest stay in pinned host memory")
+    g.add_argument("--cache", type=cache_value, default=None, metavar="N|N1,N2,...",
+                   help="experts per MoE layer kept on the device (default: all); the rest stay in pinned host "
+                        "memory. One number for every MoE layer, or one per MoE layer separated by commas "
+                        "('all' = that layer fully resident)")
+    g.add_argument("--cpu-moe-layers", type=int, default=0, metavar="N",
+                   help="keep every expert of the first N MoE layers in host memory (cache 0 there); with "
+                        "--miss-mode host they are also computed there")
     g.add_argument("--policy", default="lfru", help=f"expert cache policy: {', '.join(policy_names())} (default: lfru)")
     g.add_argument("--offload-params", nargs="+", default=None, metavar="PATTERN",
                    help="more parameters to keep in host memory: dotted segments (w_down, attn) or 're:REGEX'")
@@ -54,11 +59,18 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", help=f"expert kernel backend: {', '.join(BACKENDS)} (jmoe.kernels)")
 
 
+def cache_value(text: str) -> int | tuple[int | None, ...]:
+    """--cache: '4' -> 4; '0,2,all' -> (0, 2, None) (checked by OffloadOptions)."""
+    if "," not in text:
+        return int(text)
+    return tuple(None if part.strip() == "all" else int(part) for part in text.split(","))
+
+
 def offload_options(args: argparse.Namespace) -> OffloadOptions:
     """The OffloadOptions of parsed `add_offload_args` flags (checked there, before any loading)."""
     return OffloadOptions(args.cache, args.policy, args.offload_params, args.device_budget_gb, args.prefetch,
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
-                          args.offload_prefetch_step)
+                          args.offload_prefetch_step, args.cpu_moe_layers)
 
 
 def run_cli(main: Callable[[], int]) -> int:

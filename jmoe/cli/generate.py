@@ -68,11 +68,11 @@ def format_stats(stats: list[dict]) -> str:
     """Per-layer hit-rate table; says so when every expert is resident."""
     if not stats:
         return "expert cache: every expert is resident on the device (no --cache given), nothing to report"
-    lines = [f"{'layer':>5} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"]
+    lines = [f"{'layer':>5} {'slots':>6} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"]
     for s in stats:
         rate = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}"
-        lines.append(f"{s['layer']:>5} {s['hits']:>8} {s['misses']:>8} {rate:>9} {s['evictions']:>10} "
-                     f"{s['bytes_moved'] / 2**20:>10.2f}")
+        lines.append(f"{s['layer']:>5} {s['cache_slots']:>6} {s['hits']:>8} {s['misses']:>8} {rate:>9} "
+                     f"{s['evictions']:>10} {s['bytes_moved'] / 2**20:>10.2f}")
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     lines.append(f"total hit rate {hits / max(1, hits + misses):.1%}")
     return "\n".join(lines)

@@ -27,10 +27,12 @@ from jmoe.offload.slots import (LayerSlots, admit_and_compute, device_copy, empt
 
 
 class EngineState(NamedTuple):
-    buffers: tuple  # per offloaded layer: ExpertWeights of S + M slots on the device
+    """Per offloaded layer l with S_l cache slots (layers may differ) and M scratch slots."""
+
+    buffers: tuple  # per layer: ExpertWeights of S_l + M slots on the device
     slot_of_expert: jax.Array  # int32 [Lo, E]
-    expert_in_slot: jax.Array  # int32 [Lo, S]
-    victim_order: jax.Array  # int32 [Lo, S], from the manager
+    expert_in_slot: tuple  # per layer: int32 [S_l]
+    victim_order: jax.Array  # int32 [Lo, max S_l] from the manager: row l's first S_l entries, then -1
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
 
 
@@ -44,7 +46,7 @@ class OffloadEngine(ResidentEngine):
         # "fetch": a missed expert is copied to the device and computed there; "host": computed on the host.
         self.miss_mode = options.miss_mode
         self.layers = placement.offloaded_layers
-        self.num_slots = placement.cache
+        self.caches = placement.caches  # cache slots of each offloaded layer
         self._policy = options.policy
         self._host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
@@ -58,18 +60,27 @@ class OffloadEngine(ResidentEngine):
 
     def reset(self, policy: str | CachePolicy) -> None:
         """Empty every slot and start over with `policy` (same compiled programs: only data changes)."""
-        cfg, lo = self.config, len(self.layers)
         self.state = None  # release the old slot buffers before allocating new ones
-        self.manager = SlotManager(policy, lo, cfg.num_experts, self.num_slots, self.placement.expert_bytes)
-        total = self.num_slots + self.placement.scratch
-        self.state = EngineState(
-            buffers=tuple(empty_slots(host, total) for host in self._host_experts),
-            slot_of_expert=jnp.full((lo, cfg.num_experts), -1, jnp.int32),
-            expert_in_slot=jnp.full((lo, self.num_slots), -1, jnp.int32),
+        self.manager = SlotManager(policy, self.config.num_experts, self.caches, self.placement.expert_bytes)
+        self.state = self._empty_state()
+        self.install_pinned()  # a static policy installs its experts now
+
+    def _empty_state(self) -> EngineState:
+        lo, scratch = len(self.layers), self.placement.scratch
+        return EngineState(
+            buffers=tuple(empty_slots(host, cache + scratch) for host, cache in zip(self._host_experts, self.caches)),
+            slot_of_expert=jnp.full((lo, self.config.num_experts), -1, jnp.int32),
+            expert_in_slot=tuple(jnp.full((cache,), -1, jnp.int32) for cache in self.caches),
             victim_order=jnp.asarray(self.manager.victim_order()),
             counts=jnp.zeros((lo, 4), jnp.int32),
         )
-        self.install_pinned()  # a static policy installs its experts now
+
+    def abstract_state(self, layers: list[MoELayerView]) -> EngineState:
+        """The state's shapes and dtypes for the (abstract) MoE layers `layers`, allocating nothing: what
+        the steps take when they are compiled ahead of time for another device (jmoe.plan)."""
+        self._host_experts = [layers[i].experts for i in self.layers]
+        self.manager = SlotManager(self._policy, self.config.num_experts, self.caches, self.placement.expert_bytes)
+        return jax.eval_shape(self._empty_state)
 
     # ---- inside the jitted step -------------------------------------------------------------------
     def bind(self, state: EngineState, layers: list[MoELayerView], num_tokens: int):
@@ -82,9 +93,8 @@ class OffloadEngine(ResidentEngine):
         admit = min(num_tokens * cfg.num_experts_per_tok, cfg.num_experts) <= self.placement.scratch
         layer_slots = [LayerSlots(state.buffers[i], state.slot_of_expert[i], state.expert_in_slot[i])
                        for i in range(lo)]
-        victim_order = [state.victim_order[i] for i in range(lo)]
         prefetched = [(jnp.int32(0), jnp.int32(0))] * lo  # (copied, evicted) ahead of each layer
-        prefetch_limit = min(self.prefetch, self.num_slots)  # prefetches only go into cache slots
+        victim_order = [state.victim_order[i, :cache] for i, cache in enumerate(self.caches)]
         counts = [None] * lo
 
         def compute(moe_index, x, ids, weights):
@@ -92,10 +102,12 @@ class OffloadEngine(ResidentEngine):
             if moe_index not in position:
                 return self.resident_experts(layer, x, ids, weights)
             i = position[moe_index]
-            if admit and prefetch_limit and moe_index + 1 in position:
+            nxt = position.get(moe_index + 1)
+            prefetch_limit = 0 if nxt is None else min(self.prefetch, self.caches[nxt])  # only into cache slots
+            if admit and prefetch_limit:
                 # Guess the next layer's experts with its router on this layer's input; the copies are
                 # independent of this layer's compute, so they can overlap it.
-                nxt, upcoming = position[moe_index + 1], layers[moe_index + 1]
+                upcoming = layers[moe_index + 1]
                 # A layer group may not have fetched that router yet: to_device is a no-op if it has.
                 probs = router_probabilities(cfg, to_device(upcoming.router), x)
                 scores = jnp.max(jnp.where((ids >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
@@ -105,7 +117,7 @@ class OffloadEngine(ResidentEngine):
             if admit and self.miss_mode == "host":
                 y, layer_slots[i], counts[i] = host_compute_misses(
                     layer_slots[i], victim_order[i], layer.experts, x, ids, weights, kernel=kernel,
-                    admit_limit=min(self.placement.scratch, self.num_slots))
+                    admit_limit=min(self.placement.scratch, self.caches[i]))
             elif admit:
                 y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], layer.experts, x, ids,
                                                       weights, kernel=kernel)
@@ -121,7 +133,7 @@ class OffloadEngine(ResidentEngine):
                                      for c, (p_copied, p_evicted) in zip(counts, prefetched)])
             return EngineState(tuple(s.buffers for s in layer_slots),
                                jnp.stack([s.slot_of_expert for s in layer_slots]),
-                               jnp.stack([s.expert_in_slot for s in layer_slots]),
+                               tuple(s.expert_in_slot for s in layer_slots),
                                state.victim_order, step_counts)
 
         return compute, finish
@@ -141,30 +153,31 @@ class OffloadEngine(ResidentEngine):
 
     def install_pinned(self) -> None:
         """A policy that never admits misses (static) gets its pinned experts installed up front."""
-        pinned = self.manager.pinned_experts() if self.num_slots else None
+        pinned = self.manager.pinned_experts() if any(self.caches) else None
         if pinned is not None:
             self.install(pinned)
 
-    def install(self, experts: np.ndarray) -> None:
-        """Fill every offloaded layer's cache slots with `experts` int [Lo, S] (a donated update)."""
-        self.state = self._install(self.state, self._host_experts, jnp.asarray(experts, jnp.int32))
+    def install(self, experts: list[np.ndarray]) -> None:
+        """Fill every offloaded layer's cache slots with `experts` (per layer, int [S_l]; a donated update)."""
+        experts = [np.asarray(e, np.int32) for e in experts]
+        self.state = self._install(self.state, self._host_experts, tuple(jnp.asarray(e) for e in experts))
         slot_of_expert = np.full((len(self.layers), self.config.num_experts), -1, np.int32)
-        slot_of_expert[np.arange(len(self.layers))[:, None], experts] = np.arange(experts.shape[1])
+        for row, layer_experts in zip(slot_of_expert, experts):
+            row[layer_experts] = np.arange(len(layer_experts))
         self.manager.slot_of_expert = slot_of_expert
 
     @staticmethod
-    def _install_fn(state: EngineState, host, experts):
-        buffers = []
-        num_slots = experts.shape[1]
-        slots_range = jnp.arange(num_slots, dtype=jnp.int32)
-        for i, layer_buffers in enumerate(state.buffers):
-            for s in range(num_slots):
-                layer_buffers = put_slot(layer_buffers, device_copy(host[i], experts[i, s]), s)
-            buffers.append(layer_buffers)
+    def _install_fn(state: EngineState, host, experts: tuple):
+        buffers, slot_of_expert = [], []
         num_experts = state.slot_of_expert.shape[1]
-        rows = jnp.arange(experts.shape[0])[:, None]
-        slot_of_expert = jnp.full((experts.shape[0], num_experts), -1, jnp.int32).at[rows, experts].set(slots_range)
-        return state._replace(buffers=tuple(buffers), slot_of_expert=slot_of_expert, expert_in_slot=experts)
+        for layer_buffers, layer_host, layer_experts in zip(state.buffers, host, experts):
+            for s in range(layer_experts.shape[0]):
+                layer_buffers = put_slot(layer_buffers, device_copy(layer_host, layer_experts[s]), s)
+            buffers.append(layer_buffers)
+            slots_range = jnp.arange(layer_experts.shape[0], dtype=jnp.int32)
+            slot_of_expert.append(jnp.full((num_experts,), -1, jnp.int32).at[layer_experts].set(slots_range))
+        return state._replace(buffers=tuple(buffers), slot_of_expert=jnp.stack(slot_of_expert),
+                              expert_in_slot=experts)
 
     def stats(self) -> list[dict]:
         return self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))

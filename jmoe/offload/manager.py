@@ -21,9 +21,10 @@ def experts_in_slots(slot_of_expert: np.ndarray, num_slots: int) -> np.ndarray:
 class SlotManager:
     """Policy state, per-layer statistics, and the victim order handed to the next step."""
 
-    def __init__(self, policy: str | CachePolicy, num_layers: int, num_experts: int, num_slots: int,
-                 expert_bytes: int):
-        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
+    def __init__(self, policy: str | CachePolicy, num_experts: int, caches: tuple[int, ...], expert_bytes: int):
+        """caches: the cache slots of each managed layer (they may differ)."""
+        num_layers = len(caches)
+        self.num_layers, self.num_experts, self.caches = num_layers, num_experts, tuple(caches)
         self.expert_bytes = expert_bytes
         # A static policy named without a frequency table pins the experts the first step uses most.
         self.policy = None if policy == "static" else make_policy(policy, num_layers, num_experts)
@@ -37,12 +38,12 @@ class SlotManager:
     def admits_misses(self) -> bool:
         return self.policy is not None and self.policy.admits_misses
 
-    def pinned_experts(self) -> np.ndarray | None:
-        """For a static policy: int [L, S] experts to install in the slots (None otherwise)."""
+    def pinned_experts(self) -> list[np.ndarray] | None:
+        """For a static policy: per layer, int [S_l] experts to install in its slots (None otherwise)."""
         if not isinstance(self.policy, StaticPolicy):
             return None
-        keep = initial_residents(self.policy.priority(), self.num_slots)
-        return np.stack([np.flatnonzero(row) for row in keep]).astype(np.int32).reshape(self.num_layers, -1)
+        keep = initial_residents(self.policy.priority(), np.array(self.caches))
+        return [np.flatnonzero(row).astype(np.int32) for row in keep]
 
     def record(self, routing: np.ndarray, slot_of_expert_after: np.ndarray, step_counts: np.ndarray) -> None:
         """Statistics and policy update for one finished step.
@@ -63,27 +64,33 @@ class SlotManager:
         self.policy.observe(counts)
 
     def victim_order(self) -> np.ndarray:
-        """int [L, S]: cache slots the next step may overwrite, first choice first (-1 = none).
+        """int [L, max S_l]: per layer, the cache slots the next step may overwrite, first choice first,
+        padded with -1 (= stop) after its S_l slots.
 
         Empty slots come first (lowest slot first), then occupied slots in the eviction rule's order of
         their experts (jmoe.offload.policies.eviction_ranking).
         """
-        if not self.admits_misses or self.num_slots == 0:
-            return np.full((self.num_layers, self.num_slots), -1, np.int32)
+        most = max(self.caches, default=0)
+        has_slot = np.arange(most) < np.array(self.caches)[:, None]  # [L, most]: the slots each layer has
+        if not self.admits_misses or most == 0:
+            return np.full((self.num_layers, most), -1, np.int32)
         resident = self.slot_of_expert >= 0
         ranking = eviction_ranking(self.policy.priority(), resident)  # [L, E], resident experts first
         rank_of_expert = np.argsort(ranking, axis=-1)
-        expert_in_slot = experts_in_slots(self.slot_of_expert, self.num_slots)
+        expert_in_slot = experts_in_slots(self.slot_of_expert, most)
         rows = np.arange(self.num_layers)[:, None]
-        empty_key = np.arange(self.num_slots) - self.num_slots  # negative: before every expert's rank
+        empty_key = np.arange(most) - most  # negative: before every expert's rank
         key = np.where(expert_in_slot >= 0, rank_of_expert[rows, np.maximum(expert_in_slot, 0)], empty_key)
-        return np.argsort(key, axis=-1, kind="stable").astype(np.int32)
+        key = np.where(has_slot, key, self.num_experts)  # slots a layer does not have sort last ...
+        order = np.argsort(key, axis=-1, kind="stable").astype(np.int32)
+        return np.where(has_slot, order, -1)  # ... and become padding
 
     def stats(self, layer_ids: tuple[int, ...]) -> list[dict]:
         out = []
         for i, layer in enumerate(layer_ids):
             accesses = int(self.hits[i] + self.misses[i])
-            out.append({"layer": layer, "hits": int(self.hits[i]), "misses": int(self.misses[i]),
+            out.append({"layer": layer, "cache_slots": self.caches[i], "hits": int(self.hits[i]),
+                        "misses": int(self.misses[i]),
                         "hit_rate": float(self.hits[i] / accesses) if accesses else None,
                         "evictions": int(self.evictions[i]),
                         "bytes_moved": int(self.copies[i]) * self.expert_bytes})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Sequence
 
 from jmoe.arguments import positive_finite, whole_number
 from jmoe.errors import InputError
@@ -14,11 +15,24 @@ from jmoe.offload.policies import CachePolicy, policy_factory
 MISS_MODES = ("fetch", "host")
 
 
+def checked_cache(cache):
+    """`cache` as None, an int >= 0, or a tuple of (int >= 0 | None) per MoE layer."""
+    meaning = "experts kept on the device per MoE layer"
+    if cache is None or not isinstance(cache, (list, tuple)):
+        return None if cache is None else whole_number("cache", cache, 0, meaning)
+    if not cache:
+        raise InputError("cache is an empty list; give one value per MoE layer, a single number, or None")
+    return tuple(None if c is None else whole_number(f"cache[{i}]", c, 0, meaning + ", or None = all")
+                 for i, c in enumerate(cache))
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadOptions:
     """See `jmoe.load` for the meaning of each field."""
 
-    cache: int | None = None  # experts per MoE layer on the device; None = all
+    # Experts kept on the device per MoE layer: one number for every layer, or one entry per MoE layer
+    # (None = that layer's experts all resident); None = every expert resident.
+    cache: int | Sequence[int | None] | None = None
     policy: str | CachePolicy = "lfru"
     offload_params: tuple[str, ...] = ()
     device_budget_gb: float | None = None
@@ -27,11 +41,16 @@ class OffloadOptions:
     offload_group_size: int = 0
     offload_num_in_group: int = 1
     offload_prefetch_step: int = 1
+    cpu_moe_layers: int = 0  # the first N MoE layers keep no expert on the device (cache 0)
 
     def __post_init__(self):
-        if self.cache is not None:
-            object.__setattr__(self, "cache", whole_number("cache", self.cache, 0,
-                                                                        "experts kept on the device per MoE layer"))
+        object.__setattr__(self, "cache", checked_cache(self.cache))
+        object.__setattr__(self, "cpu_moe_layers", whole_number("cpu_moe_layers", self.cpu_moe_layers, 0,
+                                                                "MoE layers, counted from the first, whose "
+                                                                "experts all stay in host memory"))
+        if self.cpu_moe_layers and isinstance(self.cache, tuple):
+            raise InputError(f"give either a per-layer cache list ({list(self.cache)}) or cpu_moe_layers "
+                             f"({self.cpu_moe_layers}), not both: write 0 for the first layers in the list instead")
         if self.device_budget_gb is not None:
             budget = positive_finite("device_budget_gb (GB)", self.device_budget_gb)
             object.__setattr__(self, "device_budget_gb", budget)
@@ -66,6 +85,19 @@ class OffloadOptions:
             raise InputError(f"policy must be a policy name or a jmoe.offload.policies.CachePolicy, found "
                              f"{type(self.policy).__name__}")
         self.layer_groups  # checks the group settings
+
+    def layer_caches(self, num_moe_layers: int) -> tuple[int | None, ...]:
+        """The cache of every MoE layer (None = all its experts resident), before a device budget chooses
+        one: `cache` spread over the layers, the first `cpu_moe_layers` at 0."""
+        if isinstance(self.cache, tuple):
+            if len(self.cache) != num_moe_layers:
+                raise InputError(f"cache lists {len(self.cache)} values, but the model has {num_moe_layers} MoE "
+                                 f"layers; give one value per MoE layer (None = all experts of that layer resident)")
+            return self.cache
+        if self.cpu_moe_layers > num_moe_layers:
+            raise InputError(f"cpu_moe_layers={self.cpu_moe_layers} is more than the model's {num_moe_layers} MoE "
+                             f"layers; give at most {num_moe_layers}")
+        return (0,) * self.cpu_moe_layers + (self.cache,) * (num_moe_layers - self.cpu_moe_layers)
 
     @property
     def layer_groups(self) -> LayerGroups | None:

@@ -1,13 +1,16 @@
 """Placement: which parameters live on the device and which in pinned host memory, and how many slots.
 
 Rules, in order:
-- `cache` < number of experts offloads the experts of every MoE layer (the default use);
+- a MoE layer whose cache is < the number of experts has its experts offloaded: `cache` is one number for
+  every MoE layer (the default use) or one per MoE layer (None = resident), and `cpu_moe_layers` = N gives
+  the first N MoE layers a cache of 0 (all their experts stay on the host, as llama.cpp's --n-cpu-moe);
 - `offload_params` patterns offload more: a plain pattern matches whole segments of the dotted parameter
   path (`w_down`, `mlp.experts`, `attn`), a `re:` pattern is a regular expression searched in it
   (`re:layers\\.(1[0-9])\\..*experts`). Expert tensors of a layer move as a unit (they share slots);
   any other matched parameter stays in pinned host memory and is copied in at every step;
-- `device_budget_gb` picks the largest cache that fits next to the device-resident weights, the KV
-  cache and the scratch slots;
+- `device_budget_gb` picks the largest cache, the same for every layer it chooses for, that fits next to
+  the device-resident weights, the KV cache and the scratch slots (per-layer caches from a budget did not
+  beat a uniform split on the replay traces: bench/results/plan.md);
 - `layer_groups` (jmoe.offload.layer_groups) limits offloading to N of every G decoder layers: the
   patterns then match only those layers' parameters (no pattern: all their non-expert weights), and their
   non-expert weights are fetched K layers ahead inside the step instead of all at its start.
@@ -68,7 +71,7 @@ class Placement:
     nbytes: dict[str, int]  # param key -> bytes
     groups: dict[str, str]  # param key -> group name
     offloaded_layers: tuple[int, ...]  # MoE-layer positions whose experts live on the host
-    cache: int  # cache slots per offloaded layer
+    caches: tuple[int, ...]  # cache slots of each offloaded layer (aligned with offloaded_layers)
     scratch: int  # scratch slots per offloaded layer
     expert_bytes: int  # bytes of one expert (gate_up + down)
     notes: tuple[str, ...] = ()
@@ -81,7 +84,18 @@ class Placement:
 
     @property
     def slot_bytes(self) -> int:
-        return len(self.offloaded_layers) * (self.cache + self.scratch) * self.expert_bytes
+        return sum(cache + self.scratch for cache in self.caches) * self.expert_bytes
+
+    @property
+    def stream_bytes(self) -> int:
+        """Device memory prefill's two chunk buffers take on top, one offloaded layer at a time."""
+        return 2 * self.scratch * self.expert_bytes
+
+    def describe_caches(self) -> str:
+        """'4 cache' when every offloaded layer has the same, else the cache of each MoE layer."""
+        if len(set(self.caches)) == 1:
+            return f"{self.caches[0]} cache"
+        return "cache " + ", ".join(f"{c} (MoE layer {i})" for i, c in zip(self.offloaded_layers, self.caches))
 
     def totals(self) -> dict[str, int]:
         device = sum(b for k, b in self.nbytes.items() if self.memory_kind[k] == DEVICE) + self.slot_bytes
@@ -104,9 +118,10 @@ class Placement:
             lines.append(f"{group:<16}{kind:<14}{count:>8}{nbytes / 2**20:>12.2f}")
         if self.offloaded_layers:
             lines.append(f"{'expert slots':<16}{DEVICE:<14}{len(self.offloaded_layers):>8}"
-                         f"{self.slot_bytes / 2**20:>12.2f}   ({self.cache} cache + {self.scratch} scratch "
-                         f"per layer, {len(self.offloaded_layers)} layers; prefill streams through up to "
-                         f"{2 * self.scratch * self.expert_bytes / 2**20:.2f} MB more, one layer at a time)")
+                         f"{self.slot_bytes / 2**20:>12.2f}   ({self.describe_caches()} + {self.scratch} scratch "
+                         f"per layer, {len(self.offloaded_layers)} offloaded "
+                         f"MoE layers; prefill streams through up to {self.stream_bytes / 2**20:.2f} MB more, one "
+                         f"layer at a time)")
         if self.fetched_keys:
             lines.append(f"{'layer prefetch':<16}{DEVICE:<14}{len(self.fetched_keys):>8}"
                          f"{self.fetch_buffer_bytes / 2**20:>12.2f}   ({self.layer_groups.describe()}: "
@@ -121,7 +136,7 @@ class Placement:
 def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
                    options: OffloadOptions = OffloadOptions()) -> Placement:
     """Decide every parameter's memory kind and the slot counts. `abstract` maps paths to shape/dtype."""
-    cache, device_budget_gb, layer_groups = options.cache, options.device_budget_gb, options.layer_groups
+    device_budget_gb, layer_groups = options.device_budget_gb, options.layer_groups
     offload_params = options.offload_params
     keys = {path: param_key(path) for path in abstract}
     nbytes = {keys[p]: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for p, a in abstract.items()}
@@ -144,7 +159,6 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
                 offloaded.add(moe_position(cfg, path))
             else:
                 host_keys.add(keys[path])
-    experts_offloaded_by_pattern = bool(offloaded)
     fetched_keys: dict[int, tuple[str, ...]] = {}
     if layer_groups is not None:  # grouped layers' non-expert weights are fetched ahead inside the step
         for path in abstract:
@@ -153,12 +167,13 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
     fetch_buffer = prefetch_buffer_bytes(
         layer_groups, {layer: sum(nbytes[k] for k in ks) for layer, ks in fetched_keys.items()}, cfg.num_layers
     ) if fetched_keys else 0
-    if (cache is not None and cache < cfg.num_experts) or device_budget_gb is not None:
-        offloaded = set(range(cfg.num_moe_layers))
-    if experts_offloaded_by_pattern and cache is None and device_budget_gb is None:
-        cache = 0
-        notes.append("offload_params matched expert weights and no cache was given: cache = 0 (every needed "
-                     "expert is copied in at each step)")
+    # Per MoE layer: its cache, or None while undecided (resident unless a pattern or the budget offloads it).
+    caches = list(options.layer_caches(cfg.num_moe_layers))
+    if device_budget_gb is None and any(caches[i] is None for i in offloaded):
+        notes.append("offload_params matched expert weights of layers without a cache: cache = 0 there (every "
+                     "needed expert is copied in at each step)")
+        for i in offloaded:
+            caches[i] = 0 if caches[i] is None else caches[i]
     expert_paths = [p for p in abstract if is_expert_param(p)]
     expert_bytes = sum(nbytes[keys[p]] for p in expert_paths) // max(1, cfg.num_moe_layers * cfg.num_experts)
     scratch = min(cfg.num_experts, SCRATCH_ROWS * cfg.num_experts_per_tok)
@@ -168,25 +183,31 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
         dense = sum(b for k, b in nbytes.items()
                     if k not in host_keys and not is_expert_param(tuple(k.split("."))))
         kv = 2 * cfg.num_layers * BUDGET_KV_TOKENS * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
-        per_slot = cfg.num_moe_layers * expert_bytes
+        chosen = [i for i, c in enumerate(caches) if c is None]  # the layers whose cache the budget chooses
+        per_slot = len(chosen) * expert_bytes
+        scratch_bytes = cfg.num_moe_layers * scratch * expert_bytes
+        fixed = sum(c for c in caches if c is not None) * expert_bytes  # cpu_moe_layers: 0
         stream = 2 * scratch * expert_bytes  # prefill's two chunk buffers, one layer at a time
-        floor = dense + fetch_buffer + kv + scratch * per_slot + stream
+        floor = dense + fetch_buffer + kv + scratch_bytes + fixed + stream
         if budget < floor:
             raise InputError(f"device_budget_gb={device_budget_gb} ({budget / 2**30:.3f} GB) cannot hold the "
                              f"dense weights ({dense / 2**30:.3f} GB) + KV cache for {BUDGET_KV_TOKENS} tokens "
                              f"({kv / 2**30:.3f} GB) + layer prefetch buffers ({fetch_buffer / 2**30:.3f} GB) + scratch "
-                             f"slots ({scratch * per_slot / 2**30:.3f} GB) + prefill stream buffers "
+                             f"slots ({scratch_bytes / 2**30:.3f} GB) + prefill stream buffers "
                              f"({stream / 2**30:.3f} GB) = "
                              f"{floor / 2**30:.3f} GB; raise the budget or offload more with offload_params")
         cache = int(min(cfg.num_experts, (budget - floor) // per_slot)) if per_slot else cfg.num_experts
+        for i in chosen:
+            caches[i] = cache
         notes.append(f"device_budget_gb={device_budget_gb}: chose cache={cache} of {cfg.num_experts} experts per "
                      f"layer (dense {dense / 2**30:.3f} GB + KV {kv / 2**30:.3f} GB + slots)")
-        if cache >= cfg.num_experts:
-            offloaded = set()
-            notes.append("the budget holds every expert: nothing is offloaded")
+        if chosen and cache >= cfg.num_experts:
+            offloaded.difference_update(chosen)
+            notes.append("the budget holds every expert: nothing is offloaded" if len(chosen) == len(caches)
+                         else "the budget holds every expert of the layers it chose for")
 
-    if cache is not None and cache >= cfg.num_experts and offloaded and not experts_offloaded_by_pattern:
-        offloaded = set()
+    # A layer is offloaded when its cache is below E, or when a pattern put its experts on the host.
+    offloaded.update(i for i, c in enumerate(caches) if c is not None and c < cfg.num_experts)
     offloaded_layers = tuple(sorted(offloaded))
     memory_kind = {}
     for path in abstract:
@@ -194,7 +215,7 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
         on_host = key in host_keys or (is_expert_param(path) and moe_position(cfg, path) in offloaded)
         memory_kind[key] = PINNED_HOST if on_host else DEVICE
     return Placement(memory_kind, nbytes, {keys[p]: param_group(p) for p in abstract}, offloaded_layers,
-                     min(cache or 0, cfg.num_experts) if offloaded_layers else 0,
+                     tuple(min(caches[i], cfg.num_experts) for i in offloaded_layers),
                      scratch if offloaded_layers else 0, expert_bytes, tuple(notes), layer_groups, fetched_keys,
                      fetch_buffer)
 

@@ -315,8 +315,9 @@ def choose_victims(
     return victims.reshape(num_layers, num_experts)
 
 
-def initial_residents(priority: np.ndarray, capacity: int) -> np.ndarray:
-    """Bool ``[L, E]``: the ``capacity`` experts per layer the eviction rule would keep last.
+def initial_residents(priority: np.ndarray, capacity: int | np.ndarray) -> np.ndarray:
+    """Bool ``[L, E]``: the ``capacity`` experts per layer (a scalar, or int ``[L]``) the eviction rule
+    would keep last.
 
     Used to fill the cache of a policy that does not admit misses (static). Consistent with
     :func:`choose_victims`: it is what remains after evicting ``E - capacity`` experts from a
@@ -324,14 +325,15 @@ def initial_residents(priority: np.ndarray, capacity: int) -> np.ndarray:
     """
     priority = np.asarray(priority)
     num_layers, num_experts = priority.shape
-    if not 0 <= capacity <= num_experts:
+    capacity = np.broadcast_to(np.asarray(capacity), (num_layers,))
+    if not ((0 <= capacity) & (capacity <= num_experts)).all():
         raise ValueError(
             f"initial_residents: expected 0 <= capacity <= num_experts={num_experts}, "
-            f"found {capacity}"
+            f"found {capacity.tolist()}"
         )
     everything = np.ones(priority.shape, dtype=bool)
     nothing = np.zeros(priority.shape, dtype=bool)
-    victims = choose_victims(priority, everything, nothing, np.full(num_layers, num_experts - capacity))
+    victims = choose_victims(priority, everything, nothing, num_experts - capacity)
     return ~victims
 
 

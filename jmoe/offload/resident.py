@@ -5,7 +5,8 @@ returns. While tracing, `prepare_params` may move parameters to the device, `lay
 callback the model runs at the start of every decoder layer (to fetch weights ahead), and `bind` gets the
 MoE layers' weights and routers (`MoELayerView`s) and returns the ExpertCompute for that state plus a
 `finish` giving the updated state. Between steps, `after_step` gets the new state, the host copy of
-`readback(state)` and the step's routing (read together in one device-to-host read).
+`readback(state)` and the step's routing (read together in one device-to-host read). `abstract_state`
+gives the state's shapes without allocating it, so the steps can be compiled for another device.
 The offload engine (jmoe.offload.engine) implements the same methods.
 """
 
@@ -45,6 +46,10 @@ class ResidentEngine:
 
     def reset(self, policy) -> None:
         pass  # nothing is cached, so no policy applies
+
+    def abstract_state(self, layers: list[MoELayerView]) -> tuple:
+        """The state's shapes for abstract `layers`, for compiling the steps ahead of time: none here."""
+        return self.state
 
     def prepare_params(self, params):
         """Parameters offloaded by pattern (not experts, not layer groups) are copied in at every step."""
