@@ -11,26 +11,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmoe.arguments import check_backend
 from jmoe.checkpoint.loading import load_model
-from jmoe.checkpoint.orbax_store import is_orbax_checkpoint, read_manifest, restore_model
+from jmoe.checkpoint.orbax_store import restore_model
 from jmoe.checkpoint.tokenizer import TextTokenizer, load_tokenizer
-from jmoe.config import ModelConfig, load_config
+from jmoe.config import ModelConfig
 from jmoe.decode.generation import RoutingOverride, TokenCallback, as_rows, check_token_ids, generate_tokens
 from jmoe.decode.sampling import SamplingParams
 from jmoe.decode.steps import make_logits_fn, make_step_fn
 from jmoe.decode.streaming import stdout_streamer
 from jmoe.errors import InputError
-from jmoe.kernels import BACKENDS
 from jmoe.memory import sharding_for
 from jmoe.model import MoETransformer
-from jmoe.model.params import abstract_params, flat_params
+from jmoe.model.params import flat_params
 from jmoe.offload.engine import make_engine
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement, plan_placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-
-PARAM_DTYPES = ("float32", "bfloat16")  # what the expert kernels compute in
+from jmoe.plan.headers import read_headers
+from jmoe.plan.planner import refuse_if_unfit
 
 
 class Model:
@@ -147,7 +147,7 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
          miss_mode: str = "fetch", offload_group_size: int = 0, offload_num_in_group: int = 1,
          offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, dtype: str | None = None, backend: str = "auto",
-         progress: bool = True) -> Model:
+         progress: bool = True, check_memory: bool = True) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -170,23 +170,26 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
     progress: show a progress bar and print the placement summary to stderr.
+    check_memory: before reading any weight, plan the memory from the checkpoint headers (as jmoe.plan does
+        for this machine, batch 1, the default context) and raise InsufficientMemoryError, with the numbers
+        and what to change, when it does not fit. False skips the check.
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers)
-    return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress)
+    return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
+                             check_memory=check_memory)
 
 
 def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str | None = None, backend: str = "auto",
-                      progress: bool = True) -> Model:
+                      progress: bool = True, check_memory: bool = True) -> Model:
     """`load` with the offload settings already gathered in an OffloadOptions (the command lines use this)."""
     check_backend(backend)
-    model_dir = Path(path)
-    config = load_config(model_dir)
-    orbax = is_orbax_checkpoint(model_dir)
-    # An Orbax checkpoint keeps the dtype it was converted to; an HF one says its dtype in config.json.
-    dtype = param_dtype(dtype or (read_manifest(model_dir)["dtype"] if orbax else config.dtype))
-    placement = plan_placement(config, abstract_params(config, dtype), options)
-    if orbax:
+    headers = read_headers(path, dtype)  # config and checkpoint headers, checked; no tensor data read yet
+    model_dir, config, dtype = headers.directory, headers.config, headers.dtype
+    placement = plan_placement(config, headers.abstract, options)
+    if check_memory:
+        refuse_if_unfit(headers, placement)
+    if headers.format == "jmoe-orbax":
         module = restore_model(model_dir, config, dtype=dtype, memory_kind_of=placement.memory_kind_of,
                                progress=progress)
     else:
@@ -196,23 +199,6 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
         print(placement.summary(), file=sys.stderr)
     return Model(module, config, make_engine(config, placement, options, backend), load_tokenizer(model_dir),
                  model_dir)
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise InputError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
-
-
-def param_dtype(name) -> jnp.dtype:
-    """The parameter dtype called `name`; float32 or bfloat16, what the expert kernels compute in."""
-    try:
-        dtype = jnp.dtype(name)
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.name not in PARAM_DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, found {name!r}; pass dtype= / --dtype "
-                         f"with one of them")
-    return dtype
 
 
 def random_model(config: ModelConfig, seed: int = 0, backend: str = "auto") -> Model:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax.numpy as jnp
+
 from jmoe.errors import InputError
+from jmoe.kernels import BACKENDS
+
+PARAM_DTYPES = ("float32", "bfloat16")  # what the expert kernels compute in
 
 
 def is_whole_number(value) -> bool:
@@ -27,3 +32,20 @@ def positive_finite(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise InputError(f"{name} must be a finite number > 0, found {value!r}")
     return float(value)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")
+
+
+def param_dtype(name) -> jnp.dtype:
+    """The parameter dtype called `name`; float32 or bfloat16, what the expert kernels compute in."""
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in PARAM_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, found {name!r}; pass dtype= / --dtype "
+                         f"with one of them")
+    return dtype

@@ -18,3 +18,7 @@ class CheckpointError(JmoeError):
 
 class InputError(JmoeError):
     """A prompt, token id or generation argument is out of range."""
+
+
+class InsufficientMemoryError(JmoeError):
+    """The model, placed as asked, does not fit the memory available (jmoe.load's check before reading weights)."""

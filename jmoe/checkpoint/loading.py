@@ -69,10 +69,11 @@ def device_placer(path: ParamPath, host: np.ndarray) -> jax.Array:
     return jnp.asarray(host)
 
 
-def param_pieces(model_dir: Path, cfg: ModelConfig,
-                 abstract: dict[ParamPath, object]) -> dict[ParamPath, list[tuple[TensorTarget, TensorInfo]]]:
-    """Check the checkpoint against the config; then, per parameter path, the HF tensors that fill it."""
-    tensors = index_tensors(model_dir)
+def param_pieces(model_dir: Path, cfg: ModelConfig, abstract: dict[ParamPath, object],
+                 check_data: bool = True) -> dict[ParamPath, list[tuple[TensorTarget, TensorInfo]]]:
+    """Check the checkpoint against the config; then, per parameter path, the HF tensors that fill it.
+    `check_data=False` reads the file headers alone (see index_tensors)."""
+    tensors = index_tensors(model_dir, check_data)
     expected = expected_tensors(cfg)
     check_tensor_names(model_dir, tensors, expected, cfg)
     pieces: dict[ParamPath, list] = defaultdict(list)

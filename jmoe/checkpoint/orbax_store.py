@@ -93,7 +93,8 @@ def read_manifest(orbax_dir: str | Path) -> dict:
     return manifest
 
 
-def _check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, object], cfg: ModelConfig) -> None:
+def check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, object], cfg: ModelConfig) -> None:
+    """Every parameter the config asks for is in the manifest with its shape, and nothing else is."""
     stored = {name: tuple(entry["shape"]) for name, entry in manifest["params"].items()}
     wanted = {param_key(p): tuple(a.shape) for p, a in abstract.items()}
     missing = sorted(set(wanted) - set(stored))
@@ -122,7 +123,7 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
     dtype = np.dtype(jnp.dtype(dtype or manifest["dtype"]))
     graphdef, state = abstract_model(cfg, dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
-    _check_params(orbax_dir, manifest, abstract, cfg)
+    check_params(orbax_dir, manifest, abstract, cfg)
     loaded = {}
     load_context = ocp.Context()
     load_context.pytree.loading.partial_load = True  # one group at a time

@@ -2,7 +2,8 @@
 
 The `safetensors` library validates each file's header (so truncated or corrupted files fail with a
 clear message); the data is then read through a NumPy memory map so that any dtype, bfloat16
-included, comes back as a host array without touching an accelerator.
+included, comes back as a host array without touching an accelerator. Planning (jmoe.plan) reads the
+headers alone (`check_data=False`): it works on files whose tensor data is missing or cut off.
 """
 
 from __future__ import annotations
@@ -32,17 +33,28 @@ class TensorInfo:
         self.file, self.dtype, self.shape, self.start, self.end = file, dtype, shape, start, end
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    """Validate with the safetensors library, then return (header, offset of the data section)."""
+def _read_header(path: Path, check_data: bool = True) -> tuple[dict, int]:
+    """(header, offset of the data section). With `check_data` the safetensors library validates the whole
+    file first; without, only the header is read and checked, and the tensor data may be absent."""
+    if check_data:
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: not a valid safetensors file ({e}); the file is truncated or "
+                                  f"corrupted: download or export it again") from e
     try:
-        with safe_open(str(path), framework="numpy"):
-            pass
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({e}); the file is truncated or "
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            raw = f.read(header_len)
+        if len(raw) != header_len:
+            raise ValueError(f"the header says {header_len} bytes, the file has {len(raw)} after it")
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    except (OSError, struct.error, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path}: not a valid safetensors header ({e}); the file is truncated or "
                               f"corrupted: download or export it again") from e
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
     header.pop("__metadata__", None)
     return header, 8 + header_len
 
@@ -75,20 +87,25 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
                           f"listed in model.safetensors.index.json")
 
 
-def index_tensors(model_dir: Path) -> dict[str, TensorInfo]:
-    """Name -> where and what each tensor is, across all shards (headers only, no data read)."""
+def index_tensors(model_dir: Path, check_data: bool = True) -> dict[str, TensorInfo]:
+    """Name -> where and what each tensor is, across all shards (no tensor data read). `check_data`: validate
+    each whole file with the safetensors library (loading); without, read the headers alone (planning)."""
     tensors: dict[str, TensorInfo] = {}
     for path in checkpoint_files(model_dir):
-        header, data_start = _read_header(path)
+        header, data_start = _read_header(path, check_data)
         for name, meta in header.items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} appears in both {tensors[name].file} and {path}")
-            if meta["dtype"] not in _DTYPES:
-                raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; supported: "
-                                      f"{', '.join(_DTYPES)}")
-            begin, end = meta["data_offsets"]
-            tensors[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), data_start + begin,
-                                       data_start + end)
+            try:
+                dtype = meta["dtype"]
+                begin, end = (int(v) for v in meta["data_offsets"])
+                shape = tuple(int(v) for v in meta["shape"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}; the file "
+                                      f"is corrupted: download or export it again") from e
+            if dtype not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
+            tensors[name] = TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
     return tensors
 
 

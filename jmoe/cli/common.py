@@ -73,6 +73,18 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
                           args.offload_prefetch_step, args.cpu_moe_layers)
 
 
+def load_for_cli(model_dir: Path, options: OffloadOptions, **load_kwargs):
+    """jmoe.load_with_options for a command line: first, before JAX's GPU backend starts, the pinned-host pool
+    limit is raised to what the placement needs (XLA reads it once, at start); then the model is loaded."""
+    from jmoe.api import load_with_options
+    from jmoe.plan.planner import raise_pinned_pool_for
+
+    setting = raise_pinned_pool_for(model_dir, options)
+    if setting and load_kwargs.get("progress", True):
+        print(f"set {setting} for the pinned experts", file=sys.stderr)
+    return load_with_options(model_dir, options, **load_kwargs)
+
+
 def run_cli(main: Callable[[], int]) -> int:
     """Run a command's body; a JmoeError becomes one line on stderr and exit status 2."""
     try:

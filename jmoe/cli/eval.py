@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from jmoe.cli.common import add_model_arg, add_offload_args, offload_options, resolve_model_dir, run_cli
+from jmoe.cli.common import (add_model_arg, add_offload_args, load_for_cli, offload_options, resolve_model_dir,
+                             run_cli)
 from jmoe.eval.data import check_data_path
 from jmoe.eval.metrics import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN, evaluate_file
 
@@ -28,12 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from jmoe.api import load_with_options
-
     options = offload_options(args)
     model_dir = resolve_model_dir(args.model)
     data_format = check_data_path(args.data)  # fail on a bad path before the (slow) model load
-    model = load_with_options(model_dir, options, backend=args.backend)
+    model = load_for_cli(model_dir, options, backend=args.backend)
     result = evaluate_file(model, args.data, args.batch_size, args.seq_len, progress=True)
     return {"model": str(model_dir), "data": str(args.data), "data_format": data_format, "cache": args.cache,
             "policy": args.policy, "backend": args.backend, **result.as_dict()}

@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from jmoe.cli.common import add_model_arg, add_offload_args, offload_options, resolve_model_dir, run_cli
+from jmoe.cli.common import (add_model_arg, add_offload_args, load_for_cli, offload_options, resolve_model_dir,
+                             run_cli)
 from jmoe.errors import JmoeError
 
 DEFAULT_PROMPT = "class Parser:\n    def __init__(self"
@@ -32,7 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from jmoe.api import load_with_options
     from jmoe.decode.sampling import SamplingParams
     from jmoe.decode.streaming import stdout_streamer
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> dict:
     options = offload_options(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     model_dir = resolve_model_dir(args.model)
-    model = load_with_options(model_dir, options, backend=args.backend, progress=not args.json)
+    model = load_for_cli(model_dir, options, backend=args.backend, progress=not args.json)
     tokenizer = model.require_tokenizer()
     prompt_ids = tokenizer.encode(args.prompt)
     on_tokens = None

@@ -3,7 +3,8 @@
 Each program merges the NNX model from (graphdef, params) inside jit, hands the expert engine the MoE
 layers' weights and routers and gets back the function that computes experts (resident weights, or
 device slots fed from pinned host memory), and returns the engine's updated state next to the model's
-outputs. Caches and engine state are donated.
+outputs. Caches and engine state are donated. `abstract_step_inputs` gives the shapes of a step's other
+inputs, so that jmoe.plan can compile the very same step for a GPU it does not have.
 """
 
 from __future__ import annotations
@@ -54,3 +55,12 @@ def make_step_fn(graphdef, engine, sampling: SamplingParams):
         return next_tokens, out.routing, out.kv_cache, engine_state
 
     return jax.jit(step_fn, donate_argnums=(1, 3))
+
+
+def abstract_step_inputs(cfg, batch: int, num_tokens: int, cache_len: int, kv_dtype) -> tuple:
+    """Shapes and dtypes of a generation step's inputs after (params, engine state), as Model.run_step passes
+    them: tokens [B, T], the KV cache of `cache_len` tokens, write index, pad lengths, key, step number, and
+    no forced routing. Nothing is allocated."""
+    return jax.eval_shape(lambda: (jnp.zeros((batch, num_tokens), jnp.int32),
+                                   empty_kv_cache(cfg, batch, cache_len, kv_dtype), jnp.int32(0),
+                                   jnp.zeros((batch,), jnp.int32), jax.random.PRNGKey(0), jnp.int32(0))) + (None,)

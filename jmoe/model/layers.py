@@ -66,4 +66,5 @@ class Experts(nnx.Module):
         self.w_down = normal_param(rngs, (e, f, d), dtype)
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w_gate_up[...], self.w_down[...])
+        # get_value, unlike [...], also works on an abstract model (shape structs), which jmoe.plan compiles.
+        return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value())

@@ -44,7 +44,7 @@ class MoEBlock(nnx.Module):
         self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype, rngs=rngs) if fs else None
 
     def router_params(self) -> tuple[jax.Array, ...]:
-        return (self.router.kernel[...],)
+        return (self.router.kernel.get_value(),)  # get_value: see Experts.weights
 
     def route(self, x: jax.Array, token_valid: jax.Array,
               forced_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -107,14 +107,18 @@ class Placement:
         """Per parameter: memory kind and bytes (JSON-serialisable)."""
         return {k: {"memory_kind": self.memory_kind[k], "bytes": self.nbytes[k]} for k in self.memory_kind}
 
-    def summary(self) -> str:
+    def group_totals(self) -> dict[tuple[str, str], list[int]]:
+        """(group, memory kind) -> [tensors, bytes]."""
         rows: dict[tuple[str, str], list[int]] = {}
         for key, kind in self.memory_kind.items():
             row = rows.setdefault((self.groups[key], kind), [0, 0])
             row[0] += 1
             row[1] += self.nbytes[key]
+        return rows
+
+    def summary(self) -> str:
         lines = [f"{'group':<16}{'memory kind':<14}{'tensors':>8}{'MB':>12}"]
-        for (group, kind), (count, nbytes) in sorted(rows.items()):
+        for (group, kind), (count, nbytes) in sorted(self.group_totals().items()):
             lines.append(f"{group:<16}{kind:<14}{count:>8}{nbytes / 2**20:>12.2f}")
         if self.offloaded_layers:
             lines.append(f"{'expert slots':<16}{DEVICE:<14}{len(self.offloaded_layers):>8}"

@@ -1,0 +1,55 @@
+"""Command line: `python -m jmoe.plan MODEL [--target h100] [--cache N | --device-budget-gb X] [--json]`.
+
+Prints where every byte would live and whether it fits (exit status 0 when it fits, 1 when it does not),
+from config.json and the checkpoint headers alone; with --target, for that GPU, compiling the decode and
+prefill programs for it. Takes the same offload flags as jmoe.generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from jmoe.cli.common import add_offload_args, offload_options, run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jmoe.plan.targets import target_names
+
+    p = argparse.ArgumentParser(prog="python -m jmoe.plan", description=__doc__.splitlines()[0])
+    p.add_argument("model", type=Path, help="model directory, Hugging Face or converted (only headers are read)")
+    p.add_argument("--target", default=None,
+                   help=f"GPU to plan for: {', '.join(target_names())}, or a target-config file (default: this "
+                        f"machine)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="with --target, skip compiling the programs (faster; their temporaries are not counted)")
+    p.add_argument("--batch", type=int, default=1, help="rows planned for (default 1)")
+    p.add_argument("--context", type=int, default=None,
+                   help="KV-cache tokens planned for (default: 4096, capped by the model)")
+    p.add_argument("--host-gb", type=float, default=None, help="host memory available, GiB (default: the OS's)")
+    p.add_argument("--device-gb", type=float, default=None,
+                   help="device memory available, GiB (default: the target's, or this machine's)")
+    p.add_argument("--dtype", default=None, help="parameter dtype (default: the checkpoint's)")
+    add_offload_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from jmoe.plan import plan_with_options
+
+        result = plan_with_options(args.model, offload_options(args), target=args.target, batch=args.batch,
+                                   context=args.context, host_gb=args.host_gb, device_gb=args.device_gb,
+                                   compile=not args.no_compile, dtype=args.dtype, backend=args.backend)
+        print(result.to_json() if args.json else result.report())
+        return 0 if result.fits else 1
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

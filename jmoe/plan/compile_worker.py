@@ -1,0 +1,86 @@
+"""Child process of jmoe.plan.programs: compile one of jmoe's generation steps for a GPU this machine does not
+have, and write its memory analysis and optimized HLO.
+
+`python -m jmoe.plan.compile_worker JOB OUT_DIR` reads the pickled CompileJob, builds the step exactly as a
+Model does (jmoe.decode.steps.make_step_fn over the engine the placement asks for) but from abstract
+parameters, traces it for a compile-only CUDA topology (the target config) and writes OUT_DIR/result.json
+and OUT_DIR/hlo.txt. It runs in its own process because JAX must be on `jax_platforms=cpu` before any
+backend starts for the CUDA plugin to offer compile-only topologies, and because some XLA:GPU compiler
+failures abort the process instead of raising.
+
+Pinned-host parameters get a sharding on the mesh's AbstractMesh under `jax.set_mesh`: the concrete
+compile-only mesh has no memory kinds, and this is the way the compiled program still places them in
+host memory (`host_argument_size_in_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                 "generated_code_size_in_bytes", "peak_memory_in_bytes", "host_argument_size_in_bytes",
+                 "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes")
+
+
+def compile_step(job, out_dir: Path) -> dict:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts: see the module docstring
+    from flax import nnx
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jmoe.decode.sampling import SamplingParams
+    from jmoe.decode.steps import abstract_step_inputs, make_step_fn
+    from jmoe.memory import PINNED_HOST
+    from jmoe.model.params import abstract_model, flat_params, nest_params
+    from jmoe.offload.engine import make_engine
+    from jmoe.offload.placement import plan_placement
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=job.target_config, topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    on_device = NamedSharding(mesh, PartitionSpec())
+    on_host = NamedSharding(mesh.abstract_mesh, PartitionSpec(), memory_kind=PINNED_HOST)
+
+    def placed(tree):  # shape structs on the target device
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), tree)
+
+    cfg = job.config
+    graphdef, state = abstract_model(cfg, job.dtype)
+    abstract = flat_params(nnx.to_pure_dict(state))
+    placement = plan_placement(cfg, abstract, job.options)
+    params = {path: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_host if placement.memory_kind_of(path) ==
+                                         PINNED_HOST else on_device) for path, a in abstract.items()}
+    nnx.replace_by_pure_dict(state, nest_params(params))
+    engine = make_engine(cfg, placement, job.options, job.backend)
+    engine_state = placed(engine.abstract_state(nnx.merge(graphdef, state).moe_layer_views()))
+    step = make_step_fn(graphdef, engine, SamplingParams())
+    inputs = abstract_step_inputs(cfg, job.batch, job.num_tokens, job.context, job.dtype)
+    inputs = placed(inputs[:-1]) + inputs[-1:]
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = step.trace(state, engine_state, *inputs).lower()
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+    done = time.perf_counter()
+    analysis = compiled.memory_analysis()
+    memory = {field: int(getattr(analysis, field)) for field in MEMORY_FIELDS}
+    (out_dir / "hlo.txt").write_text(compiled.as_text())
+    return {"memory": memory, "lower_seconds": lowered_at - start, "compile_seconds": done - lowered_at}
+
+
+def main(argv: list[str]) -> int:
+    job_path, out_dir = Path(argv[0]), Path(argv[1])
+    with open(job_path, "rb") as f:
+        job = pickle.load(f)
+    result = compile_step(job, out_dir)
+    (out_dir / "result.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,64 @@
+"""What a checkpoint holds, from its headers alone: config.json, the safetensors headers or the manifest of a
+jmoe Orbax checkpoint. No tensor data is read, so this works on a checkpoint whose data is missing or cut
+off, and `jmoe.load` runs it to check memory before it reads any weight.
+
+The parameter dtype and the abstract parameters are decided exactly as loading decides them, so the
+placement planned from them is the placement `jmoe.load` makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from jmoe.arguments import param_dtype
+from jmoe.checkpoint.loading import param_pieces
+from jmoe.checkpoint.orbax_store import check_params, is_orbax_checkpoint, read_manifest
+from jmoe.config import ModelConfig, load_config
+from jmoe.model.params import ParamPath, abstract_params
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointHeaders:
+    directory: Path
+    config: ModelConfig
+    format: str  # "safetensors" | "jmoe-orbax"
+    dtype: np.dtype  # the parameter dtype loading uses
+    abstract: dict[ParamPath, object]  # every parameter's shape and dtype, as loading will hold it
+    stored_tensors: int  # tensors in the checkpoint
+    stored_bytes: int  # bytes of tensor data the headers describe (in the checkpoint's own dtypes)
+    stored_dtypes: dict[str, int]  # checkpoint dtype -> tensors of it
+
+    def as_dict(self) -> dict:
+        return {"directory": str(self.directory), "format": self.format, "param_dtype": self.dtype.name,
+                "stored_tensors": self.stored_tensors, "stored_bytes": self.stored_bytes,
+                "stored_dtypes": self.stored_dtypes}
+
+
+def read_headers(model_dir: str | Path, dtype=None) -> CheckpointHeaders:
+    """Config and headers of the checkpoint in `model_dir`, checked against each other (every expected tensor
+    present with its shape, nothing unexpected), as `jmoe.load` checks them. `dtype` overrides the
+    checkpoint's dtype like jmoe.load's `dtype`."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    if is_orbax_checkpoint(model_dir):
+        manifest = read_manifest(model_dir)
+        # An Orbax checkpoint keeps the dtype it was converted to.
+        dtype = param_dtype(dtype or manifest["dtype"])
+        abstract = abstract_params(config, dtype)
+        check_params(model_dir, manifest, abstract, config)
+        shapes = [entry["shape"] for entry in manifest["params"].values()]
+        stored_dtype = np.dtype(manifest["dtype"])
+        return CheckpointHeaders(model_dir, config, "jmoe-orbax", dtype, abstract, len(shapes),
+                                 sum(int(np.prod(s)) for s in shapes) * stored_dtype.itemsize,
+                                 {stored_dtype.name: len(shapes)})
+    # A Hugging Face checkpoint says its dtype in config.json.
+    dtype = param_dtype(dtype or config.dtype)
+    abstract = abstract_params(config, dtype)
+    pieces = param_pieces(model_dir, config, abstract, check_data=False)
+    infos = [info for path_pieces in pieces.values() for _, info in path_pieces]
+    return CheckpointHeaders(model_dir, config, "safetensors", dtype, abstract, len(infos),
+                             sum(info.end - info.start for info in infos), dict(Counter(i.dtype for i in infos)))

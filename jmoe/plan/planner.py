@@ -1,0 +1,162 @@
+"""`jmoe.plan(path, ...)`: where every byte of a model would live and whether it fits, before anything is loaded.
+
+It reads config.json and the checkpoint headers only (jmoe.plan.headers), makes the placement `jmoe.load`
+would make (the same `plan_placement`), counts the KV cache, optionally compiles the decode and prefill
+programs for a GPU target (jmoe.plan.programs) and checks the result against the memory available
+(jmoe.plan.resources, jmoe.plan.budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from jmoe.arguments import check_backend, positive_finite, whole_number
+from jmoe.errors import InputError, InsufficientMemoryError
+from jmoe.offload.options import OffloadOptions
+from jmoe.offload.placement import Placement, plan_placement
+from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, memory_needs
+from jmoe.plan.headers import CheckpointHeaders, read_headers
+from jmoe.plan.programs import Program, compile_programs
+from jmoe.plan.resources import Resources, ensure_pinned_pool, resources
+from jmoe.plan.targets import Target, load_target
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    headers: CheckpointHeaders
+    options: OffloadOptions
+    placement: Placement
+    batch: int
+    context: int
+    target: Target | None
+    needs: MemoryNeeds
+    available: Resources
+    fits: bool
+    reasons: tuple[str, ...]  # why it does not fit, each with the numbers and what to change
+    notes: tuple[str, ...]
+    programs: dict[str, Program]  # "decode" / "prefill", compiled for the target (empty without one)
+
+    @property
+    def config(self):
+        return self.headers.config
+
+    def layer_caches(self) -> list[int | None]:
+        """The cache of every MoE layer (None = all its experts resident on the device)."""
+        caches = dict(zip(self.placement.offloaded_layers, self.placement.caches))
+        return [caches.get(i) for i in range(self.config.num_moe_layers)]
+
+    def as_dict(self) -> dict:
+        cfg, placement = self.config, self.placement
+        options = dataclasses.asdict(self.options)
+        if not isinstance(options["policy"], str):
+            options["policy"] = type(self.options.policy).__name__
+        return {
+            "model": {"model_type": cfg.family, "layers": cfg.num_layers, "moe_layers": cfg.num_moe_layers,
+                      "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
+                      "expert_bytes": placement.expert_bytes},
+            "checkpoint": self.headers.as_dict(),
+            "target": None if self.target is None else {"name": self.target.name,
+                                                        "device_kind": self.target.device_kind,
+                                                        "device_memory_bytes": self.target.device_memory_bytes},
+            "batch": self.batch, "context": self.context, "options": options,
+            "cache": {"per_moe_layer": self.layer_caches(), "scratch_slots": placement.scratch},
+            "groups": [{"group": group, "memory_kind": kind, "tensors": count, "bytes": nbytes}
+                       for (group, kind), (count, nbytes) in sorted(placement.group_totals().items())],
+            **self.needs.as_dict(),
+            "available": self.available.as_dict(),
+            "programs": {name: program.as_dict() for name, program in self.programs.items()},
+            "fits": self.fits, "reasons": list(self.reasons), "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.as_dict(), indent=indent)
+
+    def report(self) -> str:
+        from jmoe.plan.report import format_plan
+
+        return format_plan(self)
+
+
+def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batch: int = 1,
+         context: int | None = None, host_gb: float | None = None, device_gb: float | None = None,
+         compile: bool = True, dtype: str | None = None, backend: str = "auto", **offload) -> Plan:
+    """Plan a model's memory without loading it: see jmoe.plan for the result.
+
+    path: a Hugging Face or jmoe-Orbax checkpoint directory; only config.json and the headers are read.
+    cache, dtype, backend and `offload` (policy, offload_params, device_budget_gb, prefetch, miss_mode,
+        offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers): as jmoe.load.
+    target: a GPU to plan for: a shipped target name (jmoe.plan.targets.target_names()) or a target-config
+        file; its device memory is the device memory available, and with `compile` the decode and prefill
+        programs are compiled for it (needs the gpu-compile extra) and their memory is counted.
+        Without a target, this machine's memory is used.
+    batch, context: rows and KV-cache tokens planned for (default context: 4096, capped by the model).
+    host_gb, device_gb: memory available in GiB, instead of what the OS / target / device says.
+    """
+    try:
+        options = OffloadOptions(cache, **offload)
+    except TypeError as e:
+        fields = ", ".join(f.name for f in dataclasses.fields(OffloadOptions))
+        raise InputError(f"plan: {e}; the load options are {fields}, dtype, backend") from None
+    return plan_with_options(path, options, target=target, batch=batch, context=context, host_gb=host_gb,
+                             device_gb=device_gb, compile=compile, dtype=dtype, backend=backend)
+
+
+def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None, batch: int = 1, context=None,
+                      host_gb=None, device_gb=None, compile: bool = True, dtype=None, backend: str = "auto") -> Plan:
+    """`plan` with the offload settings already gathered in an OffloadOptions (the command line uses this)."""
+    check_backend(backend)
+    host_gb = None if host_gb is None else positive_finite("host_gb", host_gb)
+    device_gb = None if device_gb is None else positive_finite("device_gb", device_gb)
+    headers = read_headers(path, dtype)
+    cfg = headers.config
+    batch = whole_number("batch", batch, 1, "rows planned for")
+    context = checked_context(cfg, context)
+    target = None if target is None else load_target(target)
+    placement = plan_placement(cfg, headers.abstract, options)
+    programs = {}
+    if target is not None and compile:
+        programs = compile_programs(cfg, headers.dtype, options, backend, batch, context, target.config_text)
+    compiled = [p.device_bytes for p in programs.values() if p.device_bytes is not None]
+    needs = memory_needs(cfg, placement, batch, context, headers.dtype, max(compiled) if compiled else None)
+    available = resources(target, host_gb, device_gb)
+    reasons, notes = check_fit(needs, available, placement, cfg.num_experts, pool_fixed=False)
+    notes += [f"{name} program: not compiled ({p.error}); its temporaries are not counted"
+              for name, p in programs.items() if p.error]
+    if target is None or not compile:
+        notes.append("device bytes count weights, slots, KV cache and stream buffers, not the programs' "
+                     "temporaries: give a target (and compile) to count those")
+    return Plan(headers, options, placement, batch, context, target, needs, available, not reasons,
+                tuple(reasons), tuple(placement.notes) + tuple(notes), programs)
+
+
+def checked_context(cfg, context: int | None) -> int:
+    if context is None:
+        return min(DEFAULT_CONTEXT, cfg.max_position_embeddings)
+    context = whole_number("context", context, 1, "KV-cache tokens planned for")
+    if context > cfg.max_position_embeddings:
+        raise InputError(f"context={context} is more than the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings}); plan for at most that many tokens")
+    return context
+
+
+def refuse_if_unfit(headers: CheckpointHeaders, placement: Placement) -> None:
+    """jmoe.load's check before it reads any weight: the plan for this machine (batch 1, default context)
+    must fit, else InsufficientMemoryError with the numbers and what to change."""
+    cfg = headers.config
+    needs = memory_needs(cfg, placement, 1, checked_context(cfg, None), headers.dtype)
+    reasons, _ = check_fit(needs, resources(), placement, cfg.num_experts, pool_fixed=True)
+    if reasons:
+        raise InsufficientMemoryError(
+            f"{headers.directory} does not fit in this machine's memory as placed (planned from the checkpoint "
+            f"headers for batch 1 and {checked_context(cfg, None)} tokens of KV cache; no weight was read): "
+            + "; ".join(reasons) + ". `python -m jmoe.plan` shows the whole plan; check_memory=False skips "
+            "this check")
+
+
+def raise_pinned_pool_for(path: str | Path, options: OffloadOptions, dtype=None) -> str | None:
+    """For the command lines, before JAX starts: raise the pinned-host pool limit to what this placement's
+    pinned arrays need, unless the user set it (jmoe.plan.resources.ensure_pinned_pool). Returns what was set."""
+    headers = read_headers(path, dtype)
+    return ensure_pinned_pool(plan_placement(headers.config, headers.abstract, options).totals()["host_bytes"])

@@ -1,0 +1,126 @@
+"""jmoe's decode and prefill programs compiled ahead of time for a GPU target, each in a child process
+(jmoe.plan.compile_worker), and what their memory analysis says.
+
+The programs are the steps a Model runs (jmoe.decode.steps.make_step_fn): "decode" feeds one token per row
+into a KV cache of `context` tokens, "prefill" feeds a prompt of `context` tokens into it (the longest one
+it holds). A program's device memory is its arguments (parameters on the device, slots, KV cache) plus its
+outputs that are not donated back into them plus its temporaries; pinned-host arguments are counted apart.
+Compile-only XLA:GPU does not autotune and nothing runs: memory is exact, kernel choices are heuristic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from jmoe.config import ModelConfig
+from jmoe.offload.options import OffloadOptions
+
+COMPILE_TIMEOUT_SECONDS = 3600
+PLUGIN_HINT = ('compiling for a GPU target needs the CUDA PJRT plugin and ptxas: pip install -e ".[gpu-compile]" '
+               '(no NVIDIA driver or GPU needed)')
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    """What compile_worker needs to rebuild the step (pickled to it)."""
+
+    config: ModelConfig
+    dtype: np.dtype
+    options: OffloadOptions
+    backend: str
+    batch: int
+    num_tokens: int
+    context: int
+    target_config: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str  # "decode" | "prefill"
+    tokens: tuple[int, int]  # the step's tokens shape [B, T]
+    memory: dict | None = None  # compiled.memory_analysis() fields
+    lower_seconds: float | None = None
+    compile_seconds: float | None = None
+    hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO
+    error: str | None = None  # why it did not compile
+
+    @property
+    def device_bytes(self) -> int | None:
+        """Device memory while the program runs: arguments + outputs not aliased to them + temporaries."""
+        if self.memory is None:
+            return None
+        m = self.memory
+        return (m["argument_size_in_bytes"] + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
+                + m["temp_size_in_bytes"])
+
+    def as_dict(self) -> dict:
+        return {"tokens": list(self.tokens), "memory": self.memory, "device_bytes": self.device_bytes,
+                "lower_seconds": self.lower_seconds, "compile_seconds": self.compile_seconds, "error": self.error}
+
+
+def plugin_available() -> bool:
+    """Whether the CUDA PJRT plugin (the `gpu-compile` extra) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backend: str, batch: int, context: int,
+                     target_config: str) -> dict[str, Program]:
+    """Compile "decode" and "prefill" for the target, side by side in two child processes."""
+    shapes = {"decode": 1, "prefill": context}
+    if not plugin_available():
+        return {name: Program(name, (batch, t), error=PLUGIN_HINT) for name, t in shapes.items()}
+    # The policy only steers the manager between steps, never the compiled program; a policy object may
+    # not survive pickling, so the child gets the default by name.
+    options = dataclasses.replace(options, policy="lfru")
+    with tempfile.TemporaryDirectory(prefix="jmoe-plan-") as tmp:
+        running = {}
+        for name, num_tokens in shapes.items():
+            work = Path(tmp) / name
+            work.mkdir()
+            with open(work / "job.pickle", "wb") as f:
+                pickle.dump(CompileJob(config, np.dtype(dtype), options, backend, batch, num_tokens, context,
+                                       target_config), f)
+            log = open(work / "stderr.txt", "w+")
+            env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+            running[name] = (subprocess.Popen([sys.executable, "-m", "jmoe.plan.compile_worker", str(work / "job.pickle"),
+                                               str(work)], stdout=log, stderr=subprocess.STDOUT, env=env), log, work,
+                             (batch, num_tokens))
+        return {name: _collect(name, *run) for name, run in running.items()}
+
+
+def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tuple[int, int]) -> Program:
+    try:
+        returncode = process.wait(timeout=COMPILE_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        returncode = None
+    log.seek(0)
+    output = log.read()
+    log.close()
+    result_file = work / "result.json"
+    if returncode == 0 and result_file.is_file():
+        result = json.loads(result_file.read_text())
+        return Program(name, tokens, result["memory"], result["lower_seconds"], result["compile_seconds"],
+                       (work / "hlo.txt").read_text())
+    how = (f"timed out after {COMPILE_TIMEOUT_SECONDS} s" if returncode is None
+           else f"the compiler process exited with status {returncode}")
+    return Program(name, tokens, error=f"{how}: {_last_error_lines(output)}")
+
+
+def _last_error_lines(output: str, count: int = 6) -> str:
+    """The lines that say what went wrong, without the plugin's start-up chatter and stack frames."""
+    noise = ("cudart_stub.cc", "absl::InitializeLog", "Invalid stack_frame_id", "    @ ")
+    lines = [line for line in output.splitlines() if line.strip() and not any(n in line for n in noise)]
+    return " | ".join(lines[-count:]) or "no output"

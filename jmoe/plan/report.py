@@ -1,0 +1,46 @@
+"""A plan as a readable table (`Plan.report()`, `python -m jmoe.plan` without --json)."""
+
+from __future__ import annotations
+
+from jmoe.plan.budget import gib
+
+
+def format_plan(plan) -> str:
+    cfg, placement, needs, available = plan.config, plan.placement, plan.needs, plan.available
+    target = "this machine" if plan.target is None else f"{plan.target.name} ({plan.target.device_kind})"
+    caches = plan.layer_caches()
+    if len(set(caches)) == 1:
+        cache = "all experts resident" if caches[0] is None else f"{caches[0]} of {cfg.num_experts} experts"
+        cache += " in every MoE layer"
+    else:
+        cache = ", ".join("resident" if c is None else str(c) for c in caches) + " (per MoE layer)"
+    lines = [
+        f"{plan.headers.directory}: {cfg.family}, {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), "
+        f"{cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, {plan.headers.dtype.name}",
+        f"plan for {target}: batch {plan.batch}, context {plan.context} tokens; device cache {cache}"
+        + (f" + {placement.scratch} scratch slots" if placement.offloaded_layers else ""),
+        "",
+        f"{'group':<16}{'memory kind':<14}{'tensors':>8}{'GiB':>11}",
+    ]
+    for (group, kind), (count, nbytes) in sorted(placement.group_totals().items()):
+        lines.append(f"{group:<16}{kind:<14}{count:>8}{nbytes / 2**30:>11.3f}")
+    lines.append("")
+    rows = [("pinned host", needs.host_bytes), ("device weights", needs.device_weight_bytes),
+            ("expert slots", needs.slot_bytes), ("layer prefetch", needs.fetch_buffer_bytes),
+            ("KV cache", needs.kv_bytes), ("prefill stream", needs.stream_bytes)]
+    for name, program in plan.programs.items():
+        if program.memory is not None:
+            rows.append((f"{name} program", program.device_bytes))
+    lines += [f"{name:<30}{nbytes / 2**30:>11.3f} GiB" for name, nbytes in rows if nbytes]
+    what = "largest compiled program" if needs.program_bytes is not None else "weights + slots + KV + buffers"
+    lines.append(f"{'device total':<30}{needs.device_bytes / 2**30:>11.3f} GiB   ({what})")
+    lines.append("")
+    device = ("shares host RAM" if available.device_bytes is None
+              else f"{gib(available.device_bytes)} ({available.device_source})")
+    lines.append(f"available: host {gib(available.host_bytes)} ({available.host_source}); device {device}")
+    if available.pinned_pool_bytes is not None:
+        lines.append(f"pinned host pool: {gib(available.pinned_pool_bytes)} ({available.pinned_pool_source})")
+    lines.append("FITS" if plan.fits else "DOES NOT FIT")
+    lines += [f"- {reason}" for reason in plan.reasons]
+    lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)

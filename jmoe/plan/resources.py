@@ -1,0 +1,127 @@
+"""Memory a plan is checked against: host RAM from the OS, the pinned-host pool JAX on GPU allows, and the
+device memory of a target GPU, of the local accelerator, or given by the user.
+
+Two JAX-on-GPU settings are read from the environment as XLA reads them when its GPU client starts:
+- `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` caps the pinned-host pool (default 64 GiB; offloaded experts live
+  there). It cannot change once JAX's GPU backend has started, so the command lines set it from the plan
+  before JAX starts (`ensure_pinned_pool`).
+- `XLA_CLIENT_MEM_FRACTION` (or the older `XLA_PYTHON_CLIENT_MEM_FRACTION`) is the share of device memory
+  JAX's allocator may use (default 0.75; `XLA_PYTHON_CLIENT_ALLOCATOR=platform` allocates on demand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from jmoe.errors import InputError
+
+PINNED_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+DEFAULT_PINNED_POOL_GB = 64
+MEM_FRACTION_ENVS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+DEFAULT_MEM_FRACTION = 0.75
+POOL_HEADROOM = 1.05  # the pool's allocator rounds and fragments: ask for 5% more than the experts' bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What the plan may use. device_bytes None: the device is this machine's CPU, sharing host RAM."""
+
+    host_bytes: int
+    host_source: str
+    device_bytes: int | None
+    device_source: str
+    pinned_pool_bytes: int | None  # None: not a GPU, no pinned pool
+    pinned_pool_source: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def host_available_bytes() -> int:
+    """RAM the OS says can be allocated without swapping (MemAvailable), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pinned_pool() -> tuple[int, str]:
+    """(the pinned-host pool limit in bytes, where it comes from)."""
+    value = os.environ.get(PINNED_POOL_ENV)
+    if value is None:
+        return DEFAULT_PINNED_POOL_GB * 2**30, f"XLA's default ({DEFAULT_PINNED_POOL_GB} GiB; {PINNED_POOL_ENV} unset)"
+    try:
+        gb = int(value)
+    except ValueError:
+        raise InputError(f"{PINNED_POOL_ENV}={value!r}: XLA reads a whole number of GiB; set it to one") from None
+    return gb * 2**30, f"{PINNED_POOL_ENV}={gb}"
+
+
+def pinned_pool_gb_for(host_bytes: int) -> int:
+    """The pool limit, in whole GiB as XLA reads it, that holds `host_bytes` of pinned arrays."""
+    return math.ceil(host_bytes * POOL_HEADROOM / 2**30)
+
+
+def ensure_pinned_pool(host_bytes: int) -> str | None:
+    """Before JAX's GPU backend starts: raise the pinned-host pool limit when `host_bytes` of pinned arrays
+    need more than XLA's default and the user did not set it. Returns what was set (None: nothing)."""
+    needed = pinned_pool_gb_for(host_bytes)
+    if PINNED_POOL_ENV in os.environ or needed <= DEFAULT_PINNED_POOL_GB:
+        return None
+    os.environ[PINNED_POOL_ENV] = str(needed)
+    return f"{PINNED_POOL_ENV}={needed}"
+
+
+def memory_fraction() -> tuple[float, str]:
+    """(share of device memory JAX's GPU allocator may use, where it comes from)."""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return 1.0, "XLA_PYTHON_CLIENT_ALLOCATOR=platform (allocates on demand)"
+    for name in MEM_FRACTION_ENVS:
+        if os.environ.get(name):
+            try:
+                return float(os.environ[name]), f"{name}={os.environ[name]}"
+            except ValueError:
+                raise InputError(f"{name}={os.environ[name]!r} is not a fraction; set it to e.g. 0.9") from None
+    return DEFAULT_MEM_FRACTION, f"JAX's default {DEFAULT_MEM_FRACTION} ({MEM_FRACTION_ENVS[0]} unset)"
+
+
+def local_device_bytes() -> tuple[int | None, str]:
+    """(bytes JAX may allocate on this process's first device, where it comes from); None on a CPU backend,
+    where "device" arrays live in host RAM next to the pinned ones. Starts JAX's backend."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None, "this machine's CPU (device arrays live in host RAM)"
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        return None, f"{device.device_kind}: memory_stats() has no bytes_limit"
+    return int(limit) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind}: free of JAX's bytes_limit"
+
+
+def resources(target=None, host_gb: float | None = None, device_gb: float | None = None) -> Resources:
+    """The memory to check a plan against. A target GPU (jmoe.plan.targets.Target) gives its device memory
+    times JAX's allocator fraction; `device_gb` / `host_gb` (GiB) override what the target or this machine
+    says. Without a target this machine's first device is used (starting JAX's backend)."""
+    host = int(host_gb * 2**30) if host_gb is not None else host_available_bytes()
+    host_source = f"host_gb={host_gb}" if host_gb is not None else "MemAvailable of this machine"
+    pool, pool_source = pinned_pool()
+    if device_gb is not None:
+        gpu = target is not None or local_device_bytes()[0] is not None
+        return Resources(host, host_source, int(device_gb * 2**30), f"device_gb={device_gb}",
+                         pool if gpu else None, pool_source if gpu else "")
+    if target is not None:
+        fraction, fraction_source = memory_fraction()
+        return Resources(host, host_source, int(target.device_memory_bytes * fraction),
+                         f"{target.name} ({target.device_kind}): {target.device_memory_bytes / 2**30:.2f} GiB x "
+                         f"{fraction} ({fraction_source})", pool, pool_source)
+    device, device_source = local_device_bytes()
+    return Resources(host, host_source, device, device_source, pool if device is not None else None,
+                     pool_source if device is not None else "")

@@ -1,0 +1,44 @@
+"""GPU targets a plan can compile for: the target configs shipped in jmoe/plan/targets/ (README.md there says
+where each one's numbers come from), or a target-config file of the user's."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from jmoe.errors import InputError
+
+TARGETS_DIR = Path(__file__).resolve().parent / "targets"
+SUFFIX = ".textproto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # the shipped name ("h100") or the file's path
+    config_text: str  # a GpuTargetConfigProto in text format
+    device_kind: str  # e.g. "NVIDIA H100 80GB HBM3"
+    device_memory_bytes: int  # gpu_device_info.device_memory_size
+
+
+def target_names() -> list[str]:
+    return sorted(p.name[:-len(SUFFIX)] for p in TARGETS_DIR.glob("*" + SUFFIX))
+
+
+def load_target(target: str | Path) -> Target:
+    """A shipped target by name (`h100`, `h200`, `a100-80gb`, `l4`, `rtx4090`) or a target-config file."""
+    shipped = TARGETS_DIR / f"{target}{SUFFIX}"
+    path = shipped if shipped.is_file() else Path(target)
+    if not path.is_file():
+        raise InputError(f"target {str(target)!r} is neither a shipped target ({', '.join(target_names())}) nor a "
+                         f"target-config file; pass one of the names or the path of a GpuTargetConfigProto text file")
+    text = path.read_text()
+    memory = re.search(r"\bdevice_memory_size:\s*(\d+)", text)
+    kind = re.search(r'\bdevice_description_str:\s*"([^"]*)"', text)
+    if memory is None or "gpu_device_info" not in text:
+        # Without gpu_device_info the XLA:GPU compiler dies of a floating point exception, not an error.
+        raise InputError(f"{path}: not a usable GPU target config: expected a GpuTargetConfigProto text with "
+                         f"gpu_device_info and its device_memory_size (see {TARGETS_DIR / 'README.md'} for how "
+                         f"the shipped ones were made)")
+    return Target(target if path == shipped else str(path), text, kind.group(1) if kind else path.stem,
+                  int(memory.group(1)))
