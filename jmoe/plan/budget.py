@@ -72,19 +72,20 @@ def check_fit(needs: MemoryNeeds, available: Resources, placement: Placement, nu
         if host + device > available.host_bytes:
             reasons.append(f"host memory: {gib(host + device)} needed ({gib(host)} pinned + {gib(device)} of "
                            f"device arrays, which live in RAM on a CPU backend), {gib(available.host_bytes)} "
-                           f"available ({available.host_source}); {_less_memory_advice(needs, placement)}")
+                           f"available ({available.host_source}); shorten the context or batch (KV cache "
+                           f"{gib(needs.kv_bytes)}), or run on a machine with more memory")
     else:
         if host > available.host_bytes:
             reasons.append(f"host memory: the pinned experts and parameters need {gib(host)}, "
                            f"{gib(available.host_bytes)} available ({available.host_source}); "
-                           f"{_less_host_advice(needs, placement, num_experts)}")
+                           f"{_less_host_advice(placement, num_experts)}")
         if device > available.device_bytes:
             reasons.append(f"device memory: {gib(device)} needed, {gib(available.device_bytes)} available "
                            f"({available.device_source}); "
                            f"{_less_device_advice(needs, placement, device - available.device_bytes)}")
     if available.pinned_pool_bytes is not None and pinned_pool_gb_for(host) * 2**30 > available.pinned_pool_bytes:
         fix = f"{PINNED_POOL_ENV}={pinned_pool_gb_for(host)}"
-        if pool_fixed or PINNED_POOL_ENV in available.pinned_pool_source:
+        if pool_fixed or available.pinned_pool_set:
             reasons.append(f"pinned host pool: {gib(host)} of pinned arrays exceed the pool JAX on GPU allows "
                            f"({available.pinned_pool_source}); set {fix} before JAX starts (the jmoe command "
                            f"lines do this when it is unset)")
@@ -95,12 +96,7 @@ def check_fit(needs: MemoryNeeds, available: Resources, placement: Placement, nu
     return reasons, notes
 
 
-def _less_memory_advice(needs: MemoryNeeds, placement: Placement) -> str:
-    return ("shorten the context or batch (KV cache " + gib(needs.kv_bytes) + "), or run on a machine with more "
-            "memory")
-
-
-def _less_host_advice(needs: MemoryNeeds, placement: Placement, num_experts: int) -> str:
+def _less_host_advice(placement: Placement, num_experts: int) -> str:
     if not placement.offloaded_layers:
         return "offload fewer parameters with offload_params, or add host memory"
     layer_bytes = num_experts * placement.expert_bytes

@@ -34,6 +34,7 @@ class Resources:
     device_source: str
     pinned_pool_bytes: int | None  # None: not a GPU, no pinned pool
     pinned_pool_source: str = ""
+    pinned_pool_set: bool = False  # the user set the limit (else it is XLA's default, which jmoe may raise)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -52,7 +53,8 @@ def host_available_bytes() -> int:
 
 
 def pinned_pool() -> tuple[int, str]:
-    """(the pinned-host pool limit in bytes, where it comes from)."""
+    """(the pinned-host pool limit in bytes, where it comes from); `PINNED_POOL_ENV in os.environ` says
+    whether the user set it."""
     value = os.environ.get(PINNED_POOL_ENV)
     if value is None:
         return DEFAULT_PINNED_POOL_GB * 2**30, f"XLA's default ({DEFAULT_PINNED_POOL_GB} GiB; {PINNED_POOL_ENV} unset)"
@@ -112,16 +114,15 @@ def resources(target=None, host_gb: float | None = None, device_gb: float | None
     says. Without a target this machine's first device is used (starting JAX's backend)."""
     host = int(host_gb * 2**30) if host_gb is not None else host_available_bytes()
     host_source = f"host_gb={host_gb}" if host_gb is not None else "MemAvailable of this machine"
-    pool, pool_source = pinned_pool()
-    if device_gb is not None:
-        gpu = target is not None or local_device_bytes()[0] is not None
-        return Resources(host, host_source, int(device_gb * 2**30), f"device_gb={device_gb}",
-                         pool if gpu else None, pool_source if gpu else "")
     if target is not None:
         fraction, fraction_source = memory_fraction()
-        return Resources(host, host_source, int(target.device_memory_bytes * fraction),
-                         f"{target.name} ({target.device_kind}): {target.device_memory_bytes / 2**30:.2f} GiB x "
-                         f"{fraction} ({fraction_source})", pool, pool_source)
-    device, device_source = local_device_bytes()
-    return Resources(host, host_source, device, device_source, pool if device is not None else None,
-                     pool_source if device is not None else "")
+        device = int(target.device_memory_bytes * fraction)
+        device_source = (f"{target.name} ({target.device_kind}): {target.device_memory_bytes / 2**30:.2f} GiB x "
+                         f"{fraction} ({fraction_source})")
+    else:
+        device, device_source = local_device_bytes()
+    gpu = device is not None  # a target, or a local accelerator: arrays in pinned host memory use XLA's pool
+    pool = (*pinned_pool(), PINNED_POOL_ENV in os.environ) if gpu else (None, "", False)
+    if device_gb is not None:
+        device, device_source = int(device_gb * 2**30), f"device_gb={device_gb}"
+    return Resources(host, host_source, device, device_source, *pool)
