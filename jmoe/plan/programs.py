@@ -85,18 +85,25 @@ def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backen
     options = dataclasses.replace(options, policy="lfru")
     with tempfile.TemporaryDirectory(prefix="jmoe-plan-") as tmp:
         running = {}
-        for name, num_tokens in shapes.items():
-            work = Path(tmp) / name
-            work.mkdir()
-            with open(work / "job.pickle", "wb") as f:
-                pickle.dump(CompileJob(config, np.dtype(dtype), options, backend, batch, num_tokens, context,
-                                       target_config), f)
-            log = open(work / "stderr.txt", "w+")
-            env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-            running[name] = (subprocess.Popen([sys.executable, "-m", "jmoe.plan.compile_worker", str(work / "job.pickle"),
-                                               str(work)], stdout=log, stderr=subprocess.STDOUT, env=env), log, work,
-                             (batch, num_tokens))
-        return {name: _collect(name, *run) for name, run in running.items()}
+        try:
+            for name, num_tokens in shapes.items():
+                work = Path(tmp) / name
+                work.mkdir()
+                with open(work / "job.pickle", "wb") as f:
+                    pickle.dump(CompileJob(config, np.dtype(dtype), options, backend, batch, num_tokens, context,
+                                           target_config), f)
+                log = open(work / "output.txt", "w+")
+                process = subprocess.Popen([sys.executable, "-m", "jmoe.plan.compile_worker", str(work / "job.pickle"),
+                                            str(work)], stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                running[name] = (process, log, work, (batch, num_tokens))
+            return {name: _collect(name, *run) for name, run in running.items()}
+        finally:  # interrupted (or failed): no compiler is left running
+            for process, log, _, _ in running.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+                log.close()
 
 
 def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tuple[int, int]) -> Program:
@@ -108,7 +115,6 @@ def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tupl
         returncode = None
     log.seek(0)
     output = log.read()
-    log.close()
     result_file = work / "result.json"
     if returncode == 0 and result_file.is_file():
         result = json.loads(result_file.read_text())
