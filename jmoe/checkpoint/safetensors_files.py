@@ -53,7 +53,7 @@ def _read_header(path: Path, check_data: bool = True) -> tuple[dict, int]:
         if not isinstance(header, dict):
             raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
     except (OSError, struct.error, ValueError) as e:  # json.JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path}: not a valid safetensors header ({e}); the file is truncated or "
+        raise CheckpointError(f"{path}: not a valid safetensors file (its header: {e}); the file is truncated or "
                               f"corrupted: download or export it again") from e
     header.pop("__metadata__", None)
     return header, 8 + header_len
