@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import struct
 import subprocess
 import sys
@@ -36,20 +37,17 @@ MODELS = {
         "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
         "rope_theta": 1e6, "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
-    "qwen3-235b-a22b": {
-        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-        "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
-        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-        "rope_theta": 1e6, "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
 }
+# Qwen3-235B-A22B differs from Qwen3-30B-A3B only in these.
+MODELS["qwen3-235b-a22b"] = {**MODELS["qwen3-30b-a3b"], "hidden_size": 4096, "intermediate_size": 12288,
+                             "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64}
 # Families jmoe does not support on this branch yet (issue 12 adds them): reported as not yet possible.
 NOT_YET = {"gpt-oss-120b": "gpt_oss", "deepseek-v3": "deepseek_v3"}
 # Caches per model: all experts resident, nothing cached, and one size in between.
 CACHES = {"mixtral-8x7b": [None, 0, 4], "qwen3-30b-a3b": [None, 0, 16], "qwen3-235b-a22b": [None, 0, 16]}
 # Host RAM assumed next to each GPU (the plan's host_gb): a one-H100 cloud machine, a desktop with an RTX 4090.
 HOST_GB = {"h100": 256, "rtx4090": 128}
-ITEMSIZE = {"BF16": 2, "F32": 4}
+BF16_BYTES = 2
 
 
 def write_header_only_checkpoint(directory: Path, config: dict) -> Path:
@@ -64,9 +62,7 @@ def write_header_only_checkpoint(directory: Path, config: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     header, offset = {}, 0
     for name, target in expected_tensors(parse_config(config)).items():
-        size = ITEMSIZE["BF16"]
-        for n in target.hf_shape:
-            size *= n
+        size = BF16_BYTES * math.prod(target.hf_shape)
         header[name] = {"dtype": "BF16", "shape": list(target.hf_shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
