@@ -96,3 +96,16 @@ def test_cli_per_layer_cache_and_cpu_moe_layers_flags():
     args = build_parser().parse_args(["--cpu-moe-layers", "2", "--cache", "4"])
     options = offload_options(args)
     assert options.layer_caches(3) == (0, 0, 4)
+
+
+def test_device_budget_chooses_the_cache_of_the_layers_cpu_moe_layers_leaves(olmoe):
+    directory, ref_logits, ref_tokens = olmoe
+    base = jmoe.plan(directory, cache=0).placement
+    dense = base.totals()["device_bytes"] - base.slot_bytes
+    kv = 2 * 2 * 4096 * 4 * 8 * 4  # k and v, layers, budget tokens, kv heads, head_dim, float32
+    slots_and_stream = (2 * base.scratch + 2 * base.scratch) * base.expert_bytes  # scratch of both layers, stream
+    budget = dense + kv + slots_and_stream + 3 * base.expert_bytes + base.expert_bytes // 2  # one layer: 3 slots
+    model = jmoe.load(directory, cpu_moe_layers=1, device_budget_gb=budget / 2**30, progress=False)
+    assert model.placement_plan.offloaded_layers == (0, 1) and model.placement_plan.caches == (0, 3)
+    np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
+    assert model.generate(PROMPTS, max_new_tokens=8) == ref_tokens

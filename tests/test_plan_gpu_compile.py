@@ -23,7 +23,7 @@ def test_decode_and_prefill_compile_for_h100(case, hf_checkpoints):
         program = plan.programs[name]
         assert program.error is None, program.error
         assert program.tokens == tokens
-        memory = program.memory
+        memory = program.memory_analysis
         # Pinned-host experts are host arguments of the compiled program, everything else is on the device.
         assert memory["host_argument_size_in_bytes"] == needs.host_bytes
         resident = needs.device_weight_bytes + needs.slot_bytes + needs.kv_bytes

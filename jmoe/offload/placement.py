@@ -10,7 +10,7 @@ Rules, in order:
   any other matched parameter stays in pinned host memory and is copied in at every step;
 - `device_budget_gb` picks the largest cache, the same for every layer it chooses for, that fits next to
   the device-resident weights, the KV cache and the scratch slots (per-layer caches from a budget did not
-  beat a uniform split on the replay traces: bench/results/plan.md);
+  beat a uniform split on the replay traces: bench/results/cache_split.md);
 - `layer_groups` (jmoe.offload.layer_groups) limits offloading to N of every G decoder layers: the
   patterns then match only those layers' parameters (no pattern: all their non-expert weights), and their
   non-expert weights are fetched K layers ahead inside the step instead of all at its start.

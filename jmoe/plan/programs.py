@@ -47,7 +47,7 @@ class CompileJob:
 class Program:
     name: str  # "decode" | "prefill"
     tokens: tuple[int, int]  # the step's tokens shape [B, T]
-    memory: dict | None = None  # compiled.memory_analysis() fields
+    memory_analysis: dict | None = None  # the compiled program's memory_analysis() fields, in bytes
     lower_seconds: float | None = None
     compile_seconds: float | None = None
     hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO
@@ -56,14 +56,14 @@ class Program:
     @property
     def device_bytes(self) -> int | None:
         """Device memory while the program runs: arguments + outputs not aliased to them + temporaries."""
-        if self.memory is None:
+        if self.memory_analysis is None:
             return None
-        m = self.memory
+        m = self.memory_analysis
         return (m["argument_size_in_bytes"] + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
                 + m["temp_size_in_bytes"])
 
     def as_dict(self) -> dict:
-        return {"tokens": list(self.tokens), "memory": self.memory, "device_bytes": self.device_bytes,
+        return {"tokens": list(self.tokens), "memory_analysis": self.memory_analysis, "device_bytes": self.device_bytes,
                 "lower_seconds": self.lower_seconds, "compile_seconds": self.compile_seconds, "error": self.error}
 
 
@@ -118,7 +118,7 @@ def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tupl
     result_file = work / "result.json"
     if returncode == 0 and result_file.is_file():
         result = json.loads(result_file.read_text())
-        return Program(name, tokens, result["memory"], result["lower_seconds"], result["compile_seconds"],
+        return Program(name, tokens, result["memory_analysis"], result["lower_seconds"], result["compile_seconds"],
                        (work / "hlo.txt").read_text())
     how = (f"timed out after {COMPILE_TIMEOUT_SECONDS} s" if returncode is None
            else f"the compiler process exited with status {returncode}")

@@ -29,7 +29,7 @@ def format_plan(plan) -> str:
             ("expert slots", needs.slot_bytes), ("layer prefetch", needs.fetch_buffer_bytes),
             ("KV cache", needs.kv_bytes), ("prefill stream", needs.stream_bytes)]
     for name, program in plan.programs.items():
-        if program.memory is not None:
+        if program.memory_analysis is not None:
             rows.append((f"{name} program", program.device_bytes))
     lines += [f"{name:<30}{nbytes / 2**30:>11.3f} GiB" for name, nbytes in rows if nbytes]
     what = "largest compiled program" if needs.program_bytes is not None else "weights + slots + KV + buffers"
