@@ -83,8 +83,10 @@ plan = plan_with_options(args.model, offload_options(args), target=args.target, 
                          host_gb=args.host_gb, compile=not args.no_compile)
 out = plan.as_dict()
 out["wall_seconds"] = time.perf_counter() - start
-out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-out["peak_rss_children_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+out["cpu_seconds"] = sum(u.ru_utime + u.ru_stime for u in usage)
+out["peak_rss_bytes"] = usage[0].ru_maxrss * 1024
+out["peak_rss_children_bytes"] = usage[1].ru_maxrss * 1024
 print(json.dumps(out))
 """
 
@@ -107,8 +109,9 @@ def gib(n) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | target | cache | pinned host GiB | device weights GiB | slots GiB | KV GiB | decode prog. GiB "
-             "| prefill prog. GiB | device total GiB | device avail. GiB | fits | plan s | peak RSS MiB (plan / compilers) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "| prefill prog. GiB | device total GiB | device avail. GiB | fits | plan wall s | plan CPU s "
+             "| peak RSS MiB (plan / compilers) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         programs = r["programs"]
         prog = {name: (p["device_bytes"] if p["error"] is None else None) for name, p in programs.items()}
@@ -117,7 +120,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['name']} | {r['target']['name']} | {r['cache_label']} | {gib(r['host_bytes'])} | "
             f"{gib(r['device_weight_bytes'])} | {gib(r['slot_bytes'])} | {gib(r['kv_bytes'])} | "
             f"{gib(prog.get('decode'))} | {gib(prog.get('prefill'))} | {gib(r['device_bytes'])} | "
-            f"{gib(r['available']['device_bytes'])} | {fits} | {r['wall_seconds']:.0f} | "
+            f"{gib(r['available']['device_bytes'])} | {fits} | {r['wall_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
             f"{r['peak_rss_bytes'] / 2**20:.0f} / {r['peak_rss_children_bytes'] / 2**20:.0f} |")
     return "\n".join(lines)
 
