@@ -31,8 +31,9 @@ from common import write_result  # noqa: E402
 import jmoe  # noqa: E402
 from checkpoints.recipe.corpus import load_corpus  # noqa: E402
 from jmoe.eval import check_stream, pack_windows, padded_batch  # noqa: E402
-from jmoe.offload.predictors import make_predictor, precision_recall  # noqa: E402
+from jmoe.offload.predictors import make_predictor  # noqa: E402
 from jmoe.offload.router_predictor import RouterGuesses, router_guesses  # noqa: E402
+from jmoe.traces.evaluation import precision_recall  # noqa: E402
 
 MODEL_DIR = "checkpoints/default"
 SCORED_FILES = ["functools.py", "codecs.py", "email/generator.py"]  # bench/results/eval.md's held-out text

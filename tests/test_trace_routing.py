@@ -8,9 +8,9 @@ import jmoe
 from bench_modules import load_bench_module
 from hf_models import write_checkpoint
 from jmoe.offload.policies import make_policy
+from jmoe.traces.replay import replay
 
 trace_routing = load_bench_module("trace_routing")
-replay_mod = load_bench_module("replay")
 TraceRouting, TraceError = trace_routing.TraceRouting, trace_routing.TraceError
 
 # 12 experts, top-2: 4 * k = 8 scratch slots < 12, so the (16-column) prompt step streams its experts and
@@ -90,7 +90,7 @@ def test_forced_trace_gives_hand_computed_lru_hits(model_dir):
     hits, misses = decode_hits(model, np.concatenate([prompt_rows, decode]))
     assert hits == [1, 3]
     assert misses == [9, 7]
-    replayed = replay_mod.replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
+    replayed = replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
     assert [round(r * len(decode) * TOP_K) for r in replayed["layer_hit_rate"]] == hits
 
 
@@ -103,6 +103,6 @@ def test_forced_random_trace_matches_lru_replay(model_dir):
     model = jmoe.load(model_dir, cache=CACHE, progress=False)
     hits, misses = decode_hits(model, rows)
     decode = rows[len(PROMPT):]
-    replayed = replay_mod.replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
+    replayed = replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
     assert [round(r * len(decode) * TOP_K) for r in replayed["layer_hit_rate"]] == hits
     assert sum(hits) > 0 and all(h + m == len(decode) * TOP_K for h, m in zip(hits, misses))

@@ -22,7 +22,8 @@ Interface (vectorised over tokens and layers; no Python loop over layers):
 * ``predictor.predict(expert_ids, history=None)``: bool ``[T, L, E]``, the predicted set of
   every step: at most ``count`` experts, those of highest score with score >= ``min_score``
   (ties: lower expert id first). :func:`top_experts` does this for any score array.
-* :func:`precision_recall` scores predicted sets against what the trace then used.
+* ``jmoe.traces.evaluation.precision_recall`` scores predicted sets against what a trace then
+  used (offline evaluation lives in :mod:`jmoe.traces`).
 
 Predictors (``make_predictor(name)``; :func:`predictor_names` lists them):
 
@@ -58,7 +59,6 @@ __all__ = [
     "MixPredictor",
     "MultiLagPredictor",
     "top_experts",
-    "precision_recall",
     "step_before",
     "steps_back",
     "make_predictor",
@@ -213,32 +213,6 @@ def top_experts(scores: np.ndarray, count: int, min_score: float = -np.inf) -> n
     chosen = np.zeros(scores.shape, dtype=bool)
     np.put_along_axis(chosen, order[..., :count], True, axis=-1)
     return chosen & (scores >= min_score)
-
-
-def precision_recall(predicted: np.ndarray, expert_ids: np.ndarray) -> dict:
-    """How well predicted sets ``[T, L, E]`` (bool) match the experts used ``[T, L, k]``.
-
-    precision = correct / predicted, recall = correct / used, per layer and overall
-    (pooled over all steps, not averaged over steps). A layer that predicted nothing has
-    precision 0.
-    """
-    predicted = np.asarray(predicted, dtype=bool)
-    expert_ids = np.asarray(expert_ids, dtype=np.int64)
-    if predicted.shape[:2] != expert_ids.shape[:2]:
-        raise ValueError(
-            f"precision_recall: predicted sets {list(predicted.shape)} and trace "
-            f"{list(expert_ids.shape)} differ in [tokens, layers]"
-        )
-    correct = np.take_along_axis(predicted, expert_ids, axis=2).sum(axis=(0, 2))
-    guessed = predicted.sum(axis=(0, 2))
-    used = expert_ids.shape[0] * expert_ids.shape[2]
-    return {
-        "precision": float(correct.sum() / max(guessed.sum(), 1)),
-        "recall": float(correct.sum() / (used * expert_ids.shape[1])),
-        "predicted_per_step": float(guessed.sum() / (expert_ids.shape[0] * expert_ids.shape[1])),
-        "layer_precision": (correct / np.maximum(guessed, 1)).tolist(),
-        "layer_recall": (correct / used).tolist(),
-    }
 
 
 class Predictor:

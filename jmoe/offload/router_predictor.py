@@ -8,7 +8,7 @@ layer has no layer before it in the same token, so guesses exist for MoE layers 
 
 :func:`router_guesses` runs the model once and returns those probabilities per token, in the
 ``[tokens, layers, E]`` score layout of :mod:`jmoe.offload.predictors`, so that ``top_experts`` and
-``precision_recall`` score them like the history predictors (per token: batch-1 decode semantics; the
+``jmoe.traces.evaluation.precision_recall`` score them like the history predictors (per token: batch-1 decode semantics; the
 engine max-pools the probabilities over a batch's tokens instead).
 """
 
@@ -25,7 +25,8 @@ from flax import nnx
 from jmoe.errors import InputError
 from jmoe.expert_engine import ResidentEngine
 from jmoe.model import empty_kv_cache
-from jmoe.offload.predictors import precision_recall, top_experts
+from jmoe.offload.predictors import top_experts
+from jmoe.traces.evaluation import precision_recall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class RouterGuesses:
         return top_experts(self.probs, count)
 
     def precision_recall(self, count: int) -> dict:
-        """`predictors.precision_recall` of the top-`count` guesses; its layer i is MoE layer i + 1."""
+        """`evaluation.precision_recall` of the top-`count` guesses; its layer i is MoE layer i + 1."""
         return precision_recall(self.predicted(count), self.guessed_ids)
 
 
