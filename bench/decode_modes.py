@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
 from decode import PROMPT  # noqa: E402
 from decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, measure  # noqa: E402
-from trace_routing import TraceRouting  # noqa: E402
 
+from jmoe.traces.forced_routing import TraceRouting  # noqa: E402
 from jmoe.traces.load import load_trace, split_trace  # noqa: E402
 
 

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
 from decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode  # noqa: E402
-from trace_routing import TraceRouting  # noqa: E402
 
 from jmoe.offload.policies import make_policy  # noqa: E402
 from jmoe.sampling import SamplingParams  # noqa: E402
+from jmoe.traces.forced_routing import TraceRouting  # noqa: E402
 from jmoe.traces.load import frequency_table, load_trace, split_trace  # noqa: E402
 from jmoe.traces.replay import replay  # noqa: E402
 

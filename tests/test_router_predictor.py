@@ -1,4 +1,5 @@
-"""The router predictor's guesses, checked against the module's plain forward and a case with a known answer."""
+"""The router predictor's guesses (jmoe.traces.router_guess), checked against the module's plain forward and a
+case with a known answer."""
 
 import jax
 import numpy as np
@@ -11,8 +12,8 @@ from jmoe.expert_engine import ResidentEngine
 from jmoe.loading import flat_params
 from jmoe.model import MoEBlock, MoETransformer, empty_kv_cache
 from jmoe.offload.placement import plan_placement
-from jmoe.offload.router_predictor import router_guesses
 from jmoe.traces.evaluation import precision_recall
+from jmoe.traces.router_guess import router_guesses
 
 VOCAB = 64
 # Decoder layer 1 is dense, so MoE layer positions (0, 1, 2) differ from decoder layer indices (0, 2, 3).

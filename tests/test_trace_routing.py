@@ -1,17 +1,14 @@
-"""Trace-forced routing (bench/trace_routing.py): step layout, errors, and the engine's cache statistics
-under a forced trace against hand-computed LRU hits and bench/replay.py's replay."""
+"""Trace-forced routing (jmoe.traces.forced_routing): step layout, errors, and the engine's cache statistics
+under a forced trace against hand-computed LRU hits and the trace replay (jmoe.traces.replay)."""
 
 import numpy as np
 import pytest
 
 import jmoe
-from bench_modules import load_bench_module
 from hf_models import write_checkpoint
 from jmoe.offload.policies import make_policy
+from jmoe.traces.forced_routing import TraceError, TraceRouting
 from jmoe.traces.replay import replay
-
-trace_routing = load_bench_module("trace_routing")
-TraceRouting, TraceError = trace_routing.TraceRouting, trace_routing.TraceError
 
 # 12 experts, top-2: 4 * k = 8 scratch slots < 12, so the (16-column) prompt step streams its experts and
 # leaves the cache empty; every decode step admits its misses. Both layers are MoE layers.

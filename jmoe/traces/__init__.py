@@ -8,7 +8,9 @@ runtime's own policies and predictors (``jmoe.offload``). Import the module you 
 - ``jmoe.traces.replay``: ``replay`` (cache and prefetch simulator, semantics in its docstring),
   ``run_one``, ``POLICIES``, ``PREFETCH_SETTINGS``;
 - ``jmoe.traces.tuning``: LFRU and prefetch constants searched on the tuning split, ``fit_table``;
-- ``jmoe.traces.evaluation``: predicted sets of a predictor over a trace, ``precision_recall``.
+- ``jmoe.traces.evaluation``: predicted sets of a predictor over a trace, ``precision_recall``;
+- ``jmoe.traces.router_guess``: the router guess (the engine's prefetch guess) on a real model;
+- ``jmoe.traces.forced_routing``: ``TraceRouting``, a trace slice as ``Model.forced_routing``.
 
 ``bench/replay.py`` is the command line and report writer over these modules.
 """

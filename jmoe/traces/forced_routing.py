@@ -1,4 +1,4 @@
-"""Drive a jmoe Model's expert choice from a recorded routing trace (benchmarks only).
+"""Drive a jmoe Model's expert choice from a recorded routing trace (benchmarks and tests).
 
 A random-weight model routes near uniformly, so its expert cache sees nothing like a real model's
 traffic. `Model.forced_routing` replaces the router's choice inside the jitted step; this module turns
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from jmoe.traces.load import TraceError  # a slice that does not fit the model or the generation
 
-class TraceError(ValueError):
-    """A trace slice that does not fit the model or the generation it is asked to drive."""
+__all__ = ["TraceRouting", "TraceError"]
 
 
 class TraceRouting:

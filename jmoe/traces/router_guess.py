@@ -1,15 +1,16 @@
-"""The router predictor: guess MoE layer l+1's experts by applying its router to layer l's input.
+"""The router guess, evaluated offline: guess MoE layer l+1's experts by applying its router to layer l's input.
 
 This is the guess the offload engine's in-step prefetch makes (``OffloadEngine.bind``): while MoE layer
 ``l`` computes its experts on ``h_l`` (the post-attention-norm hidden state its own router sees), the
-engine scores the experts of MoE layer ``l + 1`` with ``softmax(router_{l+1}(h_l))``. Layers are counted
-among MoE layers only, as the engine counts them (dense layers in between are skipped). The first MoE
-layer has no layer before it in the same token, so guesses exist for MoE layers ``1 .. L-1``.
+engine scores the experts of MoE layer ``l + 1`` with ``softmax(router_{l+1}(h_l))``
+(:func:`router_probabilities`). Layers are counted among MoE layers only, as the engine counts them
+(dense layers in between are skipped). The first MoE layer has no layer before it in the same token, so
+guesses exist for MoE layers ``1 .. L-1``.
 
 :func:`router_guesses` runs the model once and returns those probabilities per token, in the
 ``[tokens, layers, E]`` score layout of :mod:`jmoe.offload.predictors`, so that ``top_experts`` and
-``jmoe.traces.evaluation.precision_recall`` score them like the history predictors (per token: batch-1 decode semantics; the
-engine max-pools the probabilities over a batch's tokens instead).
+:func:`jmoe.traces.evaluation.precision_recall` score them like the history predictors (per token: batch-1
+decode semantics; the engine max-pools the probabilities over a batch's tokens instead).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class RouterGuesses:
         return precision_recall(self.predicted(count), self.guessed_ids)
 
 
+def router_probabilities(router_kernel: jax.Array, x: jax.Array) -> jax.Array:
+    """float32 [N, E]: softmax over experts of a router ``router_kernel`` [d, E] applied to hidden states
+    ``x`` [N, d]. The engine's in-step prefetch guess computes the same (``OffloadEngine.bind``)."""
+    return jax.nn.softmax((x @ router_kernel).astype(jnp.float32), axis=-1)
+
+
 def router_guesses(model, tokens, mask=None) -> RouterGuesses:
     """Run `model` (a resident jmoe.Model) on `tokens` int [B, T] and return its router guesses.
 
@@ -78,7 +85,7 @@ def _forward(module, tokens, backend: str):
     def compute(moe_index, x, ids, weights):
         if moe_index + 1 < len(blocks):
             # Exactly the engine's prefetch score, before its max over the step's tokens.
-            guesses.append(jax.nn.softmax(blocks[moe_index + 1].router(x).astype(jnp.float32), axis=-1))
+            guesses.append(router_probabilities(blocks[moe_index + 1].router.kernel[...], x))
         return blocks[moe_index].resident_experts(x, ids, weights, backend)
 
     b, t = tokens.shape
