@@ -11,16 +11,12 @@ so both engines load the same files. Results go to bench/results/.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common import median_seconds, read_bandwidth_gbs, write_random_checkpoint, write_result  # noqa: E402
+from common import median_seconds, read_bandwidth_gbs, write_random_checkpoint, write_result
 
 COMPARE_MODELS = {
     # ~215M parameters: hidden 512, 8 layers, 16 experts, top-2, vocab 8192

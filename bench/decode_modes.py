@@ -22,20 +22,16 @@ compute" runs on the same cores, so these numbers show the engine's overheads, n
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import run_parts, write_random_checkpoint, write_result
+from decode import PROMPT
+from decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, measure
 
-from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
-from decode import PROMPT  # noqa: E402
-from decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, measure  # noqa: E402
-
-from jmoe.traces.forced_routing import TraceRouting  # noqa: E402
-from jmoe.traces.load import load_trace, split_trace  # noqa: E402
+from jmoe.traces.forced_routing import TraceRouting
+from jmoe.traces.load import load_trace, split_trace
 
 
 BATCH_PROMPTS = [DEFAULT_PROMPT, "def parse(text):\n    result = []\n    for line in text.splitlines():\n",

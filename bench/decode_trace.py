@@ -20,23 +20,19 @@ bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import run_parts, write_random_checkpoint, write_result
+from decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode
 
-from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
-from decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode  # noqa: E402
-
-from jmoe.offload.policies import make_policy  # noqa: E402
-from jmoe.sampling import SamplingParams  # noqa: E402
-from jmoe.traces.forced_routing import TraceRouting  # noqa: E402
-from jmoe.traces.load import frequency_table, load_trace, split_trace  # noqa: E402
-from jmoe.traces.replay import replay  # noqa: E402
+from jmoe.offload.policies import make_policy
+from jmoe.sampling import SamplingParams
+from jmoe.traces.forced_routing import TraceRouting
+from jmoe.traces.load import frequency_table, load_trace, split_trace
+from jmoe.traces.replay import replay
 
 POLICIES = ("lru", "lfru", "static")
 GPTOSS_CACHES = (4, 6, 8, 12, 16, 32)

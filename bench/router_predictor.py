@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# checkpoints/ (the recipe's corpus) is not an installed package: import it from this clone.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import write_result  # noqa: E402
