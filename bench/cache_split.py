@@ -1,14 +1,14 @@
 """Per-layer caches against one cache for every layer, at the same number of device slots, on the vendored
 routing traces: should a device budget give layers different caches?
 
-For each trace and policy, the replay (bench/replay.py, the engine's eviction rule) gives every layer's hit
+For each trace and policy, the replay (jmoe.traces.replay, the engine's eviction rule) gives every layer's hit
 rate at every cache size from k to E, on the tuning split and on the held-out split (layers' caches are
 independent, so any per-layer allocation's hit rate is read off these curves exactly). For each uniform
 cache C, the split of L x C slots that maximises the tuning split's hit rate (exact dynamic programme,
 every layer >= k) is then scored on the held-out split, next to uniform C and to the held-out optimum (the
 same programme run on the held-out curves: the most any split could gain).
 
-    python bench/cache_split.py [--traces gptoss,olmoe,kimi] [--policies lru,lfru]
+    python -m bench.cache_split [--traces gptoss,olmoe,kimi] [--policies lru,lfru]
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import time
 
 import numpy as np
 
-import common
-import replay as rp
+from bench.common import write_result
+from bench.replay import REPORT_CACHES
+from jmoe.traces.load import load_trace, split_trace
+from jmoe.traces.replay import build_policy, replay
 
 
 def layer_curves(ids: np.ndarray, num_experts: int, policy_name: str, split: dict, log) -> np.ndarray:
@@ -28,8 +30,8 @@ def layer_curves(ids: np.ndarray, num_experts: int, policy_name: str, split: dic
     num_layers, top_k = ids.shape[1], ids.shape[2]
     curves = np.full((num_layers, num_experts + 1), np.nan)
     for capacity in range(top_k, num_experts + 1):
-        policy = rp.build_policy(policy_name, {**split, "eval_ids": ids}, num_experts)
-        curves[:, capacity] = rp.replay(ids, num_experts, capacity, policy)["layer_hit_rate"]
+        policy = build_policy(policy_name, {**split, "eval_ids": ids}, num_experts)
+        curves[:, capacity] = replay(ids, num_experts, capacity, policy)["layer_hit_rate"]
     log(f"  curves for {len(ids)} tokens done")
     return curves
 
@@ -65,15 +67,15 @@ def run(traces: list[str], policies: list[str], log) -> str:
              "gain (points) | held-out optimum split (upper bound) | chosen caches per layer |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for name in traces:
-        trace = rp.load_trace(name)
-        split = rp.split_trace(trace)
+        trace = load_trace(name)
+        split = split_trace(trace)
         num_experts = trace["num_experts"]
         top_k = split["eval_ids"].shape[2]
         for policy in policies:
             log(f"{name} {policy}")
             tune = layer_curves(split["tune_ids"], num_experts, policy, split, log)
             held_out = layer_curves(split["eval_ids"], num_experts, policy, split, log)
-            for cache in rp.REPORT_CACHES[name]:
+            for cache in REPORT_CACHES[name]:
                 if cache < top_k:
                     continue
                 total = cache * tune.shape[0]
@@ -104,7 +106,7 @@ def main() -> int:
             f"{time.perf_counter() - began:.0f} s. Splits as in replay.md (GPT-OSS: tuning = mmlu* sequences, "
             f"held out = the rest; OLMoE, Kimi: first half / second half of one prompt). Same total slots in "
             f"every row of a uniform C: L x C.\n\n{table}\n")
-    print(common.write_result("cache_split.md", "Per-layer cache splits against a uniform cache (replay)", body))
+    print(write_result("cache_split.md", "Per-layer cache splits against a uniform cache (replay)", body))
     return 0
 
 

@@ -59,11 +59,16 @@ def read_bandwidth_gbs(megabytes: int = 1024) -> float:
     return x.nbytes / seconds / 1e9
 
 
+def command_line() -> str:
+    """How this benchmark was started: `python -m bench.NAME ARGS` (bench scripts run as modules)."""
+    return f"python -m bench.{Path(sys.argv[0]).stem} {' '.join(sys.argv[1:])}".rstrip()
+
+
 def write_result(name: str, title: str, body: str) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name
     header = (f"# {title}\n\n- Date: {datetime.date.today().isoformat()}\n- Machine: {machine()}\n"
-              f"- Command: `python {' '.join(sys.argv)}`\n\n")
+              f"- Command: `{command_line()}`\n\n")
     path.write_text(header + body)
     return path
 

@@ -6,7 +6,7 @@ fresh processes with jmoe.loading.load_model (safetensors) and jmoe.orbax_store.
 (Orbax, all on device, and with experts in pinned host memory). Prints a Markdown report and
 deletes the work directory unless --keep.
 
-    python bench/convert.py --workdir /tmp/jmoe_convert_bench [--layers 12] [--repeats 2] [--keep]
+    python -m bench.convert --workdir /tmp/jmoe_convert_bench [--layers 12] [--repeats 2] [--keep]
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
         print(f"wrote {data_bytes / 2**30:.2f} GiB of bf16 tensors in {time.perf_counter() - start:.0f} s",
               file=sys.stderr)
         convert = timed([sys.executable, "-m", "jmoe.convert", str(hf_dir), str(orbax_dir), "--quiet"])
-        loads = {kind: [timed([sys.executable, __file__, "_load", kind, str(hf_dir), str(orbax_dir)])
+        loads = {kind: [timed([sys.executable, "-m", "bench.convert", "_load", kind, str(hf_dir), str(orbax_dir)])
                         for _ in range(args.repeats)]
                  for kind in ("safetensors", "orbax", "orbax_offload")}
         print(f"| HF checkpoint | {dir_bytes(hf_dir) / 2**30:.2f} GiB on disk, "

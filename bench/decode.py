@@ -1,8 +1,8 @@
 """Decode throughput benchmarks (CPU here; the same script runs on a GPU).
 
-  python bench/decode.py compare   # jmoe vs transformers, batch-1 decode, two random checkpoints (issue 2)
-  python bench/decode.py cache     # tokens/s against cache size, next to the transfer bound (issue 3)
-  python bench/decode.py manager   # manager time per decode step, 24 layers x 32 experts, top-4 (issue 3)
+  python -m bench.decode compare   # jmoe vs transformers, batch-1 decode, two random checkpoints (issue 2)
+  python -m bench.decode cache     # tokens/s against cache size, next to the transfer bound (issue 3)
+  python -m bench.decode manager   # manager time per decode step, 24 layers x 32 experts, top-4 (issue 3)
 
 Random-weight checkpoints are written once under --workdir (default /tmp/jmoe_bench) by transformers,
 so both engines load the same files. Results go to bench/results/.
@@ -11,16 +11,12 @@ so both engines load the same files. Results go to bench/results/.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common import median_seconds, read_bandwidth_gbs, write_random_checkpoint, write_result  # noqa: E402
+from bench.common import median_seconds, read_bandwidth_gbs, write_random_checkpoint, write_result
 
 COMPARE_MODELS = {
     # ~215M parameters: hidden 512, 8 layers, 16 experts, top-2, vocab 8192

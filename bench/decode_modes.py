@@ -1,7 +1,7 @@
 """Decode throughput with and without prefetch, in both miss modes, and with layer-group weight prefetch.
 
-  python bench/decode_modes.py                 # both parts -> bench/results/decode_modes_cpu.md
-  python bench/decode_modes.py --part default  # the default model only (a few minutes)
+  python -m bench.decode_modes                 # both parts -> bench/results/decode_modes_cpu.md
+  python -m bench.decode_modes --part default  # the default model only (a few minutes)
 
 Part "default": the shipped model (checkpoints/default) with its own router, batch 1 and batch 4
 (four different code prompts), cache 4 of 16 experts per layer, LFRU.
@@ -22,19 +22,16 @@ compute" runs on the same cores, so these numbers show the engine's overheads, n
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import run_parts, write_random_checkpoint, write_result
+from bench.decode import PROMPT
+from bench.decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, measure
 
-from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
-from decode import PROMPT  # noqa: E402
-from decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, measure  # noqa: E402
-from replay import load_trace, split_trace  # noqa: E402
-from trace_routing import TraceRouting  # noqa: E402
+from jmoe.traces.forced_routing import TraceRouting
+from jmoe.traces.load import load_trace, split_trace
 
 
 BATCH_PROMPTS = [DEFAULT_PROMPT, "def parse(text):\n    result = []\n    for line in text.splitlines():\n",

@@ -1,7 +1,7 @@
 """Decode throughput against cache size and policy, with real routing (issue 6).
 
-  python bench/decode_trace.py                  # both parts -> bench/results/decode_trace_cpu.md
-  python bench/decode_trace.py --part gptoss    # one part only (the results file then holds only it)
+  python -m bench.decode_trace                  # both parts -> bench/results/decode_trace_cpu.md
+  python -m bench.decode_trace --part gptoss    # one part only (the results file then holds only it)
 
 Part "default": the shipped model in checkpoints/default with its own router, a code prompt.
 Part "gptoss": a GPT-OSS-20B-shaped random model (24 MoE layers, 32 experts, top-4, hidden and expert
@@ -20,22 +20,19 @@ bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import run_parts, write_random_checkpoint, write_result
+from bench.decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode
 
-from common import run_parts, write_random_checkpoint, write_result  # noqa: E402
-from decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode  # noqa: E402
-from replay import frequency_table, load_trace, replay, split_trace  # noqa: E402
-from trace_routing import TraceRouting  # noqa: E402
-
-from jmoe.offload.policies import make_policy  # noqa: E402
-from jmoe.decode.sampling import SamplingParams  # noqa: E402
+from jmoe.offload.policies import make_policy
+from jmoe.decode.sampling import SamplingParams
+from jmoe.traces.forced_routing import TraceRouting
+from jmoe.traces.load import frequency_table, load_trace, split_trace
+from jmoe.traces.replay import replay
 
 POLICIES = ("lru", "lfru", "static")
 GPTOSS_CACHES = (4, 6, 8, 12, 16, 32)

@@ -5,8 +5,8 @@ referenced x slot size) / median time. Without --full the dims are divided by --
 CPU run finishes in a few minutes; --full uses the real dims in bf16 and, on GPU, adds the
 share of HBM bandwidth at decode and of peak bf16 TFLOP/s at prefill.
 
-  JAX_PLATFORMS=cpu python bench/kernels.py            # scaled, float32, CPU
-  python bench/kernels.py --full --hbm-gbs 3350 --peak-tflops 989   # H100 SXM
+  JAX_PLATFORMS=cpu python -m bench.kernels            # scaled, float32, CPU
+  python -m bench.kernels --full --hbm-gbs 3350 --peak-tflops 989   # H100 SXM
 """
 
 import argparse

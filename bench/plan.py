@@ -6,7 +6,7 @@ file (every tensor jmoe expects, with its shape and dtype, and no data), written
 Each plan runs in a fresh process (`python -m jmoe.plan --json`), so its peak RSS is its own; the decode and
 prefill programs are compiled for the target in that process's children.
 
-    python bench/plan.py [--workdir /tmp/jmoe_plan_bench] [--models mixtral-8x7b,qwen3-30b-a3b]
+    python -m bench.plan [--workdir /tmp/jmoe_plan_bench] [--models mixtral-8x7b,qwen3-30b-a3b]
         [--targets h100,rtx4090] [--context 4096] [--no-compile]
 """
 
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-import common
+from bench.common import write_result
 
 # Published config.json values (Hugging Face hub: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B,
 # Qwen/Qwen3-235B-A22B), with the keys jmoe reads.
@@ -161,7 +161,7 @@ def main() -> int:
     if errors:
         body += ["", "Failed plans:", *[f"- {e}" for e in errors]]
     (args.workdir / "plan_rows.json").write_text(json.dumps(rows))
-    print(common.write_result("plan.md", "jmoe.plan on published MoE shapes", "\n".join(body) + "\n"))
+    print(write_result("plan.md", "jmoe.plan on published MoE shapes", "\n".join(body) + "\n"))
     return 0
 
 

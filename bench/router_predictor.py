@@ -1,8 +1,8 @@
 """Precision and recall per MoE layer of the router predictor on the default model's held-out text.
 
-    JAX_PLATFORMS=cpu python bench/router_predictor.py [--seq-len 256] [--batch-size 8]
+    JAX_PLATFORMS=cpu python -m bench.router_predictor [--seq-len 256] [--batch-size 8]
 
-The router predictor (jmoe.offload.router_predictor, the engine's in-step prefetch guess) names the
+The router predictor (jmoe.traces.router_guess, the engine's in-step prefetch guess) names the
 top-N experts of softmax(router_{l+1}(h_l)) for MoE layer l + 1; it is scored per token against the
 experts layer l + 1 then chose, for N = k, 4 and 8. For comparison, the history predictors `previous`
 and `frequency` (jmoe.offload.predictors) are scored on the same tokens and layers.
@@ -23,16 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import write_result
 
-from common import write_result  # noqa: E402
-
-import jmoe  # noqa: E402
-from checkpoints.recipe.corpus import load_corpus  # noqa: E402
-from jmoe.eval import check_stream, pack_windows, padded_batch  # noqa: E402
-from jmoe.offload.predictors import make_predictor, precision_recall  # noqa: E402
-from jmoe.offload.router_predictor import RouterGuesses, router_guesses  # noqa: E402
+import jmoe
+from checkpoints.recipe.corpus import load_corpus
+from jmoe.eval import check_stream, pack_windows, padded_batch
+from jmoe.offload.predictors import make_predictor
+from jmoe.traces.evaluation import precision_recall
+from jmoe.traces.router_guess import RouterGuesses, router_guesses
 
 MODEL_DIR = "checkpoints/default"
 SCORED_FILES = ["functools.py", "codecs.py", "email/generator.py"]  # bench/results/eval.md's held-out text
@@ -107,7 +105,7 @@ def report(args, model, scored, fit, fit_files, guesses, rows, seconds) -> str:
 
 ## Definitions
 
-`router`: the guess of `jmoe.offload.router_predictor` = what the offload engine's in-step prefetch
+`router`: the guess of `jmoe.traces.router_guess` = what the offload engine's in-step prefetch
 computes: while MoE layer l runs, the top-N experts of softmax(router of layer l+1 applied to h_l, the
 post-attention-norm hidden state layer l's own router sees). Layer 0 has no layer before it in the same
 token, so only layers 1..{cfg.num_moe_layers - 1} are scored, for every predictor. `previous`: the {k} experts the

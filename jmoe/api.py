@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -15,6 +16,7 @@ from jmoe.arguments import check_backend
 from jmoe.checkpoint.loading import load_model
 from jmoe.checkpoint.orbax_store import restore_model
 from jmoe.checkpoint.tokenizer import TextTokenizer, load_tokenizer
+from jmoe.compile_cache import enable_compile_cache
 from jmoe.config import ModelConfig
 from jmoe.decode.generation import RoutingOverride, TokenCallback, as_rows, check_token_ids, generate_tokens
 from jmoe.decode.sampling import SamplingParams
@@ -46,7 +48,14 @@ class Model:
         self.graphdef, self.params = nnx.split(module)
         self.kv_dtype = module.embed[...].dtype
         self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
-        self._step_fns: dict[SamplingParams, object] = {}
+        self._step_fns = {greedy: make_step_fn(self.graphdef, engine, greedy) for greedy in (True, False)}
+        self._programs: dict[tuple, jax.stages.Compiled] = {}  # compiled steps by (greedy, input shapes)
+        self.compile_seconds = 0.0  # spent compiling generation steps so far
+
+    @property
+    def compiled_programs(self) -> int:
+        """How many generation-step programs have been compiled (one per greedy/sampling mode and shape)."""
+        return len(self._programs)
 
     def module(self) -> MoETransformer:
         """The Flax NNX module (for research code: inspect, fine-tune, call directly)."""
@@ -87,13 +96,23 @@ class Model:
 
         forced_routing: None, or int [L_moe, B, T, k] expert ids replacing the routers' choice.
         """
-        fn = self._step_fns.get(sampling)
-        if fn is None:
-            fn = self._step_fns[sampling] = make_step_fn(self.graphdef, self.engine, sampling)
+        arrays = None if sampling.greedy else sampling.arrays(tokens.shape[0])
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
-        next_tokens, routing, kv_cache, state = fn(self.params, self.engine.state, tokens, kv_cache,
-                                                   jnp.int32(write_index), pad_len, key, jnp.int32(step), forced)
+        args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
+                jnp.int32(step), arrays, forced)
+        next_tokens, routing, kv_cache, state = self._program(sampling.greedy, args)(*args)
         return self._finish_step(state, routing, next_tokens), kv_cache
+
+    def _program(self, greedy: bool, args) -> jax.stages.Compiled:
+        """The compiled step for these inputs' shapes, compiled (and timed) the first time they are seen."""
+        inputs = args[2:]  # parameters and engine state keep their shapes for the model's lifetime
+        key = (greedy, jax.tree.structure(inputs), tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
+        program = self._programs.get(key)
+        if program is None:
+            start = time.perf_counter()
+            program = self._programs[key] = self._step_fns[greedy].lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - start
+        return program
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, on_tokens: TokenCallback | None = None) -> list[list[int]]:
@@ -147,7 +166,7 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
          miss_mode: str = "fetch", offload_group_size: int = 0, offload_num_in_group: int = 1,
          offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, dtype: str | None = None, backend: str = "auto",
-         progress: bool = True, check_memory: bool = True) -> Model:
+         progress: bool = True, compile_cache: bool | str | Path | None = None, check_memory: bool = True) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -170,6 +189,9 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
     progress: show a progress bar and print the placement summary to stderr.
+    compile_cache: JAX's persistent compilation cache, so a second run skips compiling: None = the
+        JMOE_COMPILE_CACHE environment variable (a directory or "off"), else ~/.cache/jmoe/jax; True = that
+        default; False = off; a path = that directory. A cache directory already configured in JAX wins.
     check_memory: before reading any weight, plan the memory from the checkpoint headers (as jmoe.plan does
         for this machine, batch 1, the default context) and raise InsufficientMemoryError, with the numbers
         and what to change, when it does not fit. False skips the check.
@@ -177,13 +199,15 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
-                             check_memory=check_memory)
+                             compile_cache=compile_cache, check_memory=check_memory)
 
 
 def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str | None = None, backend: str = "auto",
-                      progress: bool = True, check_memory: bool = True) -> Model:
+                      progress: bool = True, compile_cache: bool | str | Path | None = None,
+                      check_memory: bool = True) -> Model:
     """`load` with the offload settings already gathered in an OffloadOptions (the command lines use this)."""
     check_backend(backend)
+    enable_compile_cache(compile_cache)
     headers = read_headers(path, dtype)  # config and checkpoint headers, checked; no tensor data read yet
     model_dir, config, dtype = headers.directory, headers.config, headers.dtype
     placement = plan_placement(config, headers.abstract, options)

@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile in fresh processes and must not write into the user's cache; tests of the cache set their own.
+os.environ.setdefault("JMOE_COMPILE_CACHE", "off")
 
 import pytest
 

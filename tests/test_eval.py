@@ -160,7 +160,7 @@ def test_cli_json_prints_one_object(model_dir, text_file, model, loads, capsys):
                        "--batch-size", "4", "--cache", "2", "--policy", "lru", "--json"])
     out = capsys.readouterr().out
     assert code == 0
-    assert loads == [(model_dir, {"cache": 2, "policy": "lru", "backend": "auto"})]
+    assert loads == [(model_dir, {"cache": 2, "policy": "lru", "backend": "auto", "compile_cache": None})]
     assert out.strip().count("\n") == 0
     report = json.loads(out)
     assert report["cache"] == 2 and report["data_format"] == "text"

@@ -7,6 +7,7 @@ import pytest
 
 import jmoe
 from hf_models import write_checkpoint, write_word_tokenizer
+from jmoe.cli.common import DEFAULT_MODEL_DIR
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_top_k_only_draws_from_the_k_most_likely():
 
     logits = jax.numpy.asarray(np.random.RandomState(0).randn(1, 50).astype(np.float32))
     top2 = set(np.argsort(-np.asarray(logits[0]))[:2].tolist())
-    draws = {int(sample(logits, jax.random.PRNGKey(s), SamplingParams(2.0, top_k=2))[0]) for s in range(60)}
+    draws = {int(sample(logits, jax.random.PRNGKey(s), SamplingParams(2.0, top_k=2).arrays(1))[0]) for s in range(60)}
     assert draws == top2
 
 
@@ -102,3 +103,57 @@ def test_cli_json(model_dir, capsys):
     assert len(report["token_ids"]) == 5
     assert report["text"] == " ".join(f"w{t}" for t in report["token_ids"])
     assert report["timing"]["decode_steps"] == 4
+
+
+def test_one_program_per_mode_for_all_sampling_parameters_and_bucketed_batches(model):
+    """Sampling parameters are traced inputs and batches are bucketed: new values or a batch of the same
+    bucket reuse the compiled programs (one for the prompt and one for decode, per greedy/sampling mode)."""
+    rows = [[3, 1, 4], [1, 5, 9, 2]]
+    model.generate(rows, max_new_tokens=4, temperature=0.7, top_k=5, seed=1)
+    model.generate(rows, max_new_tokens=4)
+    compiled = model.compiled_programs
+    for temperature, top_k, top_p in [(1.3, 0, 1.0), (0.2, 2, 0.5), (5.0, 40, 0.99)]:
+        model.generate(rows, max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=2)
+    model.generate(rows[:1] * 2, max_new_tokens=4, temperature=0.9)  # same bucket of 2 rows
+    assert model.compiled_programs == compiled
+    three = [[3, 1, 4], [1, 5, 9, 2], [2, 7]]  # bucket 4: padding rows route nowhere and change nothing
+    assert model.generate(three, max_new_tokens=6) == [model.generate(r, max_new_tokens=6)[0] for r in three]
+
+
+def test_generation_reports_compilation_apart_from_decoding(model):
+    from jmoe.decode.sampling import SamplingParams
+
+    fresh = jmoe.Model(model.module(), model.config, type(model.engine)(model.config, model.placement_plan))
+    first = fresh.generate_detailed([[3, 1, 4]], 6, SamplingParams())
+    again = fresh.generate_detailed([[3, 1, 4]], 6, SamplingParams())
+    assert first.compile_seconds > 0 and again.compile_seconds == 0
+    assert first.decode_steps == again.decode_steps == 5
+
+
+def test_persistent_compile_cache_serves_a_second_process(tmp_path):
+    """A second process with the same model and shapes loads its programs from the cache directory."""
+    import subprocess
+    import sys
+
+    script = (
+        "import jax, jmoe\n"
+        "from jax import monitoring\n"
+        "hits = []\n"
+        "monitoring.register_event_listener(lambda name, **kw: hits.append(name) "
+        "if name == '/jax/compilation_cache/cache_hits' else None)\n"
+        f"model = jmoe.load({str(DEFAULT_MODEL_DIR)!r}, cache=4, progress=False, compile_cache={str(tmp_path)!r})\n"
+        "result = model.generate_detailed([[1, 2, 3]], 4, jmoe.decode.sampling.SamplingParams())\n"
+        "print(len(hits), result.compile_seconds)\n"
+    )
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                             env={**__import__("os").environ, "JMOE_COMPILE_CACHE": "off"})
+        assert out.returncode == 0, out.stderr
+        hits, seconds = out.stdout.split()
+        return int(hits), float(seconds)
+
+    first_hits, _ = run()
+    assert first_hits == 0 and any(tmp_path.iterdir())
+    second_hits, _ = run()
+    assert second_hits >= 2  # at least the prompt and decode steps came from the cache

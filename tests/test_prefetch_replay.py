@@ -1,4 +1,4 @@
-"""Predictors (jmoe.offload.predictors) and trace replay with prefetch (bench/replay.py)."""
+"""Predictors (jmoe.offload.predictors), their evaluation and replay with prefetch (jmoe.traces, bench/replay.py)."""
 
 import json
 
@@ -7,19 +7,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench_modules import load_bench_module
+import jmoe.traces.replay as replay_module
 from jmoe.offload.policies import make_policy
 from jmoe.offload.predictors import (
     Predictor,
     load_predictor,
     make_predictor,
-    precision_recall,
     step_before,
     steps_back,
     top_experts,
 )
-
-replay_mod = load_bench_module("replay")
+from jmoe.traces.evaluation import precision_recall
+from jmoe.traces.load import CROSSLAYER_TABLE, TraceError, load_trace, split_trace
+from jmoe.traces.replay import PREFETCH_SETTINGS, build_predictor, prefetch_step, replay, run_one
+from replay_cli import run_cli
 
 # E = 4, L = 2, k = 1; rows are tokens, columns layers.
 SMALL = np.array([[0, 1], [0, 2], [1, 2], [0, 1]], dtype=np.int64)[:, :, None]
@@ -128,8 +129,8 @@ def test_prefetch_min_gain_skips_swaps_not_free_slots():
     def step(resident_ids, min_gain):
         resident = np.zeros((1, 4), dtype=bool)
         resident[0, resident_ids] = True
-        fetched = replay_mod.prefetch_step(scores, predicted, order, resident,
-                                           resident.sum(axis=1), 2, 2, min_gain)
+        fetched = prefetch_step(scores, predicted, order, resident,
+                                resident.sum(axis=1), 2, 2, min_gain)
         return fetched, np.flatnonzero(resident[0]).tolist()
 
     # Full cache {0, 1}: fetching 2 evicts 0, a gain of 2 - 0.5 = 1.5.
@@ -190,13 +191,13 @@ def test_prefetch_replay_hand_computed():
     # t4: fetch 3; victim 0 (tie, lower id) -> {2, 3}; 3 hits (used).
     # Stalls: t0, t3 -> stall-free 3/5; prefetches 4 (2 used); bytes 2 + 4 = 6.
     trace = np.array([0, 1, 2, 0, 3]).reshape(-1, 1, 1)
-    result = replay_mod.replay(trace, 4, 2, make_policy("lru", 1, 4),
-                               predictor=scripted([1, 1, 2, 3, 3], 4), prefetch_budget=1)
+    result = replay(trace, 4, 2, make_policy("lru", 1, 4),
+                    predictor=scripted([1, 1, 2, 3, 3], 4), prefetch_budget=1)
     assert (result["misses"], result["demand_copies"]) == (2, 2)
     assert result["stall_free_rate"] == pytest.approx(3 / 5) == result["hit_rate"]
     assert (result["prefetches"], result["prefetches_used"], result["bytes_moved"]) == (4, 2, 6)
     # Demand LRU on the same trace misses every access: 0 | 0 1 | 1 2 | 2 0 | 0 3.
-    demand = replay_mod.replay(trace, 4, 2, make_policy("lru", 1, 4))
+    demand = replay(trace, 4, 2, make_policy("lru", 1, 4))
     assert (demand["hits"], demand["bytes_moved"], demand["stall_free_rate"]) == (0, 5, 0.0)
 
 
@@ -204,11 +205,11 @@ def test_budget_zero_and_full_room_limits():
     # Budget 0 fetches nothing. With C = k = 1 the predicted expert may still replace the
     # resident one (it is outside the predicted set), but never more than one per step.
     trace = np.array([0, 1, 2]).reshape(-1, 1, 1)
-    none = replay_mod.replay(trace, 4, 1, make_policy("lru", 1, 4),
-                             predictor=scripted([0, 1, 2], 4), prefetch_budget=0)
+    none = replay(trace, 4, 1, make_policy("lru", 1, 4),
+                  predictor=scripted([0, 1, 2], 4), prefetch_budget=0)
     assert (none["prefetches"], none["misses"]) == (0, 3)
-    exact = replay_mod.replay(trace, 4, 1, make_policy("lru", 1, 4),
-                              predictor=scripted([0, 1, 2], 4), prefetch_budget=1)
+    exact = replay(trace, 4, 1, make_policy("lru", 1, 4),
+                   predictor=scripted([0, 1, 2], 4), prefetch_budget=1)
     assert (exact["prefetches"], exact["misses"], exact["bytes_moved"]) == (3, 0, 3)
 
 
@@ -239,7 +240,7 @@ def test_prefetch_bound_and_capacity_are_never_exceeded(seed, num_experts, top_k
     capacity = int(np.random.default_rng(seed).integers(top_k, num_experts + 1))
     predictor = make_predictor(name, count=count).fit(trace[:15], num_experts)
     seen = []
-    original = replay_mod.prefetch_step
+    original = replay_module.prefetch_step
 
     def spy(scores, predicted, order, resident, resident_count, cap, bound, min_gain):
         fetched = original(scores, predicted, order, resident, resident_count, cap, bound,
@@ -250,14 +251,14 @@ def test_prefetch_bound_and_capacity_are_never_exceeded(seed, num_experts, top_k
             assert (resident.sum(axis=1) <= cap).all()
         return fetched
 
-    replay_mod.prefetch_step = spy  # replay() looks the name up in its module at each call
+    replay_module.prefetch_step = spy  # replay() looks the name up in its module at each call
     try:
-        result = replay_mod.replay(trace, num_experts, capacity,
-                                   make_policy("lru", 3, num_experts), chunk=7,
-                                   predictor=predictor, prefetch_budget=budget,
-                                   prefetch_min_gain=min_gain)
+        result = replay(trace, num_experts, capacity,
+                        make_policy("lru", 3, num_experts), chunk=7,
+                        predictor=predictor, prefetch_budget=budget,
+                        prefetch_min_gain=min_gain)
     finally:
-        replay_mod.prefetch_step = original
+        replay_module.prefetch_step = original
     assert max(seen, default=0) <= budget
     assert sum(result["layer_prefetches"]) == result["prefetches"]
     assert max(result["layer_prefetches"]) <= budget * len(trace)
@@ -267,13 +268,13 @@ def test_prefetch_bound_and_capacity_are_never_exceeded(seed, num_experts, top_k
 @pytest.mark.parametrize("policy_name", ["lru", "lfu", "lfru"])
 def test_empty_predictor_equals_demand_replay(policy_name):
     trace = random_trace(3, 80, 4, 8, 2)
-    demand = replay_mod.replay(trace, 8, 4, make_policy(policy_name, 4, 8))
+    demand = replay(trace, 8, 4, make_policy(policy_name, 4, 8))
     # count 0 predicts nothing; "previous" predicts experts that are always still resident
     # (nothing touches a layer's cache between two of its steps but its own prefetch).
     for predictor in [make_predictor("mix", count=0).fit(trace, 8),
                       make_predictor("previous").fit(trace, 8)]:
-        result = replay_mod.replay(trace, 8, 4, make_policy(policy_name, 4, 8),
-                                   predictor=predictor, prefetch_budget=4)
+        result = replay(trace, 8, 4, make_policy(policy_name, 4, 8),
+                        predictor=predictor, prefetch_budget=4)
         assert result["prefetches"] == 0
         for key in ["hits", "misses", "bytes_moved", "layer_hit_rate", "stall_free_rate"]:
             assert result[key] == demand[key]
@@ -283,24 +284,17 @@ def test_empty_predictor_equals_demand_replay(policy_name):
 def test_replay_chunking_does_not_change_prefetch_results():
     trace = random_trace(5, 50, 3, 6, 2)
     predictor = make_predictor("mix", context=4).fit(trace, 6)
-    runs = [replay_mod.replay(trace, 6, 3, make_policy("lru", 3, 6), chunk=chunk,
-                              predictor=predictor, prefetch_budget=2) for chunk in (7, 2048)]
+    runs = [replay(trace, 6, 3, make_policy("lru", 3, 6), chunk=chunk,
+                   predictor=predictor, prefetch_budget=2) for chunk in (7, 2048)]
     assert runs[0] == runs[1]
 
 
-def run_main(argv, capsys):
-    code = replay_mod.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def test_cli_json_has_stall_free_rate(capsys):
-    code, out, _ = run_main(["--trace", "olmoe", "--cache", "16", "--policy", "lru", "--json"],
-                            capsys)
+def test_cli_json_has_stall_free_rate():
+    code, out, _ = run_cli(["--trace", "olmoe", "--cache", "16", "--policy", "lru", "--json"])
     demand = json.loads(out)
     assert code == 0 and demand["stall_free_rate"] == demand["hit_rate"]
-    code, out, _ = run_main(["--trace", "olmoe", "--cache", "16", "--policy", "lru",
-                             "--prefetch", "mix", "--prefetch-budget", "3", "--json"], capsys)
+    code, out, _ = run_cli(["--trace", "olmoe", "--cache", "16", "--policy", "lru",
+                            "--prefetch", "mix", "--prefetch-budget", "3", "--json"])
     result = json.loads(out)
     assert code == 0
     assert result["prefetch"] == "mix" and result["prefetch_budget"] == 3
@@ -309,31 +303,31 @@ def test_cli_json_has_stall_free_rate(capsys):
     assert result["prefetches"] <= 3 * result["tokens"] * result["layers"]
 
 
-def test_cli_gptoss_best_runs_over_its_tuned_policy(capsys):
-    code, out, _ = run_main(["--trace", "gptoss", "--cache", "8", "--policy", "lru", "--prefetch",
-                             "best", "--datasets", "Polyglot-or-Not_Fact-Completion", "--json"],
-                            capsys)
+def test_cli_gptoss_best_runs_over_its_tuned_policy():
+    code, out, _ = run_cli(["--trace", "gptoss", "--cache", "8", "--policy", "lru", "--prefetch",
+                            "best", "--datasets", "Polyglot-or-Not_Fact-Completion", "--json"])
     assert code == 0
     result = json.loads(out)
     assert result["tokens"] == 1188 and result["prefetch"] == "best"
-    best = replay_mod.PREFETCH_SETTINGS["best"]
+    best = PREFETCH_SETTINGS["best"]
     assert result["policy"] == best["policy"] and "not --policy lru" in result["note"]
     assert result["prefetch_min_gain"] == best["min_gain"]
-    demand = replay_mod.run_one("gptoss", 8, "lru", ["Polyglot-or-Not_Fact-Completion"])
+    demand = run_one("gptoss", 8, "lru", ["Polyglot-or-Not_Fact-Completion"])
     assert result["stall_free_rate"] > demand["stall_free_rate"]  # prefetch is worth something
 
 
 def test_gptoss_crosslayer_uses_the_shipped_table():
-    trace = replay_mod.load_trace("gptoss")
-    predictor = replay_mod.build_predictor("mix", trace, replay_mod.split_trace(trace))
+    trace = load_trace("gptoss")
+    predictor = build_predictor("mix", trace, split_trace(trace))
+    # The command recorded in the shipped table when it was fitted (before bench/ became a package).
     assert predictor.provenance["command"] == "python bench/replay.py --fit-table"
 
 
 def test_shipped_table_is_the_mmlu_fit():
-    shipped = load_predictor(replay_mod.CROSSLAYER_TABLE)
+    shipped = load_predictor(CROSSLAYER_TABLE)
     assert shipped.provenance["split"] == "tuning split (datasets starting with 'mmlu')"
-    trace = replay_mod.load_trace("gptoss")
-    refit = make_predictor("crosslayer").fit(replay_mod.split_trace(trace)["tune_ids"], 32)
+    trace = load_trace("gptoss")
+    refit = make_predictor("crosslayer").fit(split_trace(trace)["tune_ids"], 32)
     for key, counts in refit.counts.items():
         np.testing.assert_array_equal(shipped.counts[key], counts)
 
@@ -350,8 +344,8 @@ def test_shipped_table_is_the_mmlu_fit():
         (["--prefetch", "mix", "--policy", "static"], "static never changes its slots"),
     ],
 )
-def test_cli_bad_prefetch_input(argv, expected, capsys):
-    code, out, err = run_main(["--trace", "olmoe", "--cache", "16", "--json"] + argv, capsys)
+def test_cli_bad_prefetch_input(argv, expected):
+    code, out, err = run_cli(["--trace", "olmoe", "--cache", "16", "--json"] + argv)
     assert code == 2 and out == ""
     assert expected in err
 
@@ -367,6 +361,6 @@ def test_predictor_library_errors():
         make_predictor("mix", count=-1)
     with pytest.raises(ValueError, match="history"):
         make_predictor("previous").fit(SMALL, 4).scores(SMALL, history=np.zeros((1, 3, 1), int))
-    with pytest.raises(replay_mod.ReplayError, match="prefetch budget >= 0"):
-        replay_mod.replay(SMALL, 4, 1, make_policy("lru", 2, 4),
-                          predictor=make_predictor("previous").fit(SMALL, 4), prefetch_budget=-2)
+    with pytest.raises(TraceError, match="prefetch budget >= 0"):
+        replay(SMALL, 4, 1, make_policy("lru", 2, 4),
+               predictor=make_predictor("previous").fit(SMALL, 4), prefetch_budget=-2)

@@ -1,21 +1,19 @@
-"""Trace replay (bench/replay.py): hand-computed hit counts, Belady optimality, CLI, errors."""
+"""Trace replay (jmoe.traces, CLI bench/replay.py): hand-computed hit counts, Belady optimality, CLI, errors."""
 
 import itertools
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench_modules import BENCH, load_bench_module
+from jmoe.errors import JmoeError
 from jmoe.offload.policies import CachePolicy, LFRUPolicy, StaticPolicy, make_policy
-
-REPO_ROOT = BENCH.parent
-REPLAY_PATH = BENCH / "replay.py"
-replay_mod = load_bench_module("replay")
+from jmoe.traces.belady import BeladyOracle
+from jmoe.traces.load import TraceError, frequency_table, load_trace, split_trace
+from jmoe.traces.replay import replay
+from replay_cli import REPO_ROOT, run_cli
 
 
 def one_layer(sequence):
@@ -25,10 +23,10 @@ def one_layer(sequence):
 
 def run(trace, num_experts, capacity, policy):
     if policy == "belady":
-        policy = replay_mod.BeladyOracle(trace, num_experts)
+        policy = BeladyOracle(trace, num_experts)
     elif isinstance(policy, str):
         policy = make_policy(policy, trace.shape[1], num_experts)
-    return replay_mod.replay(trace, num_experts, capacity, policy)
+    return replay(trace, num_experts, capacity, policy)
 
 
 # E = 4, k = 1, C = 2. Expert 0 is hot, 1 and 2 alternate around it.
@@ -217,27 +215,21 @@ def test_full_cache_hits_everything_after_first_use():
 
 def test_frequency_table_counts_per_layer():
     trace = np.array([[[0, 1], [2, 3]], [[0, 2], [2, 1]]])
-    assert replay_mod.frequency_table(trace, 4).tolist() == [[2, 1, 1, 0], [0, 1, 2, 1]]
+    assert frequency_table(trace, 4).tolist() == [[2, 1, 1, 0], [0, 1, 2, 1]]
 
 
 def test_gptoss_split_keeps_tuning_and_reporting_apart():
-    trace = replay_mod.load_trace("gptoss")
-    split = replay_mod.split_trace(trace)
+    trace = load_trace("gptoss")
+    split = split_trace(trace)
     assert len(split["eval_ids"]) == 62993  # gpqa_*, sorry_bench, tulu3, Polyglot
     assert len(split["tune_ids"]) == 152445  # mmlu*
     assert not split["overlap"]
-    chosen = replay_mod.split_trace(trace, ["Polyglot-or-Not_Fact-Completion"])
+    chosen = split_trace(trace, ["Polyglot-or-Not_Fact-Completion"])
     assert len(chosen["eval_ids"]) == 1188
 
 
-def run_main(argv, capsys):
-    code = replay_mod.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def test_cli_json_on_olmoe_matches_the_core(capsys):
-    code, out, _ = run_main(["--trace", "olmoe", "--cache", "16", "--policy", "lru", "--json"], capsys)
+def test_cli_json_on_olmoe_matches_the_core():
+    code, out, _ = run_cli(["--trace", "olmoe", "--cache", "16", "--policy", "lru", "--json"])
     assert code == 0
     result = json.loads(out)
     for key in ["hit_rate", "accesses", "hits", "bytes_moved", "trace", "cache", "policy", "tokens"]:
@@ -253,13 +245,10 @@ def test_cli_json_on_olmoe_matches_the_core(capsys):
 
 
 def test_cli_subprocess_gptoss_datasets():
-    completed = subprocess.run(
-        [sys.executable, str(REPLAY_PATH), "--trace", "gptoss", "--cache", "8", "--policy",
-         "belady", "--datasets", "tulu3_persona_if,Polyglot-or-Not_Fact-Completion", "--json"],
-        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
-    )
-    assert completed.returncode == 0, completed.stderr
-    lines = completed.stdout.strip().splitlines()
+    code, out, err = run_cli(["--trace", "gptoss", "--cache", "8", "--policy", "belady", "--datasets",
+                              "tulu3_persona_if,Polyglot-or-Not_Fact-Completion", "--json"])
+    assert code == 0, err
+    lines = out.strip().splitlines()
     assert len(lines) == 1
     result = json.loads(lines[0])
     assert result["tokens"] == 1470 + 1188
@@ -280,20 +269,21 @@ def test_cli_subprocess_gptoss_datasets():
         (["--trace", "olmoe", "--cache", "8", "--lfru-decay", "1.5"], "decay"),
     ],
 )
-def test_cli_bad_input_is_a_clear_error(argv, expected, capsys):
-    code, out, err = run_main(argv + ["--json"], capsys)
+def test_cli_bad_input_is_a_clear_error(argv, expected):
+    code, out, err = run_cli(argv + ["--json"])
     assert code == 2
     assert out == ""
     assert expected in err
 
 
 def test_replay_core_rejects_bad_traces_and_caches():
+    assert issubclass(TraceError, JmoeError)  # part of jmoe's error hierarchy
     policy = make_policy("lru", 1, 4)
-    with pytest.raises(replay_mod.ReplayError, match="between k=2"):
-        replay_mod.replay(np.array([[[0, 1]]]), 4, 1, policy)
-    with pytest.raises(replay_mod.ReplayError, match=r"\[0, 4\)"):
-        replay_mod.replay(np.array([[[0, 4]]]), 4, 2, policy)
-    with pytest.raises(replay_mod.ReplayError, match="distinct"):
-        replay_mod.replay(np.array([[[1, 1]]]), 4, 2, policy)
-    with pytest.raises(replay_mod.ReplayError, match="policy 'lru' is for"):
-        replay_mod.replay(np.zeros((1, 2, 1), dtype=np.int64), 4, 2, policy)
+    with pytest.raises(TraceError, match="between k=2"):
+        replay(np.array([[[0, 1]]]), 4, 1, policy)
+    with pytest.raises(TraceError, match=r"\[0, 4\)"):
+        replay(np.array([[[0, 4]]]), 4, 2, policy)
+    with pytest.raises(TraceError, match="distinct"):
+        replay(np.array([[[1, 1]]]), 4, 2, policy)
+    with pytest.raises(TraceError, match="policy 'lru' is for"):
+        replay(np.zeros((1, 2, 1), dtype=np.int64), 4, 2, policy)

@@ -1,4 +1,5 @@
-"""The router predictor's guesses, checked against the module's plain forward and a case with a known answer."""
+"""The router predictor's guesses (jmoe.traces.router_guess), checked against the module's plain forward and a
+case with a known answer."""
 
 import jax
 import numpy as np
@@ -7,12 +8,12 @@ from flax import nnx
 
 import jmoe
 from jmoe.errors import InputError
-from jmoe.expert_engine import ResidentEngine
-from jmoe.loading import flat_params
 from jmoe.model import MoEBlock, MoETransformer, empty_kv_cache
+from jmoe.model.params import flat_params
 from jmoe.offload.placement import plan_placement
-from jmoe.offload.predictors import precision_recall
-from jmoe.offload.router_predictor import router_guesses
+from jmoe.offload.resident import ResidentEngine
+from jmoe.traces.evaluation import precision_recall
+from jmoe.traces.router_guess import router_guesses
 
 VOCAB = 64
 # Decoder layer 1 is dense, so MoE layer positions (0, 1, 2) differ from decoder layer indices (0, 2, 3).
@@ -30,8 +31,8 @@ def make_model(edit=lambda module: None) -> jmoe.Model:
     for block in module.moe_blocks():
         block.router.kernel[...] = block.router.kernel[...] * 50
     edit(module)
-    placement = plan_placement(CONFIG, flat_params(nnx.to_pure_dict(nnx.state(module))), cache=None)
-    return jmoe.Model(module, CONFIG, ResidentEngine(CONFIG, "reference"), placement)
+    placement = plan_placement(CONFIG, flat_params(nnx.to_pure_dict(nnx.state(module))))
+    return jmoe.Model(module, CONFIG, ResidentEngine(CONFIG, placement, "reference"))
 
 
 @pytest.fixture(scope="module")

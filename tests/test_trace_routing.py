@@ -1,17 +1,15 @@
-"""Trace-forced routing (bench/trace_routing.py): step layout, errors, and the engine's cache statistics
-under a forced trace against hand-computed LRU hits and bench/replay.py's replay."""
+"""Trace-forced routing (jmoe.traces.forced_routing): step layout, errors, and the engine's cache statistics
+under a forced trace against hand-computed LRU hits and the trace replay (jmoe.traces.replay)."""
 
 import numpy as np
 import pytest
 
 import jmoe
-from bench_modules import load_bench_module
 from hf_models import write_checkpoint
 from jmoe.offload.policies import make_policy
-
-trace_routing = load_bench_module("trace_routing")
-replay_mod = load_bench_module("replay")
-TraceRouting, TraceError = trace_routing.TraceRouting, trace_routing.TraceError
+from jmoe.decode.sampling import SamplingParams
+from jmoe.traces.forced_routing import TraceError, TraceRouting
+from jmoe.traces.replay import replay
 
 # 12 experts, top-2: 4 * k = 8 scratch slots < 12, so the (16-column) prompt step streams its experts and
 # leaves the cache empty; every decode step admits its misses. Both layers are MoE layers.
@@ -66,10 +64,10 @@ def decode_hits(model, rows, policy="lru"):
     """Generate through the whole trace slice; per-layer hits and misses of the decode steps only."""
     model.set_policy(policy)
     routing = TraceRouting(rows, len(PROMPT), model.config)
-    model.forced_routing = routing
     after_prompt = []
-    out = model.generate(PROMPT, max_new_tokens=routing.max_new_tokens,
-                         on_tokens=lambda tokens: after_prompt.append(model.stats()) if not after_prompt else None)
+    out = model.generate_detailed(
+        [PROMPT], routing.max_new_tokens, SamplingParams(), routing_override=routing,
+        on_tokens=lambda tokens: after_prompt.append(model.stats()) if not after_prompt else None).tokens
     assert len(out[0]) == routing.max_new_tokens
     first, last = after_prompt[0], model.stats()
     assert all(s["hits"] == 0 for s in first)  # the prompt step starts from an empty cache
@@ -90,7 +88,7 @@ def test_forced_trace_gives_hand_computed_lru_hits(model_dir):
     hits, misses = decode_hits(model, np.concatenate([prompt_rows, decode]))
     assert hits == [1, 3]
     assert misses == [9, 7]
-    replayed = replay_mod.replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
+    replayed = replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
     assert [round(r * len(decode) * TOP_K) for r in replayed["layer_hit_rate"]] == hits
 
 
@@ -103,6 +101,6 @@ def test_forced_random_trace_matches_lru_replay(model_dir):
     model = jmoe.load(model_dir, cache=CACHE, progress=False)
     hits, misses = decode_hits(model, rows)
     decode = rows[len(PROMPT):]
-    replayed = replay_mod.replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
+    replayed = replay(decode, EXPERTS, CACHE, make_policy("lru", LAYERS, EXPERTS))
     assert [round(r * len(decode) * TOP_K) for r in replayed["layer_hit_rate"]] == hits
     assert sum(hits) > 0 and all(h + m == len(decode) * TOP_K for h, m in zip(hits, misses))

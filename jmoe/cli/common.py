@@ -57,6 +57,12 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-prefetch-step", type=int, default=1, metavar="K",
                    help="fetch an offloaded layer's weights when the layer K before it starts")
     parser.add_argument("--backend", default="auto", help=f"expert kernel backend: {', '.join(BACKENDS)} (jmoe.kernels)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", metavar="DIR", default=None,
+                       help="JAX's persistent compilation cache directory, so a second run skips compiling "
+                            "(default: $JMOE_COMPILE_CACHE, else ~/.cache/jmoe/jax)")
+    cache.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const=False,
+                       help="compile every program again")
 
 
 def cache_value(text: str) -> int | tuple[int | None, ...]:

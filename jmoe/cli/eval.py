@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> dict:
     options = offload_options(args)
     model_dir = resolve_model_dir(args.model)
     data_format = check_data_path(args.data)  # fail on a bad path before the (slow) model load
-    model = load_for_cli(model_dir, options, backend=args.backend)
+    model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache)
     result = evaluate_file(model, args.data, args.batch_size, args.seq_len, progress=True)
     return {"model": str(model_dir), "data": str(args.data), "data_format": data_format, "cache": args.cache,
             "policy": args.policy, "backend": args.backend, **result.as_dict()}

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from jmoe.cli.common import add_offload_args, offload_options, run_cli
+from jmoe.errors import JmoeError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         from jmoe.plan import plan_with_options
+
+        if args.compile_cache is not None:
+            # jax 0.10 cannot read back a compile-only executable ("PjRtCompiler must be constructed with a
+            # Client to call DeserializeLoadedExecutable"), so the cache would only collect dead entries.
+            raise JmoeError("--compile-cache / --no-compile-cache do not apply to python -m jmoe.plan: JAX's "
+                            "persistent compilation cache cannot hold programs compiled for a GPU this machine "
+                            "does not have; drop the flag")
 
         result = plan_with_options(args.model, offload_options(args), target=args.target, batch=args.batch,
                                    context=args.context, host_gb=args.host_gb, device_gb=args.device_gb,

@@ -34,6 +34,11 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return -(-n // 512) * 512
 
 
+def bucket_batch(n: int) -> int:
+    """Round a batch size up to a power of two, so that few distinct shapes get compiled."""
+    return 1 << (n - 1).bit_length()
+
+
 def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str) -> None:
     if not rows:
         raise InputError(f"{what}: expected at least one prompt, found none")
@@ -68,9 +73,10 @@ def as_rows(token_ids) -> list[list[int]]:
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]  # new tokens per prompt (up to and including a stop token)
-    prefill_seconds: float
-    decode_seconds: float
+    prefill_seconds: float  # the prompt step, compilation excluded
+    decode_seconds: float  # the decode steps, compilation excluded
     decode_steps: int
+    compile_seconds: float  # compiling the step programs this generation needed (0 once they are compiled)
 
 
 def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling: SamplingParams, seed: int,
@@ -88,11 +94,13 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
     prompt_len = bucket_length(longest)
     cache_len = bucket_length(prompt_len + max_new_tokens)
     batch = len(rows)
-    tokens = np.zeros((batch, prompt_len), np.int32)
-    pad_len = np.array([prompt_len - len(r) for r in rows], np.int32)
+    # Rows past the real batch are padding: every column of theirs is padding, so they route nowhere.
+    tokens = np.zeros((bucket_batch(batch), prompt_len), np.int32)
+    pad_len = np.full(len(tokens), cache_len, np.int32)
+    pad_len[:batch] = [prompt_len - len(r) for r in rows]
     for b, row in enumerate(rows):
         tokens[b, pad_len[b]:] = row
-    kv_cache = empty_kv_cache(cfg, batch, cache_len, model.kv_dtype)
+    kv_cache = empty_kv_cache(cfg, len(tokens), cache_len, model.kv_dtype)
     key = jax.random.PRNGKey(seed)
     pad_len_dev = jnp.asarray(pad_len)
     stop_ids = set(cfg.eos_token_ids)
@@ -103,9 +111,11 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
         forced = None if routing_override is None else routing_override(index, tokens.shape)
         return model.run_step(jnp.asarray(tokens), kv_cache, write_index, pad_len_dev, key, index, sampling, forced)
 
+    compiled_before = model.compile_seconds
     start = time.perf_counter()
     next_tokens, kv_cache = step(tokens, kv_cache, 0, 0)
-    prefill_seconds = time.perf_counter() - start
+    prefill_compile = model.compile_seconds - compiled_before
+    prefill_seconds = time.perf_counter() - start - prefill_compile
     steps = 0
     decode_start = time.perf_counter()
     for n in range(max_new_tokens):
@@ -120,4 +130,6 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
             break
         next_tokens, kv_cache = step(next_tokens[:, None], kv_cache, prompt_len + n, n + 1)
         steps += 1
-    return GenerationResult(out, prefill_seconds, time.perf_counter() - decode_start, steps)
+    compile_seconds = model.compile_seconds - compiled_before
+    decode_seconds = time.perf_counter() - decode_start - (compile_seconds - prefill_compile)
+    return GenerationResult(out, prefill_seconds, decode_seconds, steps, compile_seconds)

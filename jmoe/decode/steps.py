@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.decode.sampling import SamplingParams, sample
+from jmoe.decode.sampling import greedy_tokens, sample
 from jmoe.model import empty_kv_cache
 
 
@@ -40,27 +40,29 @@ def make_logits_fn(graphdef, engine, kv_dtype):
     return jax.jit(logits_fn, donate_argnums=(1,))
 
 
-def make_step_fn(graphdef, engine, sampling: SamplingParams):
-    """One generation step: feed tokens [B, T] at `write_index`, sample the next token of every row.
+def make_step_fn(graphdef, engine, greedy: bool):
+    """One generation step: feed tokens [B, T] at `write_index`, pick the next token of every row.
 
     Returns (next tokens int32 [B], routing ids [L_moe, B, T, k], kv cache, engine state). Used for the
-    prompt (T = padded prompt length) and for every decode step (T = 1): two compiled shapes in all.
+    prompt (T = padded prompt length) and for every decode step (T = 1). `sampling` is None when `greedy`,
+    else the traced SamplingArrays (so every temperature / top_k / top_p shares the program);
     `forced_routing` is None, or int32 [L_moe, B, T, k] expert ids to use instead of the router's.
     """
 
-    def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, forced_routing):
+    def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing):
         out, engine_state = _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len,
                                  last_only=True, forced_routing=forced_routing)
-        next_tokens = sample(out.logits[:, -1], jax.random.fold_in(key, step), sampling)
+        logits = out.logits[:, -1]
+        next_tokens = greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
         return next_tokens, out.routing, out.kv_cache, engine_state
 
     return jax.jit(step_fn, donate_argnums=(1, 3))
 
 
 def abstract_step_inputs(cfg, batch: int, num_tokens: int, cache_len: int, kv_dtype) -> tuple:
-    """Shapes and dtypes of a generation step's inputs after (params, engine state), as Model.run_step passes
-    them: tokens [B, T], the KV cache of `cache_len` tokens, write index, pad lengths, key, step number, and
-    no forced routing. Nothing is allocated."""
+    """Shapes and dtypes of a greedy generation step's inputs after (params, engine state), as Model.run_step
+    passes them: tokens [B, T], the KV cache of `cache_len` tokens, write index, pad lengths, key, step
+    number, then no sampling arrays (greedy) and no forced routing. Nothing is allocated."""
     return jax.eval_shape(lambda: (jnp.zeros((batch, num_tokens), jnp.int32),
                                    empty_kv_cache(cfg, batch, cache_len, kv_dtype), jnp.int32(0),
-                                   jnp.zeros((batch,), jnp.int32), jax.random.PRNGKey(0), jnp.int32(0))) + (None,)
+                                   jnp.zeros((batch,), jnp.int32), jax.random.PRNGKey(0), jnp.int32(0))) + (None, None)

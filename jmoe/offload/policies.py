@@ -151,7 +151,7 @@ class LFRUPolicy(CachePolicy):
     ``decay`` and ``recency_weight`` are numbers, or arrays of shape ``[num_layers]`` for
     per-layer constants. Defaults were tuned on the GPT-OSS-20B trace's tuning split only
     (sequences from ``mmlu*`` datasets); see ``bench/results/replay_tuning.md`` and
-    ``bench/replay.py --tune``.
+    ``python -m bench.replay --tune``.
     """
 
     name = "lfru"

@@ -34,7 +34,6 @@ def compile_step(job, out_dir: Path) -> dict:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jmoe.decode.sampling import SamplingParams
     from jmoe.decode.steps import abstract_step_inputs, make_step_fn
     from jmoe.memory import PINNED_HOST
     from jmoe.model.params import abstract_model, flat_params, nest_params
@@ -58,9 +57,9 @@ def compile_step(job, out_dir: Path) -> dict:
     nnx.replace_by_pure_dict(state, nest_params(params))
     engine = make_engine(cfg, placement, job.options, job.backend)
     engine_state = placed(engine.abstract_state(nnx.merge(graphdef, state).moe_layer_views()))
-    step = make_step_fn(graphdef, engine, SamplingParams())
+    step = make_step_fn(graphdef, engine, greedy=True)
     inputs = abstract_step_inputs(cfg, job.batch, job.num_tokens, job.context, job.dtype)
-    inputs = placed(inputs[:-1]) + inputs[-1:]
+    inputs = placed(inputs[:-2]) + inputs[-2:]  # no sampling arrays, no forced routing
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         lowered = step.trace(state, engine_state, *inputs).lower()

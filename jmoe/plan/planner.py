@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from jmoe.arguments import check_backend, positive_finite, whole_number
+from jmoe.decode.generation import bucket_batch
 from jmoe.errors import InputError, InsufficientMemoryError
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement, plan_placement
@@ -28,7 +29,8 @@ class Plan:
     headers: CheckpointHeaders
     options: OffloadOptions
     placement: Placement
-    batch: int
+    batch: int  # rows asked for
+    rows: int  # rows the programs and KV cache have: the batch padded as generation pads it
     context: int
     target: Target | None
     needs: MemoryNeeds
@@ -60,7 +62,7 @@ class Plan:
             "target": None if self.target is None else {"name": self.target.name,
                                                         "device_kind": self.target.device_kind,
                                                         "device_memory_bytes": self.target.device_memory_bytes},
-            "batch": self.batch, "context": self.context, "options": options,
+            "batch": self.batch, "batch_rows": self.rows, "context": self.context, "options": options,
             "cache": {"per_moe_layer": self.layer_caches(), "scratch_slots": placement.scratch},
             "groups": [{"group": group, "memory_kind": kind, "tensors": count, "bytes": nbytes}
                        for (group, kind), (count, nbytes) in sorted(placement.group_totals().items())],
@@ -91,7 +93,8 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
         file; its device memory is the device memory available, and with `compile` the decode and prefill
         programs are compiled for it (needs the gpu-compile extra) and their memory is counted.
         Without a target, this machine's memory is used.
-    batch, context: rows and KV-cache tokens planned for (default context: 4096, capped by the model).
+    batch, context: rows and KV-cache tokens planned for (default context: 4096, capped by the model); the
+        batch is padded to a power of two as generation pads it.
     host_gb, device_gb: memory available in GiB, instead of what the OS / target / device says.
     """
     try:
@@ -112,14 +115,15 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     headers = read_headers(path, dtype)
     cfg = headers.config
     batch = whole_number("batch", batch, 1, "rows planned for")
+    rows = bucket_batch(batch)
     context = checked_context(cfg, context)
     target = None if target is None else load_target(target)
     placement = plan_placement(cfg, headers.abstract, options)
     programs = {}
     if target is not None and compile:
-        programs = compile_programs(cfg, headers.dtype, options, backend, batch, context, target.config_text)
+        programs = compile_programs(cfg, headers.dtype, options, backend, rows, context, target.config_text)
     compiled = [p.device_bytes for p in programs.values() if p.device_bytes is not None]
-    needs = memory_needs(cfg, placement, batch, context, headers.dtype, max(compiled) if compiled else None)
+    needs = memory_needs(cfg, placement, rows, context, headers.dtype, max(compiled) if compiled else None)
     available = resources(target, host_gb, device_gb)
     reasons, notes = check_fit(needs, available, placement, cfg.num_experts, pool_fixed=False)
     notes += [f"{name} program: not compiled ({p.error}); its temporaries are not counted"
@@ -127,7 +131,7 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     if target is None or not compile:
         notes.append("device bytes count weights, slots, KV cache and stream buffers, not the programs' "
                      "temporaries: give a target (and compile) to count those")
-    return Plan(headers, options, placement, batch, context, target, needs, available, not reasons,
+    return Plan(headers, options, placement, batch, rows, context, target, needs, available, not reasons,
                 tuple(reasons), tuple(placement.notes) + tuple(notes), programs)
 
 

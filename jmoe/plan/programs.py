@@ -1,9 +1,9 @@
 """jmoe's decode and prefill programs compiled ahead of time for a GPU target, each in a child process
 (jmoe.plan.compile_worker), and what their memory analysis says.
 
-The programs are the steps a Model runs (jmoe.decode.steps.make_step_fn): "decode" feeds one token per row
-into a KV cache of `context` tokens, "prefill" feeds a prompt of `context` tokens into it (the longest one
-it holds). A program's device memory is its arguments (parameters on the device, slots, KV cache) plus its
+The programs are the steps a Model runs (jmoe.decode.steps.make_step_fn, greedy): "decode" feeds one token
+per row into a KV cache of `context` tokens, "prefill" feeds a prompt of `context` tokens into it (the
+longest one it holds); rows are the batch padded as generation pads it (a power of two). A program's device memory is its arguments (parameters on the device, slots, KV cache) plus its
 outputs that are not donated back into them plus its temporaries; pinned-host arguments are counted apart.
 Compile-only XLA:GPU does not autotune and nothing runs: memory is exact, kernel choices are heuristic.
 """

@@ -17,7 +17,9 @@ def format_plan(plan) -> str:
     lines = [
         f"{plan.headers.directory}: {cfg.family}, {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), "
         f"{cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, {plan.headers.dtype.name}",
-        f"plan for {target}: batch {plan.batch}, context {plan.context} tokens; device cache {cache}"
+        f"plan for {target}: batch {plan.batch}"
+        + (f" (padded to {plan.rows} rows)" if plan.rows != plan.batch else "")
+        + f", context {plan.context} tokens; device cache {cache}"
         + (f" + {placement.scratch} scratch slots" if placement.offloaded_layers else ""),
         "",
         f"{'group':<16}{'memory kind':<14}{'tensors':>8}{'GiB':>11}",

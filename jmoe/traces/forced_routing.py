@@ -1,8 +1,9 @@
-"""Drive a jmoe Model's expert choice from a recorded routing trace (benchmarks only).
+"""Drive a jmoe Model's expert choice from a recorded routing trace (benchmarks and tests).
 
 A random-weight model routes near uniformly, so its expert cache sees nothing like a real model's
-traffic. `Model.forced_routing` replaces the router's choice inside the jitted step; this module turns
-a slice of a trace (expert ids [rows, L_moe, k], e.g. GPT-OSS-20B's from bench/data) into that callable:
+traffic. A routing override (`Model.generate_detailed(..., routing_override=...)`) replaces the router's
+choice inside the jitted step; this module turns a slice of a trace (expert ids [rows, L_moe, k], e.g.
+GPT-OSS-20B's from bench/data) into that callable:
 
   * the prompt step (step 0, tokens [1, T], the prompt right-aligned after T - P padding columns)
     takes rows 0..P-1 for its P prompt tokens; padding columns get row 0 (any valid id: the model
@@ -12,17 +13,17 @@ a slice of a trace (expert ids [rows, L_moe, k], e.g. GPT-OSS-20B's from bench/d
 Batch 1 only: the callable sees only the tokens' shape, so it cannot tell how several prompts of
 different lengths were padded.
 
-    model.forced_routing = TraceRouting(rows, prompt_len=len(prompt), config=model.config)
-    model.generate(prompt, max_new_tokens=len(rows) - len(prompt) + 1)
+    routing = TraceRouting(rows, prompt_len=len(prompt), config=model.config)
+    model.generate_detailed([prompt], routing.max_new_tokens, SamplingParams(), routing_override=routing)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from jmoe.traces.load import TraceError  # a slice that does not fit the model or the generation
 
-class TraceError(ValueError):
-    """A trace slice that does not fit the model or the generation it is asked to drive."""
+__all__ = ["TraceRouting", "TraceError"]
 
 
 class TraceRouting:

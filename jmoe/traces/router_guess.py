@@ -1,15 +1,16 @@
-"""The router predictor: guess MoE layer l+1's experts by applying its router to layer l's input.
+"""The router guess, evaluated offline: guess MoE layer l+1's experts by applying its router to layer l's input.
 
 This is the guess the offload engine's in-step prefetch makes (``OffloadEngine.bind``): while MoE layer
 ``l`` computes its experts on ``h_l`` (the post-attention-norm hidden state its own router sees), the
-engine scores the experts of MoE layer ``l + 1`` with ``softmax(router_{l+1}(h_l))``. Layers are counted
-among MoE layers only, as the engine counts them (dense layers in between are skipped). The first MoE
-layer has no layer before it in the same token, so guesses exist for MoE layers ``1 .. L-1``.
+engine scores the experts of MoE layer ``l + 1`` with ``softmax(router_{l+1}(h_l))``
+(:func:`jmoe.model.router_probabilities`, the one function routing and prefetch use). Layers are counted among MoE layers only, as the engine counts them
+(dense layers in between are skipped). The first MoE layer has no layer before it in the same token, so
+guesses exist for MoE layers ``1 .. L-1``.
 
 :func:`router_guesses` runs the model once and returns those probabilities per token, in the
 ``[tokens, layers, E]`` score layout of :mod:`jmoe.offload.predictors`, so that ``top_experts`` and
-``precision_recall`` score them like the history predictors (per token: batch-1 decode semantics; the
-engine max-pools the probabilities over a batch's tokens instead).
+:func:`jmoe.traces.evaluation.precision_recall` score them like the history predictors (per token: batch-1
+decode semantics; the engine max-pools the probabilities over a batch's tokens instead).
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jmoe.errors import InputError
-from jmoe.expert_engine import ResidentEngine
-from jmoe.model import empty_kv_cache
-from jmoe.offload.predictors import precision_recall, top_experts
+from jmoe.model import empty_kv_cache, router_probabilities
+from jmoe.offload.resident import ResidentEngine
+from jmoe.offload.predictors import top_experts
+from jmoe.traces.evaluation import precision_recall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class RouterGuesses:
         return top_experts(self.probs, count)
 
     def precision_recall(self, count: int) -> dict:
-        """`predictors.precision_recall` of the top-`count` guesses; its layer i is MoE layer i + 1."""
+        """`evaluation.precision_recall` of the top-`count` guesses; its layer i is MoE layer i + 1."""
         return precision_recall(self.predicted(count), self.guessed_ids)
 
 
@@ -77,7 +78,7 @@ def _forward(module, tokens, backend: str):
     def compute(moe_index, x, ids, weights):
         if moe_index + 1 < len(blocks):
             # Exactly the engine's prefetch score, before its max over the step's tokens.
-            guesses.append(jax.nn.softmax(blocks[moe_index + 1].router(x).astype(jnp.float32), axis=-1))
+            guesses.append(router_probabilities(module.cfg, blocks[moe_index + 1].router_params(), x))
         return blocks[moe_index].resident_experts(x, ids, weights, backend)
 
     b, t = tokens.shape

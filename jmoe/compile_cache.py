@@ -1,0 +1,51 @@
+"""JAX's persistent compilation cache in a user cache directory, so a second run of the same model and
+shapes loads its compiled programs instead of compiling them again.
+
+The cache is trusted code (JAX's warning): it lives in the user's own cache directory, created private
+(mode 0700). A directory the user configured for JAX already is respected.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+from jmoe.errors import InputError
+
+ENV_VAR = "JMOE_COMPILE_CACHE"  # a directory, or "off"
+
+
+def default_directory() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jmoe" / "jax"
+
+
+def enable_compile_cache(setting: bool | str | os.PathLike | None = None) -> Path | None:
+    """Turn the persistent compilation cache on; returns its directory (None when off).
+
+    setting: None = the JMOE_COMPILE_CACHE environment variable (a directory or "off"), else the default
+    directory (~/.cache/jmoe/jax); True = the default directory; False = off; a path = that directory.
+    """
+    if setting is None:
+        setting = os.environ.get(ENV_VAR) or True
+    if setting is False or setting == "off":
+        return None
+    configured = jax.config.jax_compilation_cache_dir
+    if configured:
+        return Path(configured)
+    if isinstance(setting, bool):
+        directory = default_directory()
+    elif isinstance(setting, (str, os.PathLike)):
+        directory = Path(setting)
+    else:
+        raise InputError(f"compile_cache must be True, False or a directory, found {setting!r}")
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"compile cache directory {directory} cannot be created ({e}); pass another "
+                         f"directory or turn the cache off (compile_cache=False, --no-compile-cache)") from e
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    # Cache every program, however quick to compile: a second run then compiles nothing.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return directory

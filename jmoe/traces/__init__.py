@@ -1,0 +1,16 @@
+"""Offline work on recorded routing traces: cache replay, Belady's optimum, predictors' evaluation.
+
+Nothing here runs inside the engine; it reads traces of expert ids (``bench/data``) and the
+runtime's own policies and predictors (``jmoe.offload``). Import the module you need:
+
+- ``jmoe.traces.load``: trace files, loading, validation, tuning/report splits, ``TraceError``;
+- ``jmoe.traces.belady``: ``BeladyOracle``, the offline optimum as a cache policy;
+- ``jmoe.traces.replay``: ``replay`` (cache and prefetch simulator, semantics in its docstring),
+  ``run_one``, ``POLICIES``, ``PREFETCH_SETTINGS``;
+- ``jmoe.traces.tuning``: LFRU and prefetch constants searched on the tuning split, ``fit_table``;
+- ``jmoe.traces.evaluation``: predicted sets of a predictor over a trace, ``precision_recall``;
+- ``jmoe.traces.router_guess``: the router guess (the engine's prefetch guess) on a real model;
+- ``jmoe.traces.forced_routing``: ``TraceRouting``, a trace slice as the routing override of ``Model.generate_detailed``.
+
+``bench/replay.py`` is the command line and report writer over these modules.
+"""
