@@ -80,18 +80,20 @@ def validate_inputs(x, slot_ids, weights, w_gate_up, w_down):
         fail(f"weights must be floating point, got {weights.dtype}")
 
 
-def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activation="swiglu"):
+def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activation="swiglu", out_dtype=None):
     """y[t] = sum_j weights[t, j] * (act(x_t Wg, x_t Wu)) Wd for slot slot_ids[t, j].
 
     x [T, d]; slot_ids int32 [T, k] (-1 contributes nothing and is never read);
     weights [T, k]; w_gate_up [S, d, 2f] (gate then up); w_down [S, f, d].
-    Returns [T, d] in x.dtype, accumulated in float32.
+    Returns [T, d] accumulated in float32 and cast to out_dtype (default x.dtype). Callers that add up
+    several partial results ask for float32, so rounding happens once, after the sum.
     """
     validate_inputs(x, slot_ids, weights, w_gate_up, w_down)
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
-    return _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, activation=activation)
+    y = _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, activation=activation)  # float32
+    return y.astype(out_dtype or x.dtype)
 
 
 class ExpertWeights(NamedTuple):
@@ -112,6 +114,6 @@ class ExpertKernel(NamedTuple):
     backend: str
     activation: str
 
-    def __call__(self, x, slot_ids, weights, experts: ExpertWeights):
+    def __call__(self, x, slot_ids, weights, experts: ExpertWeights, out_dtype=None):
         return moe_ffn(x, slot_ids, weights, experts.w_gate_up, experts.w_down, backend=self.backend,
-                       activation=self.activation)
+                       activation=self.activation, out_dtype=out_dtype)

@@ -64,11 +64,11 @@ def gather_rows(x, layout: TileLayout):
     return jnp.take(x, layout.row_token, axis=0, mode="fill", fill_value=0)
 
 
-def combine_rows(y_rows, layout: TileLayout, top_k: int, out_dtype):
-    """Per-row outputs (already router-weighted, float32) -> y [T, d], summed over k in f32."""
+def combine_rows(y_rows, layout: TileLayout, top_k: int):
+    """Per-row outputs (already router-weighted, float32) -> y [T, d] float32, summed over k."""
     per_pair = jnp.take(y_rows, layout.row_of_pair, axis=0, mode="fill", fill_value=0)
     per_pair = per_pair.astype(jnp.float32).reshape(-1, top_k, y_rows.shape[-1])
-    return per_pair.sum(axis=1).astype(out_dtype)
+    return per_pair.sum(axis=1)
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:

@@ -148,4 +148,4 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, *, activation, blocks
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="moe_down",
     )(layout.tile_group, h, layout.row_weight, w_down)
-    return grouping.combine_rows(y_rows, layout, top_k, x.dtype)
+    return grouping.combine_rows(y_rows, layout, top_k)

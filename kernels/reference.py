@@ -28,4 +28,4 @@ def moe_ffn_reference(x, slot_ids, weights, w_gate_up, w_down, *, activation="sw
     # HF order: router weight applied after the down projection, then summed over k.
     out = out * weights.astype(jnp.float32)[..., None]
     out = jnp.where(valid[..., None], out, 0.0)
-    return out.sum(axis=1).astype(x.dtype)
+    return out.sum(axis=1)

@@ -127,4 +127,4 @@ def moe_ffn_triton(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
         out_shape=jax.ShapeDtypeStruct((launch["num_rows"], d), jnp.float32),
         grid=launch["down_grid"], compute_capability=capability, **blocks,
     )
-    return grouping.combine_rows(y_rows, layout, top_k, x.dtype)
+    return grouping.combine_rows(y_rows, layout, top_k)

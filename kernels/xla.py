@@ -27,7 +27,7 @@ def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     w_sorted = weights.reshape(-1).astype(jnp.float32)[order]
     out_sorted = jnp.where((key[order] < num_slots)[:, None], out_sorted * w_sorted[:, None], 0.0)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
-    return out.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
+    return out.reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
 def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
@@ -57,7 +57,7 @@ def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     # Select, not multiply: a column this token does not use (or a re-read filler slot when
     # every id is -1) must not leak NaN/Inf into it through 0 * x.
     out = jnp.where(match.any(axis=1)[..., None], out, 0.0)
-    return jnp.einsum("tu,tud->td", coef, out).astype(x.dtype)
+    return jnp.einsum("tu,tud->td", coef, out)
 
 
 def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu",
@@ -94,4 +94,4 @@ def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu
         return jax.lax.platform_dependent(*args, cpu=branched, default=masked)
 
     y_rows = jax.lax.map(tile_ffn, (layout.tile_group, x_tiles, w_tiles)).reshape(-1, d)
-    return grouping.combine_rows(y_rows, layout, top_k, x.dtype)
+    return grouping.combine_rows(y_rows, layout, top_k)

@@ -20,8 +20,7 @@ from jmoe.model import empty_kv_cache
 def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
          forced_routing=None):
     model = nnx.merge(graphdef, engine.prepare_params(params))
-    compute, finish = engine.bind(engine_state, model.moe_layer_views(),
-                                  num_tokens=tokens.shape[0] * tokens.shape[1])
+    compute, finish = engine.bind(engine_state, model.moe_layer_views(), tokens_shape=tokens.shape)
     out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, last_only=last_only,
                 forced_routing=forced_routing, before_layer=engine.layer_hook(model))
     return out, finish()

@@ -1,9 +1,16 @@
 """The offload engine: device slots for the experts of offloaded MoE layers, fed from pinned host memory.
 
 It plugs into the jitted steps through the expert-engine interface (see jmoe.offload.resident): its state
-(slot buffers, slot tables and the manager's victim order) goes into every step and comes back
-updated; between steps the SlotManager reads the step's routing and the new tables (both part of the
-step's single device-to-host read) and writes the next victim order.
+(slot buffers, slot tables, the manager's victim order and planned copies) goes into every step and comes
+back updated; between steps the SlotManager reads the step's routing and the new tables (both part of
+the step's single device-to-host read) and writes the next victim order and plan.
+
+A decode step (one token per row) serves a layer's experts from its cache slots and, for the misses,
+by miss mode: "fetch" copies them in (the one copy loop whose trip count depends on the data; a batch
+that misses more than the scratch slots hold computes the rest on the host); "host" computes them on
+the host and the manager admits them at the start of the next step with a fixed number of copies
+(`plan`). Router prefetch is a fixed number of copies too. Longer steps (prompts) stream every missing
+expert through chunked step-local buffers.
 """
 
 from __future__ import annotations
@@ -22,17 +29,20 @@ from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-from jmoe.offload.slots import (LayerSlots, admit_and_compute, device_copy, empty_slots, host_compute_misses,
-                                prefetch, put_slot, stream_and_compute)
+from jmoe.offload.slots import (LayerSlots, copy_fixed, device_copy, empty_slots, fetch_and_compute,
+                                host_compute_misses, prefetch, put_slot, stream_and_compute)
 
 
 class EngineState(NamedTuple):
-    """Per offloaded layer l with S_l cache slots (layers may differ) and M scratch slots."""
+    """Per offloaded layer l with S_l cache slots (layers may differ); M scratch slots shared by all."""
 
-    buffers: tuple  # per layer: ExpertWeights of S_l + M slots on the device
+    buffers: tuple  # per layer: ExpertWeights of its S_l cache slots on the device
+    scratch: object  # ExpertWeights of the M shared scratch slots on the device
     slot_of_expert: jax.Array  # int32 [Lo, E]
     expert_in_slot: tuple  # per layer: int32 [S_l]
     victim_order: jax.Array  # int32 [Lo, max S_l] from the manager: row l's first S_l entries, then -1
+    plan_experts: jax.Array  # int32 [Lo, W]: experts the manager copies in as the step starts ...
+    plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = a copy that goes nowhere)
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
 
 
@@ -47,6 +57,8 @@ class OffloadEngine(ResidentEngine):
         self.miss_mode = options.miss_mode
         self.layers = placement.offloaded_layers
         self.caches = placement.caches  # cache slots of each offloaded layer
+        # Copies the manager plans per layer and step: host mode admits one of the last step's misses.
+        self.plan_width = 1 if self.miss_mode == "host" else 0
         self._policy = options.policy
         self._host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
@@ -61,41 +73,58 @@ class OffloadEngine(ResidentEngine):
     def reset(self, policy: str | CachePolicy) -> None:
         """Empty every slot and start over with `policy` (same compiled programs: only data changes)."""
         self.state = None  # release the old slot buffers before allocating new ones
-        self.manager = SlotManager(policy, self.config.num_experts, self.caches, self.placement.expert_bytes)
+        self.manager = SlotManager(policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
+                                   self.plan_width)
         self.state = self._empty_state()
         self.install_pinned()  # a static policy installs its experts now
 
     def _empty_state(self) -> EngineState:
-        lo, scratch = len(self.layers), self.placement.scratch
+        lo = len(self.layers)
         return EngineState(
-            buffers=tuple(empty_slots(host, cache + scratch) for host, cache in zip(self._host_experts, self.caches)),
+            buffers=tuple(empty_slots(host, cache) for host, cache in zip(self._host_experts, self.caches)),
+            scratch=empty_slots(self._host_experts[0], self.placement.scratch),
             slot_of_expert=jnp.full((lo, self.config.num_experts), -1, jnp.int32),
             expert_in_slot=tuple(jnp.full((cache,), -1, jnp.int32) for cache in self.caches),
-            victim_order=jnp.asarray(self.manager.victim_order()),
+            **self._manager_tables(),
             counts=jnp.zeros((lo, 4), jnp.int32),
         )
+
+    def _manager_tables(self) -> dict:
+        victim_order, plan_experts, plan_slots = self.manager.next_step()
+        return {"victim_order": jnp.asarray(victim_order), "plan_experts": jnp.asarray(plan_experts),
+                "plan_slots": jnp.asarray(plan_slots)}
 
     def abstract_state(self, layers: list[MoELayerView]) -> EngineState:
         """The state's shapes and dtypes for the (abstract) MoE layers `layers`, allocating nothing: what
         the steps take when they are compiled ahead of time for another device (jmoe.plan)."""
         self._host_experts = [layers[i].experts for i in self.layers]
-        self.manager = SlotManager(self._policy, self.config.num_experts, self.caches, self.placement.expert_bytes)
+        self.manager = SlotManager(self._policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
+                                   self.plan_width)
         return jax.eval_shape(self._empty_state)
 
     # ---- inside the jitted step -------------------------------------------------------------------
-    def bind(self, state: EngineState, layers: list[MoELayerView], num_tokens: int):
+    def bind(self, state: EngineState, layers: list[MoELayerView], tokens_shape: tuple[int, int]):
         cfg = self.config
         lo = len(self.layers)
         position = {moe: i for i, moe in enumerate(self.layers)}
         kernel = self.kernel
-        # Decode-sized steps admit misses into cache slots (or, in miss mode "host", compute them on the host
-        # and admit them in the background); bigger ones stream experts through double-buffered chunks.
-        admit = min(num_tokens * cfg.num_experts_per_tok, cfg.num_experts) <= self.placement.scratch
+        decode = tokens_shape[1] == 1  # one new token per row; prompts stream
         layer_slots = [LayerSlots(state.buffers[i], state.slot_of_expert[i], state.expert_in_slot[i])
                        for i in range(lo)]
-        prefetched = [(jnp.int32(0), jnp.int32(0))] * lo  # (copied, evicted) ahead of each layer
         victim_order = [state.victim_order[i, :cache] for i, cache in enumerate(self.caches)]
+        copied = [jnp.int32(0)] * lo  # experts copied ahead of each layer (plan, prefetch)
+        evicted = [jnp.int32(0)] * lo
         counts = [None] * lo
+        scratch = [state.scratch]  # threaded through the layers: each uses it in turn
+        if decode and self.plan_width:
+            # The manager's planned admissions, copied as the step starts: they overlap the attention and
+            # the layers before theirs.
+            for i, moe in enumerate(self.layers):
+                if not self.caches[i]:  # nothing can be admitted into a layer without cache slots
+                    continue
+                layer_slots[i], evicted[i] = copy_fixed(layer_slots[i], layers[moe].experts, state.plan_experts[i],
+                                                        state.plan_slots[i])
+                copied[i] = jnp.int32(self.plan_width)
 
         def compute(moe_index, x, ids, weights):
             layer = layers[moe_index]
@@ -103,38 +132,36 @@ class OffloadEngine(ResidentEngine):
                 return self.resident_experts(layer, x, ids, weights)
             i = position[moe_index]
             nxt = position.get(moe_index + 1)
-            prefetch_limit = 0 if nxt is None else min(self.prefetch, self.caches[nxt])  # only into cache slots
-            if admit and prefetch_limit:
+            prefetch_count = 0 if nxt is None else min(self.prefetch, self.caches[nxt])  # only into cache slots
+            if decode and prefetch_count:
                 # Guess the next layer's experts with its router on this layer's input; the copies are
                 # independent of this layer's compute, so they can overlap it.
                 upcoming = layers[moe_index + 1]
                 # A layer group may not have fetched that router yet: to_device is a no-op if it has.
                 probs = router_probabilities(cfg, to_device(upcoming.router), x)
                 scores = jnp.max(jnp.where((ids >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
-                ahead = prefetch(layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, limit=prefetch_limit)
-                layer_slots[nxt], victim_order[nxt] = ahead.slots, ahead.victim_order
-                prefetched[nxt] = (ahead.copied, ahead.evicted)
-            if admit and self.miss_mode == "host":
-                y, layer_slots[i], counts[i] = host_compute_misses(
-                    layer_slots[i], victim_order[i], layer.experts, x, ids, weights, kernel=kernel,
-                    admit_limit=min(self.placement.scratch, self.caches[i]))
-            elif admit:
-                y, adm, counts[i] = admit_and_compute(layer_slots[i], victim_order[i], layer.experts, x, ids,
-                                                      weights, kernel=kernel)
-                layer_slots[i] = adm.slots
+                layer_slots[nxt], victim_order[nxt], ahead_evicted = prefetch(
+                    layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, count=prefetch_count)
+                copied[nxt] = copied[nxt] + prefetch_count
+                evicted[nxt] = evicted[nxt] + ahead_evicted
+            if decode and self.miss_mode == "host":
+                y, counts[i] = host_compute_misses(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)
+            elif decode:
+                y, layer_slots[i], scratch[0], counts[i] = fetch_and_compute(
+                    layer_slots[i], scratch[0], victim_order[i], layer.experts, x, ids, weights, kernel=kernel)
             else:
-                y, counts[i] = stream_and_compute(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)
-            return y
+                y, counts[i] = stream_and_compute(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel,
+                                                  chunk_size=self.placement.scratch)
+            return y.astype(x.dtype)  # the one rounding of the float32 partial outputs
 
         def finish() -> EngineState:
             if not lo:
                 return state
-            step_counts = jnp.stack([jnp.stack([c.hits, c.misses, c.copied + p_copied, c.evicted + p_evicted])
-                                     for c, (p_copied, p_evicted) in zip(counts, prefetched)])
-            return EngineState(tuple(s.buffers for s in layer_slots),
-                               jnp.stack([s.slot_of_expert for s in layer_slots]),
-                               tuple(s.expert_in_slot for s in layer_slots),
-                               state.victim_order, step_counts)
+            step_counts = jnp.stack([jnp.stack([c.hits, c.misses, c.copied + ahead, c.evicted + out])
+                                     for c, ahead, out in zip(counts, copied, evicted)])
+            return state._replace(buffers=tuple(s.buffers for s in layer_slots), scratch=scratch[0],
+                                  slot_of_expert=jnp.stack([s.slot_of_expert for s in layer_slots]),
+                                  expert_in_slot=tuple(s.expert_in_slot for s in layer_slots), counts=step_counts)
 
         return compute, finish
 
@@ -147,7 +174,7 @@ class OffloadEngine(ResidentEngine):
         slot_of_expert, counts = tables
         first_observation = self.manager.policy is None
         self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert), np.asarray(counts))
-        self.state = state._replace(victim_order=jax.device_put(self.manager.victim_order()))
+        self.state = state._replace(**self._manager_tables())
         if first_observation:  # policy="static": its table comes from this first step
             self.install_pinned()
 

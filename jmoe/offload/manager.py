@@ -1,5 +1,6 @@
-"""The cache manager: between steps, turn the step's routing into policy state, statistics and the next
-step's victim order. Pure NumPy, vectorised over layers (it runs once per decode step)."""
+"""The cache manager: between steps, turn the step's routing into policy state, statistics, the next
+step's victim order and its planned copies. Pure NumPy, vectorised over layers (it runs once per decode
+step)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def experts_in_slots(slot_of_expert: np.ndarray, num_slots: int) -> np.ndarray:
 class SlotManager:
     """Policy state, per-layer statistics, and the victim order handed to the next step."""
 
-    def __init__(self, policy: str | CachePolicy, num_experts: int, caches: tuple[int, ...], expert_bytes: int):
-        """caches: the cache slots of each managed layer (they may differ)."""
+    def __init__(self, policy: str | CachePolicy, num_experts: int, caches: tuple[int, ...], expert_bytes: int,
+                 plan_width: int = 0):
+        """caches: the cache slots of each managed layer (they may differ); plan_width: copies planned per
+        layer and step (the engine's miss mode "host" admits the last step's misses this way)."""
         num_layers = len(caches)
         self.num_layers, self.num_experts, self.caches = num_layers, num_experts, tuple(caches)
         self.expert_bytes = expert_bytes
@@ -33,6 +36,8 @@ class SlotManager:
         self.evictions = np.zeros(num_layers, np.int64)
         self.copies = np.zeros(num_layers, np.int64)
         self.slot_of_expert = np.full((num_layers, num_experts), -1, np.int32)
+        self.plan_width = plan_width
+        self.missed = np.zeros((num_layers, num_experts), bool)  # used by the last step, not cached after it
 
     @property
     def admits_misses(self) -> bool:
@@ -59,6 +64,7 @@ class SlotManager:
         self.copies += copies
         self.evictions += evictions
         self.slot_of_expert = slot_of_expert_after
+        self.missed = (counts > 0) & (slot_of_expert_after < 0)
         if self.policy is None:
             self.policy = StaticPolicy(self.num_layers, self.num_experts, frequency=counts)
         self.policy.observe(counts)
@@ -84,6 +90,28 @@ class SlotManager:
         key = np.where(has_slot, key, self.num_experts)  # slots a layer does not have sort last ...
         order = np.argsort(key, axis=-1, kind="stable").astype(np.int32)
         return np.where(has_slot, order, -1)  # ... and become padding
+
+    def next_step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(victim order int [L, max S_l], planned experts int [L, W], their slots int [L, W]) for the next
+        step. The plan admits the last step's missed experts the policy values most (ties: lower id), up
+        to W per layer, into the first victims; entries with slot -1 copy nothing useful (the step makes W
+        copies whatever the plan). The victim order the step gets has the planned slots taken out."""
+        order = self.victim_order()
+        width = self.plan_width
+        plan_experts = np.zeros((self.num_layers, width), np.int32)
+        plan_slots = np.full((self.num_layers, width), -1, np.int32)
+        if not width or not self.admits_misses or order.shape[1] == 0:
+            return order, plan_experts, plan_slots
+        by_value = eviction_ranking(-self.policy.priority(), self.missed)  # missed experts, most valued first
+        victims = np.pad(order, ((0, 0), (0, max(0, width - order.shape[1]))), constant_values=-1)[:, :width]
+        admitted = np.take_along_axis(self.missed, by_value[:, :width], axis=1) & (victims >= 0)
+        plan_experts[:] = by_value[:, :width]
+        plan_slots[:] = np.where(admitted, victims, -1)
+        # Admitted entries are a prefix of each row, so they used the first victims of the order.
+        used = admitted.sum(axis=1, keepdims=True)
+        shifted = np.arange(order.shape[1]) + used
+        remaining = np.take_along_axis(np.pad(order, ((0, 0), (0, width)), constant_values=-1), shifted, axis=1)
+        return remaining.astype(np.int32), plan_experts, plan_slots
 
     def stats(self, layer_ids: tuple[int, ...]) -> list[dict]:
         out = []

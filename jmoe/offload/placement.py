@@ -30,9 +30,9 @@ from jmoe.memory import DEVICE, PINNED_HOST
 from jmoe.model.params import ParamPath, param_key
 from jmoe.offload.layer_groups import LayerGroups, prefetch_buffer_bytes
 from jmoe.offload.options import OffloadOptions
-# Scratch slots per offloaded layer, in units of top_k: enough for a decode batch of this many rows
-# to take its misses without falling back to chunked streaming.
-SCRATCH_ROWS = 4
+# Scratch slots, shared by every offloaded layer (layers run one after another), in units of top_k: a
+# decode batch of up to this many rows copies all its misses in (more rows compute the rest on the host).
+SCRATCH_ROWS = 8
 BUDGET_KV_TOKENS = 4096  # KV cache reserved by device_budget_gb: one sequence of this many tokens
 
 
@@ -72,7 +72,7 @@ class Placement:
     groups: dict[str, str]  # param key -> group name
     offloaded_layers: tuple[int, ...]  # MoE-layer positions whose experts live on the host
     caches: tuple[int, ...]  # cache slots of each offloaded layer (aligned with offloaded_layers)
-    scratch: int  # scratch slots per offloaded layer
+    scratch: int  # scratch slots, shared by the offloaded layers
     expert_bytes: int  # bytes of one expert (gate_up + down)
     notes: tuple[str, ...] = ()
     layer_groups: LayerGroups | None = None
@@ -84,7 +84,7 @@ class Placement:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(cache + self.scratch for cache in self.caches) * self.expert_bytes
+        return (sum(self.caches) + self.scratch) * self.expert_bytes
 
     @property
     def stream_bytes(self) -> int:
@@ -122,9 +122,9 @@ class Placement:
             lines.append(f"{group:<16}{kind:<14}{count:>8}{nbytes / 2**20:>12.2f}")
         if self.offloaded_layers:
             lines.append(f"{'expert slots':<16}{DEVICE:<14}{len(self.offloaded_layers):>8}"
-                         f"{self.slot_bytes / 2**20:>12.2f}   ({self.describe_caches()} + {self.scratch} scratch "
-                         f"per layer, {len(self.offloaded_layers)} offloaded "
-                         f"MoE layers; prefill streams through up to {self.stream_bytes / 2**20:.2f} MB more, one "
+                         f"{self.slot_bytes / 2**20:>12.2f}   ({self.describe_caches()} per layer, "
+                         f"{len(self.offloaded_layers)} offloaded MoE layers, + {self.scratch} scratch slots they "
+                         f"share; prefill streams through up to {self.stream_bytes / 2**20:.2f} MB more, one "
                          f"layer at a time)")
         if self.fetched_keys:
             lines.append(f"{'layer prefetch':<16}{DEVICE:<14}{len(self.fetched_keys):>8}"
@@ -189,7 +189,7 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
         kv = 2 * cfg.num_layers * BUDGET_KV_TOKENS * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         chosen = [i for i, c in enumerate(caches) if c is None]  # the layers whose cache the budget chooses
         per_slot = len(chosen) * expert_bytes
-        scratch_bytes = cfg.num_moe_layers * scratch * expert_bytes
+        scratch_bytes = scratch * expert_bytes
         fixed = sum(c for c in caches if c is not None) * expert_bytes  # cpu_moe_layers: 0
         stream = 2 * scratch * expert_bytes  # prefill's two chunk buffers, one layer at a time
         floor = dense + fetch_buffer + kv + scratch_bytes + fixed + stream

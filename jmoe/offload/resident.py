@@ -73,7 +73,8 @@ class ResidentEngine:
         """The MoE FFN of x [N, d] over experts held whole on the device."""
         return self.kernel(x, ids, weights, layer.experts)
 
-    def bind(self, state, layers: list[MoELayerView], num_tokens: int) -> tuple[ExpertCompute, Callable[[], tuple]]:
+    def bind(self, state, layers: list[MoELayerView],
+             tokens_shape: tuple[int, int]) -> tuple[ExpertCompute, Callable[[], tuple]]:
         def compute(moe_index, x, ids, weights):
             return self.resident_experts(layers[moe_index], x, ids, weights)
 

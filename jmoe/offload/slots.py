@@ -1,12 +1,19 @@
-"""In-program expert slots: admit missed experts from pinned host memory, then run the MoE FFN.
+"""In-program expert slots: copy experts from pinned host memory into device slots, then run the MoE FFN.
 
-One MoE layer owns a device buffer of `S + M` expert slots (an ExpertWeights whose every leaf has the
-slot axis first): `S` cache slots that persist across steps and `M` scratch slots that hold experts used
-once. Its tables (int32, -1 = empty):
-`slot_of_expert[E]` and `expert_in_slot[S]`. The manager hands every step a `victim_order[S]`: the
-cache slots it may overwrite, first choice first (-1 = stop). Everything here runs inside the jitted
-step with static shapes; the only data read from host memory are slices of the pinned-host expert
-arrays, each copied once into the slot it will be computed from.
+Every offloaded MoE layer owns `S` cache slots that persist across steps (an ExpertWeights whose every
+leaf has the slot axis first), with tables (int32, -1 = empty) `slot_of_expert[E]` and
+`expert_in_slot[S]`. All layers share `M` scratch slots that hold, during one layer of a decode step, the
+experts it missed (layers run one after another, so one scratch pool serves them all). The manager hands
+every step a `victim_order[S]`: the cache slots it may overwrite, first choice first (-1 = stop).
+Everything here runs inside the jitted step with static shapes; the only data read from host memory are
+slices of the pinned-host expert arrays.
+
+Control flow, as a GPU sees it: copies whose number is known when the step is traced (`copy_fixed`:
+router prefetch, the manager's planned admissions) are unrolled, and one that is not wanted is a scatter
+that drops it; the only loop whose trip count depends on the data is the demand copy loop of a decode
+step in miss mode "fetch" (`fetch_and_compute`). Admitting a fetched expert into the cache is a
+device-to-device scatter from the scratch slots, after the layer has read them. Partial outputs are
+float32 and summed before the one rounding to the activation dtype.
 """
 
 from __future__ import annotations
@@ -22,9 +29,16 @@ from jmoe.offload.host_compute import experts_on_host
 
 
 class LayerSlots(NamedTuple):
-    buffers: ExpertWeights  # [S + M, ...] per leaf, on the device
+    buffers: ExpertWeights  # [S, ...] per leaf, on the device: the layer's cache slots
     slot_of_expert: jax.Array  # int32 [E]: cache slot holding the expert, -1 = not cached
     expert_in_slot: jax.Array  # int32 [S]: expert held by each cache slot, -1 = empty
+
+
+class StepCounts(NamedTuple):
+    hits: jax.Array  # int32: (token, choice) pairs served from a cache slot filled before the layer started
+    misses: jax.Array  # int32: the other pairs (stalls)
+    copied: jax.Array  # int32: experts copied from host memory
+    evicted: jax.Array  # int32: cached experts overwritten
 
 
 def empty_slots(like: ExpertWeights, count: int) -> ExpertWeights:
@@ -38,18 +52,14 @@ def device_copy(host: ExpertWeights, expert) -> ExpertWeights:
 
 
 def put_slot(buffers: ExpertWeights, expert_weights: ExpertWeights, slot) -> ExpertWeights:
-    """`buffers` with slot `slot` replaced by the single expert in `expert_weights`."""
-    return jax.tree.map(lambda b, e: jax.lax.dynamic_update_slice_in_dim(b, e, slot, axis=0), buffers,
-                        expert_weights)
+    """`buffers` with slot `slot` replaced by the single expert in `expert_weights` (a slot out of range
+    drops the write)."""
+    return jax.tree.map(lambda b, e: b.at[slot].set(e[0], mode="drop"), buffers, expert_weights)
 
 
-def _copy_experts(buffers: ExpertWeights, host: ExpertWeights, experts, destinations, count) -> ExpertWeights:
-    """Copy experts[j] into slot destinations[j] of `buffers` for j < count (a dynamic trip count)."""
-
-    def body(j, buffers):
-        return put_slot(buffers, device_copy(host, experts[j]), destinations[j])
-
-    return jax.lax.fori_loop(0, count, body, buffers)
+def copy_loop(buffers: ExpertWeights, host: ExpertWeights, experts, count) -> ExpertWeights:
+    """Copy experts[j] into slot j of `buffers` for j < count: a loop whose trip count is data."""
+    return jax.lax.fori_loop(0, count, lambda j, b: put_slot(b, device_copy(host, experts[j]), j), buffers)
 
 
 def needed_experts(ids: jax.Array, num_experts: int) -> jax.Array:
@@ -57,160 +67,155 @@ def needed_experts(ids: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros((num_experts + 1,), bool).at[jnp.where(ids >= 0, ids, num_experts)].set(True)[:num_experts]
 
 
-class Admission(NamedTuple):
-    slots: LayerSlots  # with the admitted experts copied in and the tables updated
-    victim_order: jax.Array  # int32 [S]: the victims not used, in order, padded with -1
-    compute_slot: jax.Array  # int32 [E]: the buffer slot to compute each expert from (-1 = nowhere)
-    copied: jax.Array  # int32: experts copied from host memory
-    evicted: jax.Array  # int32: cached experts overwritten
-
-
-def admit(slots: LayerSlots, victim_order, host: ExpertWeights, wanted, protected, *, limit: int,
-          use_scratch: bool) -> Admission:
-    """Copy the wanted experts that are not cached (at most `limit`, lowest ids first) into victim cache
-    slots, and, if `use_scratch`, the rest into scratch slots.
-
-    A victim slot is never one holding a `protected` expert: a step protects the experts it needs, so
-    no expert is ever computed with another expert's weights.
-    """
-    num_experts = slots.slot_of_expert.shape[0]
-    num_cache = slots.expert_in_slot.shape[0]
-    missing = wanted & (slots.slot_of_expert < 0)
-    n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), limit)
-    miss_ids = jnp.nonzero(missing, size=limit, fill_value=0)[0].astype(jnp.int32)
-
-    # Victims: the manager's order minus slots holding protected experts, compacted to the front.
-    held = jnp.where(victim_order >= 0, slots.expert_in_slot[jnp.maximum(victim_order, 0)], -1)
-    usable = (victim_order >= 0) & ~((held >= 0) & protected[jnp.maximum(held, 0)])
-    usable_order = jnp.argsort(~usable, stable=True)
-    victims = victim_order[usable_order]
-    n_cached = jnp.minimum(n_miss, jnp.sum(usable, dtype=jnp.int32))
-    n_copy = n_miss if use_scratch else n_cached
-
-    j = jnp.arange(limit, dtype=jnp.int32)
-    cached = j < n_cached  # miss j lands in cache slot victims[j]
-    victims = jnp.pad(victims, (0, max(0, limit - num_cache)), constant_values=-1)[:limit]
-    destinations = jnp.where(cached, victims, num_cache + j - n_cached)
-    buffers = _copy_experts(slots.buffers, host, miss_ids, destinations, n_copy)
-
-    # Tables: evicted experts leave, admitted experts enter (scatters to index E / S are dropped).
-    if num_cache:
-        evicted = jnp.where(cached, slots.expert_in_slot[jnp.where(cached, destinations, 0)], -1)
-    else:  # no cache slots: nothing is ever evicted
-        evicted = jnp.full((limit,), -1, jnp.int32)
-    slot_of_expert = slots.slot_of_expert.at[jnp.where(evicted >= 0, evicted, num_experts)].set(-1, mode="drop")
-    slot_of_expert = slot_of_expert.at[jnp.where(cached, miss_ids, num_experts)].set(destinations, mode="drop")
-    expert_in_slot = slots.expert_in_slot.at[jnp.where(cached, destinations, num_cache)].set(miss_ids, mode="drop")
-    in_scratch = (j < n_copy) & ~cached
-    compute_slot = slot_of_expert.at[jnp.where(in_scratch, miss_ids, num_experts)].set(destinations, mode="drop")
-
-    # The victims used are gone from the order; the rest keep their order for a later admission.
-    used = jnp.zeros(victim_order.shape, bool).at[usable_order].set(jnp.arange(num_cache) < n_cached)
-    remaining = jnp.where(used, -1, victim_order)
-    remaining = remaining[jnp.argsort(remaining < 0, stable=True)]
-    return Admission(LayerSlots(buffers, slot_of_expert, expert_in_slot), remaining, compute_slot,
-                     n_copy, jnp.sum(evicted >= 0, dtype=jnp.int32))
-
-
 def count_hits(slot_of_expert, ids) -> jax.Array:
     """(token, choice) pairs whose expert sits in a cache slot."""
     return jnp.sum((ids >= 0) & (slot_of_expert[jnp.maximum(ids, 0)] >= 0), dtype=jnp.int32)
 
 
-class StepCounts(NamedTuple):
-    hits: jax.Array  # int32: (token, choice) pairs served from a cache slot filled before the layer started
-    misses: jax.Array  # int32: the other pairs (stalls)
-    copied: jax.Array  # int32: experts copied from host memory (demand and prefetch)
-    evicted: jax.Array  # int32: cached experts overwritten
+def slot_ids_of(slot_of_expert, ids) -> jax.Array:
+    """int32 [T, k]: the slot each (token, choice) reads (-1: none)."""
+    return jnp.where(ids >= 0, slot_of_expert[jnp.maximum(ids, 0)], -1)
 
 
-def admit_and_compute(slots: LayerSlots, victim_order, host: ExpertWeights, x, ids, weights, *,
-                      kernel: ExpertKernel) -> tuple[jax.Array, Admission, StepCounts]:
-    """Decode path: every missed expert goes into a victim cache slot or, when none is left, a scratch slot.
+def admit(slots: LayerSlots, experts, destinations, sources: ExpertWeights) -> tuple[LayerSlots, jax.Array]:
+    """Put expert experts[j], whose weights are slot j of `sources`, into cache slot destinations[j]
+    (-1 = not admitted: the write is dropped, the tables keep what they had). The experts must be distinct
+    and not cached. Returns the slots and the number of cached experts evicted."""
+    num_experts, num_cache = slots.slot_of_expert.shape[0], slots.expert_in_slot.shape[0]
+    cached = destinations >= 0
+    where_to = jnp.where(cached, destinations, num_cache)  # out of range: dropped
+    buffers = jax.tree.map(lambda b, s: b.at[where_to].set(s, mode="drop"), slots.buffers, sources)
+    evicted = jnp.where(cached, slots.expert_in_slot[jnp.clip(destinations, 0, num_cache - 1)], -1)
+    slot_of_expert = slots.slot_of_expert.at[jnp.where(evicted >= 0, evicted, num_experts)].set(-1, mode="drop")
+    slot_of_expert = slot_of_expert.at[jnp.where(cached, experts, num_experts)].set(destinations, mode="drop")
+    expert_in_slot = slots.expert_in_slot.at[where_to].set(experts, mode="drop")
+    return LayerSlots(buffers, slot_of_expert, expert_in_slot), jnp.sum(evicted >= 0, dtype=jnp.int32)
 
-    Needs M >= the number of distinct experts one step can miss (the caller checks it statically).
-    """
-    num_experts = slots.slot_of_expert.shape[0]
-    num_scratch = slots.buffers.num_experts - slots.expert_in_slot.shape[0]
+
+def copy_fixed(slots: LayerSlots, host: ExpertWeights, experts, destinations) -> tuple[LayerSlots, jax.Array]:
+    """Copy experts[j] (int32 [n], n known when tracing) from host memory into cache slot destinations[j]:
+    n unrolled copies, no loop. A destination of -1 admits nothing (a static number of copies cannot be
+    skipped; its write is dropped). Returns the slots and the number of cached experts evicted."""
+    if not slots.expert_in_slot.shape[0] or not experts.shape[0]:
+        return slots, jnp.int32(0)
+    pieces = [device_copy(host, experts[j]) for j in range(experts.shape[0])]
+    sources = jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *pieces)
+    return admit(slots, experts, destinations, sources)
+
+
+def usable_victims(slots: LayerSlots, victim_order, protected) -> jax.Array:
+    """The manager's victim order minus slots holding `protected` experts, compacted to the front (-1 after)."""
+    held = jnp.where(victim_order >= 0, slots.expert_in_slot[jnp.maximum(victim_order, 0)], -1)
+    usable = (victim_order >= 0) & ~((held >= 0) & protected[jnp.maximum(held, 0)])
+    return jnp.where(usable, victim_order, -1)[jnp.argsort(~usable, stable=True)]
+
+
+def fetch_and_compute(slots: LayerSlots, scratch: ExpertWeights, victim_order, host: ExpertWeights, x, ids,
+                      weights, *, kernel: ExpertKernel) -> tuple[jax.Array, LayerSlots, ExpertWeights, StepCounts]:
+    """Decode path, miss mode "fetch": the missed experts (lowest ids first, up to M) are copied into the
+    shared scratch slots by one loop, computed from there, and then admitted into victim cache slots by a
+    device-to-device scatter, never over an expert this step needs. A batch that misses more than M
+    experts computes the rest on the host. Returns (float32 y [T, d], slots, scratch, counts)."""
+    num_experts, num_scratch = slots.slot_of_expert.shape[0], scratch.num_experts
     needed = needed_experts(ids, num_experts)
     hits = count_hits(slots.slot_of_expert, ids)
-    adm = admit(slots, victim_order, host, needed, needed, limit=num_scratch, use_scratch=True)
-    slot_ids = jnp.where(ids >= 0, adm.compute_slot[jnp.maximum(ids, 0)], -1)
-    y = kernel(x, slot_ids, weights, adm.slots.buffers)
-    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, adm.copied, adm.evicted)
-    return y, adm, counts
+    missing = needed & (slots.slot_of_expert < 0)
+    n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), num_scratch)
+    miss_ids = jnp.nonzero(missing, size=num_scratch, fill_value=0)[0].astype(jnp.int32)
+    scratch = copy_loop(scratch, host, miss_ids, n_miss)
+    # Scratch slot of each expert: its rank among the misses, while it is among the first M.
+    rank = jnp.where(missing, jnp.cumsum(missing) - 1, -1)
+    scratch_slot = jnp.where(rank < num_scratch, rank, -1)
+    y = kernel(x, slot_ids_of(scratch_slot, ids), weights, scratch, out_dtype=jnp.float32)
+    if slots.expert_in_slot.shape[0]:
+        y = y + kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
+    if min(ids.size, num_experts) > num_scratch:  # this step's shape can miss more experts than M
+        y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel)
+    evicted = jnp.int32(0)
+    if slots.expert_in_slot.shape[0]:
+        # Admit after the layer has read its slots (the barrier orders it), so the update is in place.
+        (y, buffers), scratch = jax.lax.optimization_barrier(((y, slots.buffers), scratch))
+        victims = usable_victims(slots._replace(buffers=buffers), victim_order, needed)
+        count = min(num_scratch, victims.shape[0])
+        j = jnp.arange(count)
+        destinations = jnp.where(j < n_miss, victims[:count], -1)
+        sources = jax.tree.map(lambda s: s[:count], scratch)
+        slots, evicted = admit(slots._replace(buffers=buffers), miss_ids[:count], destinations, sources)
+    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)
+    return y, slots, scratch, counts
 
 
-def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, limit: int) -> Admission:
-    """Copy up to `limit` of the highest-scoring experts (scores [E]) that are not cached into victim
-    cache slots, ahead of the layer that will use them; never into scratch."""
-    top = jax.lax.top_k(scores, limit)[1]
-    wanted = jnp.zeros(scores.shape, bool).at[top].set(True)
-    return admit(slots, victim_order, host, wanted, wanted, limit=limit, use_scratch=False)
+def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel) -> jax.Array:
+    """float32 [T, d]: the contribution of the experts marked in `missing` (bool [E]), computed on the host."""
+    num_experts = missing.shape[0]
+    miss_ids = jnp.nonzero(missing, size=min(num_experts, ids.size), fill_value=0)[0].astype(jnp.int32)
+    return experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host,
+                           activation=kernel.activation)
 
 
-def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *,
-                       kernel: ExpertKernel) -> tuple[jax.Array, StepCounts]:
+def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int):
+    """Copy the `count` highest-scoring experts (scores [E]) that are not cached into the first `count`
+    victim cache slots, ahead of the layer that will use them: always `count` copies (unrolled). Returns
+    (slots, the victim order left, evicted)."""
+    wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
+    # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already
+    # and admit nothing.
+    destinations = jnp.where(slots.slot_of_expert[wanted] < 0, victim_order[:count], -1)
+    slots, evicted = copy_fixed(slots, host, wanted, destinations)
+    remaining = jnp.concatenate([victim_order[count:], jnp.full((count,), -1, victim_order.dtype)])
+    return slots, remaining, evicted
+
+
+def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
+                       chunk_size: int) -> tuple[jax.Array, StepCounts]:
     """Prefill path: cached experts from their slots, every other needed expert streamed from host memory in
-    chunks of M (the scratch slot count), each copied into a step-local buffer of its own and then computed.
-    The chunks are unrolled (at most E / M of them), so chunk c + 1's copy does not depend on chunk c's
-    compute and XLA can overlap them, with two chunk buffers alive at once (double buffering). Chunks of
-    M / 2 would halve that memory but double the kernel calls over all T tokens: 1.5x slower prefill on
-    CPU. Exact for any number of distinct experts; the cache is left unchanged."""
+    chunks of `chunk_size`, each copied into a step-local buffer of its own and then computed. The chunks
+    are unrolled (at most E / chunk_size of them), so chunk c + 1's copy does not depend on chunk c's
+    compute and XLA can overlap them, with two chunk buffers alive at once (double buffering). Exact for
+    any number of distinct experts; the cache is left unchanged. Returns float32 y [T, d]."""
     num_experts = slots.slot_of_expert.shape[0]
-    num_cache = slots.expert_in_slot.shape[0]
-    chunk_size = slots.buffers.num_experts - num_cache
     num_chunks = -(-num_experts // chunk_size)
-    cached_slot = jnp.where(ids >= 0, slots.slot_of_expert[jnp.maximum(ids, 0)], -1)
-    y = kernel(x, cached_slot, weights, slots.buffers).astype(jnp.float32)
+    y = jnp.zeros(x.shape, jnp.float32)
+    if slots.expert_in_slot.shape[0]:
+        y = kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
 
     missing = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0)
     n_miss = jnp.sum(missing, dtype=jnp.int32)
     miss_ids = jnp.nonzero(missing, size=num_chunks * chunk_size, fill_value=0)[0].astype(jnp.int32)
     # Rank of each expert among the missing ones: chunk c holds ranks [c*chunk_size, (c+1)*chunk_size).
     rank = jnp.where(missing, jnp.cumsum(missing) - 1, -1)
-    token_rank = jnp.where(ids >= 0, rank[jnp.maximum(ids, 0)], -1)
+    token_rank = slot_ids_of(rank, ids)
 
     def compute(buffer, first):
         local = token_rank - first
         slot_ids = jnp.where((token_rank >= 0) & (local >= 0) & (local < chunk_size), local, -1)
-        return kernel(x, slot_ids, weights, buffer).astype(jnp.float32)
+        return kernel(x, slot_ids, weights, buffer, out_dtype=jnp.float32)
 
     for c in range(num_chunks):
         first = c * chunk_size
         count = jnp.clip(n_miss - first, 0, chunk_size)
-        buffer = _copy_experts(empty_slots(host, chunk_size), host, miss_ids[first:first + chunk_size],
-                               jnp.arange(chunk_size), count)
-        # Chunks past the last missing expert copy nothing and skip their compute.
-        y = y + jax.lax.cond(count > 0, compute, lambda *_: jnp.zeros_like(y), buffer, first)
+        buffer = copy_loop(empty_slots(host, chunk_size), host, miss_ids[first:first + chunk_size], count)
+        # Chunks past the last missing expert copy nothing; on CPU they skip their compute, lowered for a
+        # GPU they compute nothing masked (every slot id is -1) rather than branch on the host.
+        y = y + jax.lax.platform_dependent(
+            buffer, first, cpu=lambda *a: jax.lax.cond(count > 0, compute, lambda *_: jnp.zeros_like(y), *a),
+            default=compute)
     hits = count_hits(slots.slot_of_expert, ids)
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, jnp.int32(0))
-    return y.astype(x.dtype), counts
+    return y, counts
 
 
-def host_compute_misses(slots: LayerSlots, victim_order, host: ExpertWeights, x, ids, weights, *,
-                        kernel: ExpertKernel, admit_limit: int) -> tuple[jax.Array, LayerSlots, StepCounts]:
+def host_compute_misses(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *,
+                        kernel: ExpertKernel) -> tuple[jax.Array, StepCounts]:
     """Miss mode "host", decode path: cached experts run on the device from their slots; every other needed
-    expert runs on the host, where its weights live, so only activations cross the link.
-
-    Up to `admit_limit` missed experts are also copied into victim cache slots for later steps (never
-    scratch, never a slot this step reads). The host compute does not wait for those copies; the device
-    part reads the slots after them, because reading first made XLA copy the whole slot buffers to keep
-    the version read (72 MB per layer and step on the GPT-OSS-shaped model).
-    """
+    expert runs on the host, where its weights live, so only activations cross the link and the device
+    runs no copy loop. This step's misses are admitted into the cache by the manager's plan for the next
+    step (OffloadEngine), copied as that step starts. Returns float32 y [T, d]."""
     num_experts = slots.slot_of_expert.shape[0]
     hits = count_hits(slots.slot_of_expert, ids)
-    cached_slot = jnp.where(ids >= 0, slots.slot_of_expert[jnp.maximum(ids, 0)], -1)
-    needed = needed_experts(ids, num_experts)
-    missing = needed & (slots.slot_of_expert < 0)
-    miss_ids = jnp.nonzero(missing, size=min(num_experts, ids.size), fill_value=0)[0].astype(jnp.int32)
-    y_host = experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host,
-                             activation=kernel.activation)
-    copied = evicted = jnp.int32(0)
-    if admit_limit:
-        adm = admit(slots, victim_order, host, missing, needed, limit=admit_limit, use_scratch=False)
-        slots, copied, evicted = adm.slots, adm.copied, adm.evicted
-    y = kernel(x, cached_slot, weights, slots.buffers).astype(jnp.float32)
-    y = y + y_host
-    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, copied, evicted)
-    return y.astype(x.dtype), slots, counts
+    missing = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0)
+    y = experts_on_host_where(missing, x, ids, weights, host, kernel)
+    if slots.expert_in_slot.shape[0]:
+        y = y + kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
+    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, jnp.int32(0), jnp.int32(0))
+    return y, counts

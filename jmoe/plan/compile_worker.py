@@ -35,10 +35,12 @@ def compile_step(job, out_dir: Path) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jmoe.decode.steps import abstract_step_inputs, make_step_fn
+    from jmoe.kernels.target import compiling_for_gpu
     from jmoe.memory import PINNED_HOST
     from jmoe.model.params import abstract_model, flat_params, nest_params
     from jmoe.offload.engine import make_engine
     from jmoe.offload.placement import plan_placement
+    from jmoe.plan.targets import compute_capability
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=job.target_config, topology="1x1x1")
     mesh = topologies.make_mesh(topology, (1,), ("x",))
@@ -61,7 +63,7 @@ def compile_step(job, out_dir: Path) -> dict:
     inputs = abstract_step_inputs(cfg, job.batch, job.num_tokens, job.context, job.dtype)
     inputs = placed(inputs[:-2]) + inputs[-2:]  # no sampling arrays, no forced routing
     start = time.perf_counter()
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), compiling_for_gpu(compute_capability(job.target_config)):
         lowered = step.trace(state, engine_state, *inputs).lower()
         lowered_at = time.perf_counter()
         compiled = lowered.compile()

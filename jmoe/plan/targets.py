@@ -42,3 +42,10 @@ def load_target(target: str | Path) -> Target:
                          f"the shipped ones were made)")
     return Target(target if path == shipped else str(path), text, kind.group(1) if kind else path.stem,
                   int(memory.group(1)))
+
+
+def compute_capability(config_text: str) -> int:
+    """The target's CUDA compute capability as major * 10 + minor (90 for an H100), from its config text."""
+    found = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", config_text)
+    fields = dict(re.findall(r"(major|minor):\s*(\d+)", found.group(1))) if found else {}
+    return int(fields.get("major", 0)) * 10 + int(fields.get("minor", 0))
