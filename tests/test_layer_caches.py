@@ -103,7 +103,7 @@ def test_device_budget_chooses_the_cache_of_the_layers_cpu_moe_layers_leaves(olm
     base = jmoe.plan(directory, cache=0).placement
     dense = base.totals()["device_bytes"] - base.slot_bytes
     kv = 2 * 2 * 4096 * 4 * 8 * 4  # k and v, layers, budget tokens, kv heads, head_dim, float32
-    slots_and_stream = (2 * base.scratch + 2 * base.scratch) * base.expert_bytes  # scratch of both layers, stream
+    slots_and_stream = base.scratch * base.expert_bytes + base.stream_bytes  # shared scratch, prefill's chunks
     budget = dense + kv + slots_and_stream + 3 * base.expert_bytes + base.expert_bytes // 2  # one layer: 3 slots
     model = jmoe.load(directory, cpu_moe_layers=1, device_budget_gb=budget / 2**30, progress=False)
     assert model.placement_plan.offloaded_layers == (0, 1) and model.placement_plan.caches == (0, 3)
