@@ -1,5 +1,6 @@
 """The one public entry point: validate shapes/dtypes, pick a backend, call it."""
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,24 @@ from jmoe.kernels.reference import moe_ffn_reference
 from jmoe.kernels.triton_grouped import moe_ffn_triton
 from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_ragged, moe_ffn_tiled
 
+
+def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+    """What `auto` runs, chosen by the platform the program is lowered for.
+
+    CUDA GPU: the Pallas grouped GEMM lowered to Triton kernels. It skips empty row tiles inside the
+    kernel, so the program has no XLA conditional (a conditional makes the GPU wait for the host); it
+    compiles for sm_80 to sm_90 (tested by compiling for an H100 target); shapes Triton cannot tile run
+    the XLA tiled kernel, masked. Not yet measured on a GPU.
+    CPU: the XLA tiled kernel (fastest measured at decode and prefill, bench/results/kernels_cpu.md;
+    never interpret-mode Pallas, never XLA:CPU's dense ragged_dot).
+    """
+    args = (x, slot_ids, weights, w_gate_up, w_down)
+    return jax.lax.platform_dependent(*args, cuda=functools.partial(moe_ffn_pallas, activation=activation),
+                                      default=functools.partial(moe_ffn_tiled, activation=activation))
+
+
 _IMPLS = {
+    "auto": moe_ffn_auto,  # chosen by the lowering platform (see moe_ffn_auto)
     "reference": moe_ffn_reference,  # gather per (token, j) + einsum, HIGHEST: the oracle
     "gather": moe_ffn_gather,  # decode: each needed slot read once, small dense products
     "xla": moe_ffn_ragged,  # prefill: sort by slot + lax.ragged_dot
@@ -19,7 +37,7 @@ _IMPLS = {
     "pallas": moe_ffn_pallas,  # Pallas grouped GEMM (Triton lowering on GPU)
     "triton": moe_ffn_triton,  # Triton via jax-triton, GPU only
 }
-BACKENDS = ("auto", *_IMPLS)
+BACKENDS = tuple(_IMPLS)
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -73,16 +91,7 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "auto":
-        backend = AUTO_BACKEND
     return _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, activation=activation)
-
-
-# What `auto` runs, on every platform and at every size for now. CPU: the fastest measured at decode and
-# prefill (bench/results/kernels_cpu.md; never interpret-mode Pallas, never XLA:CPU's dense ragged_dot).
-# GPU: the Pallas/Triton kernels have not run on one yet, so auto stays on the portable XLA path there;
-# the row-tile size of xla_tiled adapts to decode (small tiles) and prefill (large tiles).
-AUTO_BACKEND = "xla_tiled"
 
 
 class ExpertWeights(NamedTuple):

@@ -1,5 +1,7 @@
-"""Pallas grouped-GEMM MoE FFN over slot buffers. On GPU it lowers through Triton; elsewhere it
-runs with interpret=True (slow: for tests only, never picked by `auto` on CPU).
+"""Pallas grouped-GEMM MoE FFN over slot buffers. Lowered through Triton when the program is lowered
+for a CUDA GPU; on other platforms it runs with interpret=True (slow: for tests, never picked by `auto`
+on CPU). The choice follows the platform the program is lowered for (`lax.platform_dependent`), not
+`jax.default_backend()`, so a program compiled for a GPU target on a CPU machine gets Triton kernels.
 
 Two kernels over the tile layout of grouping.py, one program per (row tile, output block):
   1. h = act(x Wg, x Wu) for the tile's slot, gate and up accumulated side by side in f32;
@@ -12,12 +14,21 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jmoe.kernels import grouping
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.xla import moe_ffn_tiled
 
 # tl.dot needs every block dimension >= 16 on GPU.
 GPU_MIN_BLOCK = 16
+# Triton launch settings for both kernels (Pallas' GPU default would be Mosaic GPU, sm_90 only).
+TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def gpu_shapes_supported(d: int, f: int) -> bool:
+    """Whether the Triton lowering can tile d and f (blocks of at least GPU_MIN_BLOCK)."""
+    return min(grouping.largest_pow2_divisor(d, 128), grouping.largest_pow2_divisor(f, 128)) >= GPU_MIN_BLOCK
 
 
 def choose_blocks(num_pairs, num_slots, d, f, *, on_gpu):
@@ -80,12 +91,22 @@ def _down_kernel(tile_group_ref, h_ref, row_weight_ref, w_ref, y_ref, *, block_f
         y_ref[...] = acc * row_weight_ref[...][:, None]
 
 
-def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu",
-                   interpret=None, blocks=None):
+def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu", blocks=None):
+    """The grouped GEMM as Triton kernels where the program is lowered for a CUDA GPU (shapes whose d and
+    f Triton cannot tile run the portable XLA kernel there instead), interpreted elsewhere."""
+    args = (x, slot_ids, weights, w_gate_up, w_down)
+    d, f = w_down.shape[2], w_down.shape[1]
+    if gpu_shapes_supported(d, f):
+        on_cuda = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, on_gpu=True)
+    else:
+        on_cuda = functools.partial(moe_ffn_tiled, activation=activation)
+    return jax.lax.platform_dependent(
+        *args, cuda=on_cuda, default=functools.partial(_grouped_gemm, activation=activation, blocks=blocks,
+                                                       on_gpu=False))
+
+
+def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, *, activation, blocks, on_gpu: bool):
     act = get_activation(activation)
-    on_gpu = jax.default_backend() == "gpu"
-    if interpret is None:
-        interpret = not on_gpu
     num_tokens, top_k = slot_ids.shape
     num_slots, d, two_f = w_gate_up.shape
     f = two_f // 2
@@ -107,7 +128,8 @@ def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
             pl.no_block_spec,  # w_gate_up: whole, indexed by the tile's slot
         ],
         out_specs=pl.BlockSpec((block_m, block_f), lambda i, n: (i, n)),
-        interpret=interpret,
+        interpret=not on_gpu,
+        compiler_params=TRITON_PARAMS if on_gpu else None,
         name="moe_gate_up",
     )(layout.tile_group, x_rows, w_gate_up)
 
@@ -122,7 +144,8 @@ def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
             pl.no_block_spec,  # w_down: whole, indexed by the tile's slot
         ],
         out_specs=pl.BlockSpec((block_m, block_d), lambda i, n: (i, n)),
-        interpret=interpret,
+        interpret=not on_gpu,
+        compiler_params=TRITON_PARAMS if on_gpu else None,
         name="moe_down",
     )(layout.tile_group, h, layout.row_weight, w_down)
     return grouping.combine_rows(y_rows, layout, top_k, x.dtype)

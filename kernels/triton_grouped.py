@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.kernels import grouping
+from jmoe.kernels.target import gpu_available, target_compute_capability
 
 # Activations with a Triton implementation (the JAX registry cannot be called from Triton).
 TRITON_ACTIVATIONS = ("swiglu",)
@@ -21,10 +22,11 @@ def require_triton(activation="swiglu"):
             f"moe_ffn backend='triton' implements activations {TRITON_ACTIVATIONS}, "
             f"not {activation!r}; use backend='pallas' or 'xla'."
         )
-    if jax.default_backend() != "gpu":
+    if not gpu_available():
         raise RuntimeError(
             f"moe_ffn backend='triton' needs a GPU, but JAX's default backend is "
-            f"{jax.default_backend()!r}; use backend='xla' (or 'auto') here."
+            f"{jax.default_backend()!r} and no GPU target is being compiled for "
+            f"(jmoe.kernels.target.compiling_for_gpu); use backend='xla' (or 'auto') here."
         )
     try:
         import jax_triton  # noqa: F401
@@ -113,14 +115,16 @@ def moe_ffn_triton(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     x_rows = grouping.gather_rows(x, layout)
     blocks = dict(D=d, F=f, BLOCK_M=launch["block_m"], BLOCK_F=launch["block_f"],
                   BLOCK_D=launch["block_d"])
+    # A compile-only GPU target cannot be asked for its compute capability: the compiling caller names it.
+    capability = target_compute_capability()
     h = jt.triton_call(
         layout.tile_group, x_rows, w_gate_up, kernel=gate_up_kernel,
         out_shape=jax.ShapeDtypeStruct((launch["num_rows"], f), x.dtype),
-        grid=launch["gate_up_grid"], **blocks,
+        grid=launch["gate_up_grid"], compute_capability=capability, **blocks,
     )
     y_rows = jt.triton_call(
         layout.tile_group, h, layout.row_weight, w_down, kernel=down_kernel,
         out_shape=jax.ShapeDtypeStruct((launch["num_rows"], d), jnp.float32),
-        grid=launch["down_grid"], **blocks,
+        grid=launch["down_grid"], compute_capability=capability, **blocks,
     )
     return grouping.combine_rows(y_rows, layout, top_k, x.dtype)

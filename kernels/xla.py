@@ -64,7 +64,9 @@ def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu
                   block_m=None):
     """Sorted grouped GEMM without ragged_dot: the Pallas tile layout, one scan step per row
     tile. XLA:CPU lowers ragged_dot to a dense product over every slot; this reads only the
-    slots that own a tile, and skips empty tiles entirely."""
+    slots that own a tile. On CPU an empty tile is skipped with a branch; lowered for a GPU it is
+    computed on slot 0 and masked instead, because a branch there makes the host wait for the
+    predicate."""
     act = get_activation(activation)
     num_tokens, top_k = slot_ids.shape
     num_slots, d, two_f = w_gate_up.shape
@@ -75,17 +77,21 @@ def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu
     x_tiles = grouping.gather_rows(x, layout).reshape(-1, block_m, d)
     w_tiles = layout.row_weight.reshape(-1, block_m)
 
+    def compute(slot, xs, ws):
+        gate_up = jnp.dot(xs, w_gate_up[slot], preferred_element_type=jnp.float32)
+        h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
+        out = jnp.dot(h, w_down[slot], preferred_element_type=jnp.float32)
+        return out * ws[:, None]
+
+    def branched(slot, xs, ws):
+        return jax.lax.cond(slot >= 0, compute, lambda *_: jnp.zeros((block_m, d), jnp.float32), slot, xs, ws)
+
+    def masked(slot, xs, ws):
+        # Select, not multiply: slot 0's weights may hold anything (NaN included) for an empty tile.
+        return jnp.where(slot >= 0, compute(jnp.maximum(slot, 0), xs, ws), 0.0)
+
     def tile_ffn(args):
-        slot, xs, ws = args
-
-        def compute(_):
-            gate_up = jnp.dot(xs, w_gate_up[slot], preferred_element_type=jnp.float32)
-            h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
-            out = jnp.dot(h, w_down[slot], preferred_element_type=jnp.float32)
-            return out * ws[:, None]
-
-        return jax.lax.cond(slot >= 0, compute, lambda _: jnp.zeros((block_m, d), jnp.float32),
-                            None)
+        return jax.lax.platform_dependent(*args, cpu=branched, default=masked)
 
     y_rows = jax.lax.map(tile_ffn, (layout.tile_group, x_tiles, w_tiles)).reshape(-1, d)
     return grouping.combine_rows(y_rows, layout, top_k, x.dtype)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jmoe.kernels import grouping, moe_ffn
-from jmoe.kernels.dispatch import AUTO_BACKEND
+from jmoe.kernels.dispatch import moe_ffn_auto
 from jmoe.kernels.pallas_grouped import choose_blocks
 from jmoe.kernels.triton_grouped import triton_launch
 
@@ -163,8 +163,11 @@ def test_unreferenced_and_padding_slots_are_never_read(backend, num_tokens):
         assert not np.asarray(y)[0].any()
 
 
-def test_auto_picks_the_portable_tiled_path_until_pallas_is_measured_on_gpu():
-    assert AUTO_BACKEND == "xla_tiled"  # never interpret-mode Pallas on CPU, not yet Pallas on GPU
+def test_auto_runs_the_tiled_xla_kernel_on_cpu_never_interpreted_pallas():
+    inputs = make_inputs(0, 6, 2, 4, 16, 12, jnp.float32)
+    text = jax.jit(moe_ffn_auto).lower(*inputs).as_text()
+    assert "pallas" not in text and "ragged_dot" not in text
+    assert_close(moe_ffn(*inputs, backend="auto"), moe_ffn(*inputs, backend="xla_tiled"), jnp.float32)
 
 
 _tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))

@@ -1,0 +1,38 @@
+"""The GPU a program is being compiled for when this machine has none (ahead-of-time compilation for a
+target such as an H100 through a compile-only CUDA topology).
+
+Pallas kernels choose their lowering from the platform the program is lowered for
+(`lax.platform_dependent`) and need nothing from here. Kernels that must know the target before
+lowering do: jax-triton asks the device for its compute capability, which a compile-only target cannot
+answer, so the caller that compiles for a target says which one it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+
+_COMPUTE_CAPABILITY: contextvars.ContextVar[int | None] = contextvars.ContextVar("jmoe_gpu_compute_capability",
+                                                                                 default=None)
+
+
+@contextlib.contextmanager
+def compiling_for_gpu(compute_capability: int):
+    """Within this block, programs are traced for a GPU of this compute capability (e.g. 90 for an H100)."""
+    token = _COMPUTE_CAPABILITY.set(int(compute_capability))
+    try:
+        yield
+    finally:
+        _COMPUTE_CAPABILITY.reset(token)
+
+
+def target_compute_capability() -> int | None:
+    """The compute capability given to `compiling_for_gpu`, or None (then a GPU, if any, is asked)."""
+    return _COMPUTE_CAPABILITY.get()
+
+
+def gpu_available() -> bool:
+    """Whether programs traced now will run on, or be compiled for, a GPU."""
+    return target_compute_capability() is not None or jax.default_backend() == "gpu"
