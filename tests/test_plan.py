@@ -222,3 +222,15 @@ def test_without_the_plugin_a_target_plan_says_how_to_compile(olmoe_dir, monkeyp
     assert any("gpu-compile" in note for note in plan.notes)
     assert plan.fits and plan.needs.device_bytes == plan.needs.estimate_bytes
     assert plan.target.device_kind == "NVIDIA GeForce RTX 4090"
+
+
+def test_command_lines_raise_the_pinned_pool_from_the_plan_before_loading(olmoe_dir, monkeypatch, capsys):
+    from jmoe.cli.common import load_for_cli
+    from jmoe.offload.options import OffloadOptions
+
+    monkeypatch.delenv(resources.PINNED_POOL_ENV, raising=False)
+    monkeypatch.setattr(resources, "DEFAULT_PINNED_POOL_GB", 0)  # as if the experts needed more than 64 GiB
+    model = load_for_cli(olmoe_dir, OffloadOptions(cache=2))
+    assert __import__("os").environ[resources.PINNED_POOL_ENV] == "1"
+    assert f"set {resources.PINNED_POOL_ENV}=1 for the pinned experts" in capsys.readouterr().err
+    assert model.placement_plan.caches == (2, 2)

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
 
 # The first case of every family, each with a different placement.
 FAMILIES = list({model_type: name for name, (model_type, _) in reversed(FAMILY_CASES.items())}.values())[::-1]
-PLACEMENTS = [dict(cache=1), dict(cache=2, prefetch=1), dict(cpu_moe_layers=1), dict(), dict(cache=[0, 1])]
+PLACEMENTS = [dict(cache=1, offload_params=["attn"]), dict(cache=2, prefetch=1),
+              dict(cpu_moe_layers=1, offload_group_size=2), dict()]
 
 
 @pytest.mark.parametrize("case", FAMILIES)
