@@ -57,6 +57,12 @@ class Model:
         """How many generation-step programs have been compiled (one per greedy/sampling mode and shape)."""
         return len(self._programs)
 
+    def compiled_steps(self) -> list[dict]:
+        """The generation steps compiled so far: per program its tokens shape [B, T], whether it is the
+        greedy one, and its optimized HLO text (jmoe.plan.hlo.control_flow reads what it does)."""
+        return [{"tokens": inputs[0][0], "greedy": greedy, "hlo": program.as_text()}
+                for (greedy, _, inputs), program in self._programs.items()]
+
     def module(self) -> MoETransformer:
         """The Flax NNX module (for research code: inspect, fine-tune, call directly)."""
         return nnx.merge(self.graphdef, self.params)

@@ -87,7 +87,10 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     weights [T, k]; w_gate_up [S, d, 2f] (gate then up); w_down [S, f, d].
     Returns [T, d] accumulated in float32 and cast to out_dtype (default x.dtype). Callers that add up
     several partial results ask for float32, so rounding happens once, after the sum.
+    Inputs may be JAX or NumPy arrays (or nested lists); NumPy's float64 becomes float32 as in jnp.asarray.
     """
+    # A backend chosen by platform traces every branch, which NumPy inputs cannot enter: convert once.
+    x, slot_ids, weights, w_gate_up, w_down = (jnp.asarray(a) for a in (x, slot_ids, weights, w_gate_up, w_down))
     validate_inputs(x, slot_ids, weights, w_gate_up, w_down)
     get_activation(activation)
     if backend not in BACKENDS:

@@ -85,6 +85,15 @@ def test_reference_matches_numpy_loop():
     assert y.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("backend", ["auto", "pallas", "reference"])
+def test_numpy_inputs_outside_jit(backend):
+    """Called eagerly with NumPy arrays (the platform-chosen backends trace every branch)."""
+    inputs = [np.asarray(a) for a in make_inputs(1, 5, 2, 3, 16, 16, jnp.float32)]
+    y = moe_ffn(*inputs, backend=backend)
+    np.testing.assert_allclose(np.asarray(y), numpy_moe(*inputs), rtol=1e-4, atol=1e-4)
+    assert moe_ffn(*inputs, backend=backend, out_dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
 shapes = st.fixed_dictionaries(
     dict(
         num_tokens=st.sampled_from([1, 5, 33]),

@@ -23,6 +23,7 @@ import numpy as np
 
 from jmoe.config import ModelConfig
 from jmoe.offload.options import OffloadOptions
+from jmoe.plan.hlo import ControlFlow, control_flow
 
 COMPILE_TIMEOUT_SECONDS = 3600
 PLUGIN_HINT = ('compiling for a GPU target needs the CUDA PJRT plugin and ptxas: pip install -e ".[gpu-compile]" '
@@ -62,8 +63,15 @@ class Program:
         return (m["argument_size_in_bytes"] + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
                 + m["temp_size_in_bytes"])
 
+    @property
+    def control_flow(self) -> ControlFlow | None:
+        """Conditionals, loops and Triton kernels of the compiled program (None: it did not compile)."""
+        return None if self.hlo_text is None else control_flow(self.hlo_text)
+
     def as_dict(self) -> dict:
+        flow = self.control_flow
         return {"tokens": list(self.tokens), "memory_analysis": self.memory_analysis, "device_bytes": self.device_bytes,
+                "control_flow": None if flow is None else flow.as_dict(),
                 "lower_seconds": self.lower_seconds, "compile_seconds": self.compile_seconds, "error": self.error}
 
 

@@ -1,0 +1,43 @@
+"""What a compiled program would do on its device, read from the optimized HLO text: the control flow
+that makes a GPU return to the host inside a step (a `conditional` copies its predicate to the host; a
+`while` loop whose trip count the compiler does not know copies its condition back every iteration) and
+the Triton kernels the Pallas kernels lowered to."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_WHILE = re.compile(r"\swhile\(")
+_CONDITIONAL = re.compile(r"\sconditional\(")
+_KNOWN_TRIP_COUNT = '"known_trip_count":{"n":"'
+_HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on)
+_TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlFlow:
+    conditionals: int
+    loops_with_known_trip_count: int
+    data_dependent_loops: int  # on the device: each iteration waits for the host to read its condition
+    host_loops: int  # data-dependent loops that run on the host (host computations), not on the device
+    triton_kernels: int  # Pallas kernels lowered to Triton
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def control_flow(hlo_text: str) -> ControlFlow:
+    """Count the conditionals, loops and Triton kernels of an optimized HLO module's text."""
+    known = data_dependent = on_host = 0
+    for line in hlo_text.splitlines():
+        if not _WHILE.search(line):
+            continue
+        if _KNOWN_TRIP_COUNT in line:
+            known += 1
+        elif _HOST_COMPUTATION in line:
+            on_host += 1
+        else:
+            data_dependent += 1
+    conditionals = sum(1 for line in hlo_text.splitlines() if _CONDITIONAL.search(line))
+    return ControlFlow(conditionals, known, data_dependent, on_host, hlo_text.count(_TRITON_CALL))

@@ -1,0 +1,125 @@
+"""The decode step shaped for a GPU: what its program does when compiled for an H100 (no conditionals, no
+loop with an unknown trip count beyond one demand-copy loop per offloaded layer, Triton kernels), and the
+engine behaviours behind it (large batches use the cache, float32 partial sums, one set of slot buffers)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+from hf_models import VOCAB, write_checkpoint
+from jmoe.kernels import ExpertKernel, ExpertWeights
+from jmoe.offload.slots import LayerSlots, empty_slots, fetch_and_compute
+from jmoe.plan.hlo import control_flow
+from jmoe.plan.programs import PLUGIN_HINT, plugin_available
+
+needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory):
+    """32 experts, top-2: 16 scratch slots, so a batch of 16 rows (32 choices) can miss more than they hold;
+    d and f are multiples of 16, which the Triton kernels need."""
+    directory = tmp_path_factory.mktemp("e32") / "qwen3_e32k2"
+    write_checkpoint(directory, "qwen3_moe", seed=7, num_experts=32, num_experts_per_tok=2, moe_intermediate_size=16,
+                     intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                     norm_topk_prob=True)
+    return directory
+
+
+# (load options, batch): resident; offloaded with demand fetch, with router prefetch, at batch 1 and 8.
+H100_DECODES = [
+    (dict(backend="auto"), 8),
+    (dict(cache=2, backend="pallas"), 1),
+    (dict(cache=2, prefetch=1, backend="auto"), 8),
+]
+
+
+@needs_gpu_compile
+@pytest.mark.parametrize("options,batch", H100_DECODES, ids=[f"{o}-b{b}" for o, b in H100_DECODES])
+def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, options, batch):
+    plan = jmoe.plan(many_experts, target="h100", context=64, batch=batch, **options)
+    offloaded = len(plan.placement.offloaded_layers)
+    decode = plan.programs["decode"]
+    assert decode.error is None, decode.error
+    flow = decode.control_flow
+    assert flow.conditionals == 0
+    # One demand-copy loop per offloaded layer (the trip count is the number of misses); nothing else.
+    assert flow.data_dependent_loops == offloaded and flow.host_loops == 0
+    assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
+    prefill = plan.programs["prefill"]
+    assert prefill.error is None, prefill.error
+    assert prefill.control_flow.conditionals == 0  # streamed chunks compute masked, never branch
+
+
+def test_host_mode_decode_has_device_control_flow_only_on_the_host(hf_checkpoints):
+    """Host miss mode cannot be compiled for a GPU target in jax 0.10 (see test_plan_gpu_compile); its
+    CPU-compiled decode program shows the device-side control flow: no conditional, and every loop with an
+    unknown trip count is inside a host computation."""
+    model = jmoe.load(hf_checkpoints["olmoe_e8k4_clip"][0], cache=2, miss_mode="host", backend="gather",
+                      progress=False)
+    model.generate([[1, 2, 3]], max_new_tokens=3)
+    (decode,) = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
+    flow = control_flow(decode)
+    assert flow.conditionals == 0 and flow.data_dependent_loops == 0
+    assert flow.host_loops >= model.config.num_moe_layers
+
+
+@pytest.mark.parametrize("miss_mode", ["fetch", "host"])
+def test_decode_batches_larger_than_the_scratch_slots_use_the_cache(many_experts, miss_mode):
+    prompts = [list(np.random.RandomState(i).randint(0, VOCAB, 5)) for i in range(16)]
+    expected = jmoe.load(many_experts, progress=False).generate(prompts, max_new_tokens=6)
+    model = jmoe.load(many_experts, cache=8, policy="lfru", miss_mode=miss_mode, progress=False)
+    assert model.placement_plan.scratch == 16
+    assert model.generate(prompts, max_new_tokens=6) == expected
+    # The prompt step leaves the cache to decode, so every hit is a decode step's.
+    assert all(layer["hits"] > 0 for layer in model.stats())
+
+
+def test_bfloat16_results_do_not_depend_on_which_experts_are_cached():
+    """Partial outputs (cache slots, scratch slots) are float32 and rounded once after their sum, so a
+    bfloat16 layer gives the same bits whatever the cache holds."""
+    rng = np.random.RandomState(0)
+    e, d, f, t, k = 8, 64, 32, 4, 3
+    host = ExpertWeights(jnp.asarray(rng.randn(e, d, 2 * f) * 0.3, jnp.bfloat16),
+                         jnp.asarray(rng.randn(e, f, d) * 0.3, jnp.bfloat16))
+    x = jnp.asarray(rng.randn(t, d), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), t), jnp.float32)
+    kernel = ExpertKernel("gather", "swiglu")
+    resident = kernel(x, ids, weights, host)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def layer_with_cached(cached: tuple):
+        slots = LayerSlots(jax.tree.map(lambda a: a[jnp.asarray(cached)], host),
+                           jnp.full((e,), -1, jnp.int32).at[jnp.asarray(cached)].set(jnp.arange(len(cached))),
+                           jnp.asarray(cached, jnp.int32))
+        y, *_ = fetch_and_compute(slots, empty_slots(host, e), jnp.full((3,), -1, jnp.int32), host, x, ids, weights,
+                                  kernel=kernel)
+        return y.astype(jnp.bfloat16)
+
+    for cached in [(0, 1, 2), (int(ids[0, 0]), int(ids[1, 1]), int(ids[2, 2])), (5, 6, 7)]:
+        np.testing.assert_array_equal(np.asarray(layer_with_cached(cached), np.float32),
+                                      np.asarray(resident, np.float32), err_msg=f"cached {cached}")
+
+
+def test_set_policy_releases_the_old_slot_buffers_before_allocating(hf_checkpoints, monkeypatch):
+    from jmoe.offload import engine as engine_module
+
+    model = jmoe.load(hf_checkpoints["olmoe_e8k4_clip"][0], cache=3, progress=False)
+    model.generate([[1, 2, 3]], max_new_tokens=2)
+    slot_shape = model.engine.state.buffers[0].w_gate_up.shape
+    live_at_allocation = []
+    allocate = engine_module.empty_slots
+
+    def counting_empty_slots(like, count):
+        live_at_allocation.append(sum(a.shape == slot_shape for a in jax.live_arrays()))
+        return allocate(like, count)
+
+    monkeypatch.setattr(engine_module, "empty_slots", counting_empty_slots)
+    model.set_policy("lru")
+    assert live_at_allocation and live_at_allocation[0] == 0
+    assert model.generate([[1, 2, 3]], max_new_tokens=2) == jmoe.load(
+        hf_checkpoints["olmoe_e8k4_clip"][0], progress=False).generate([[1, 2, 3]], max_new_tokens=2)
