@@ -166,13 +166,13 @@ def cmd_manager(args) -> None:
     rng = np.random.default_rng(0)
     rows = []
     for policy in ("lru", "lfu", "lfru", "static"):
-        manager = SlotManager(policy, layers, experts, slots, expert_bytes=1)
+        manager = SlotManager(policy, experts, (slots,) * layers, expert_bytes=1)
         slot_of_expert = np.full((layers, experts), -1, np.int32)
         times = []
         for step in range(args.steps):
             routing = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)])[:, None, None, :]
             # what the step would have done: admit misses into victim slots (a stand-in for the device tables)
-            order = manager.victim_order()
+            order = manager.next_step()[0]
             for layer in range(layers):
                 missing = [e for e in routing[layer, 0, 0] if slot_of_expert[layer, e] < 0]
                 free = [s for s in order[layer] if s >= 0]
@@ -181,12 +181,12 @@ def cmd_manager(args) -> None:
                     slot_of_expert[layer, e] = s
             start = time.perf_counter()
             manager.record(routing.astype(np.int32), slot_of_expert.copy(), np.zeros((layers, 4), np.int32))
-            manager.victim_order()
+            manager.next_step()
             times.append(time.perf_counter() - start)
         times = np.array(times[10:]) * 1e6
         rows.append(f"| {policy} | {np.median(times):.0f} | {np.percentile(times, 90):.0f} |")
         print(rows[-1], flush=True)
-    body = (f"SlotManager.record (policy update + statistics read from the step's counters) + victim_order (next step's eviction order) for "
+    body = (f"SlotManager.record (policy update + statistics read from the step's counters) + next_step (the next step's eviction order and planned copies) for "
             f"{layers} layers x {experts} experts, top-{top_k}, batch 1, {slots} slots, {args.steps} steps of random "
             f"routing (first 10 dropped). Target: <= 200 us median.\n\n"
             "| policy | median us/step | p90 us/step |\n|---|---|---|\n" + "\n".join(rows) + "\n")
