@@ -171,8 +171,8 @@ class Model:
 def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, policy: str | CachePolicy = "lfru",
          offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
          miss_mode: str = "fetch", offload_group_size: int = 0, offload_num_in_group: int = 1,
-         offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, dtype: str | None = None, backend: str = "auto",
-         progress: bool = True, compile_cache: bool | str | Path | None = None, check_memory: bool = True) -> Model:
+         offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, prefetch_trace=None, dtype: str | None = None,
+         backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None, check_memory: bool = True) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -183,6 +183,10 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     device_budget_gb: choose the largest cache that fits in this much device memory.
     prefetch: at decode, copy up to this many experts per layer ahead of need, guessed by applying the
         next layer's router to the current layer's input (results unchanged; 0 = off).
+    prefetch_trace: prefetch by routing history instead: the replay's recommended predictor (`--prefetch
+        best`: co-occurrence with the layers just before, the previous token and recent use) fitted on this
+        routing trace of the model (a .npy file or int array [tokens, MoE layers, k]); as each layer routes,
+        up to 4 experts of the next layer are copied ahead (jmoe.offload.history_prefetch).
     miss_mode: where an expert that is not in a device slot is computed: "fetch" copies its weights to the
         device; "host" computes it on the host where its weights live (only activations cross) and brings
         it into the cache for later steps in the background. Results are the same either way.
@@ -203,7 +207,8 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         and what to change, when it does not fit. False skips the check.
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
-                             offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers)
+                             offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
+                             prefetch_trace)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory)
 

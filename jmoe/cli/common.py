@@ -48,6 +48,9 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                    help="pick the largest cache that fits in this much device memory")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
+    g.add_argument("--prefetch-trace", default=None, metavar="TRACE.npy",
+                   help="copy experts ahead of need as predicted from routing history, by the predictor the "
+                        "replay recommends fitted on this routing trace of the model ([tokens, MoE layers, k])")
     g.add_argument("--miss-mode", choices=MISS_MODES, default="fetch",
                    help="an expert not on the device: 'fetch' copies it in (default), 'host' computes it on the host")
     g.add_argument("--offload-group-size", type=int, default=0, metavar="G",
@@ -76,7 +79,7 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
     """The OffloadOptions of parsed `add_offload_args` flags (checked there, before any loading)."""
     return OffloadOptions(args.cache, args.policy, args.offload_params, args.device_budget_gb, args.prefetch,
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
-                          args.offload_prefetch_step, args.cpu_moe_layers)
+                          args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace)
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, **load_kwargs):

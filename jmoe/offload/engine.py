@@ -9,8 +9,9 @@ A decode step (one token per row) serves a layer's experts from its cache slots 
 by miss mode: "fetch" copies them in (the one copy loop whose trip count depends on the data; a batch
 that misses more than the scratch slots hold computes the rest on the host); "host" computes them on
 the host and the manager admits them at the start of the next step with a fixed number of copies
-(`plan`). Router prefetch is a fixed number of copies too. Longer steps (prompts) stream every missing
-expert through chunked step-local buffers.
+(`plan`). Router prefetch and history prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) are
+fixed numbers of copies too. Longer steps (prompts) stream every missing expert through chunked
+step-local buffers.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import numpy as np
 from jmoe.config import ModelConfig
 from jmoe.memory import to_device
 from jmoe.model import MoELayerView, router_probabilities
+from jmoe.offload.history_prefetch import BEST, HistoryPrefetch, best_predictor
 from jmoe.offload.manager import SlotManager
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
 from jmoe.offload.slots import (LayerSlots, copy_fixed, device_copy, empty_slots, fetch_and_compute,
-                                host_compute_misses, prefetch, put_slot, stream_and_compute)
+                                host_compute_misses, prefetch, prefetch_by_score, put_slot, stream_and_compute)
 
 
 class EngineState(NamedTuple):
@@ -43,6 +45,7 @@ class EngineState(NamedTuple):
     victim_order: jax.Array  # int32 [Lo, max S_l] from the manager: row l's first S_l entries, then -1
     plan_experts: jax.Array  # int32 [Lo, W]: experts the manager copies in as the step starts ...
     plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = a copy that goes nowhere)
+    predict_base: jax.Array  # float32 [L_moe, E]: history prefetch's scores known before the step ([0, E]: off)
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
 
 
@@ -60,6 +63,9 @@ class OffloadEngine(ResidentEngine):
         # Copies the manager plans per layer and step: host mode admits one of the last step's misses.
         self.plan_width = 1 if self.miss_mode == "host" else 0
         self._policy = options.policy
+        self._history_predictor = (None if options.prefetch_trace is None
+                                   else best_predictor(options.prefetch_trace, config.num_experts))
+        self.history = None  # HistoryPrefetch, made fresh by reset
         self._host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
         self._install = jax.jit(self._install_fn, donate_argnums=(0,))
@@ -73,6 +79,8 @@ class OffloadEngine(ResidentEngine):
     def reset(self, policy: str | CachePolicy) -> None:
         """Empty every slot and start over with `policy` (same compiled programs: only data changes)."""
         self.state = None  # release the old slot buffers before allocating new ones
+        if self._history_predictor is not None:
+            self.history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
         self.manager = SlotManager(policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
                                    self.plan_width)
         self.state = self._empty_state()
@@ -91,8 +99,10 @@ class OffloadEngine(ResidentEngine):
 
     def _manager_tables(self) -> dict:
         victim_order, plan_experts, plan_slots = self.manager.next_step()
+        base = (np.zeros((0, self.config.num_experts), np.float32) if self.history is None
+                else self.history.base())
         return {"victim_order": jnp.asarray(victim_order), "plan_experts": jnp.asarray(plan_experts),
-                "plan_slots": jnp.asarray(plan_slots)}
+                "plan_slots": jnp.asarray(plan_slots), "predict_base": jnp.asarray(base)}
 
     def abstract_state(self, layers: list[MoELayerView]) -> EngineState:
         """The state's shapes and dtypes for the (abstract) MoE layers `layers`, allocating nothing: what
@@ -100,6 +110,8 @@ class OffloadEngine(ResidentEngine):
         self._host_experts = [layers[i].experts for i in self.layers]
         self.manager = SlotManager(self._policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
                                    self.plan_width)
+        if self._history_predictor is not None:
+            self.history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
         return jax.eval_shape(self._empty_state)
 
     # ---- inside the jitted step -------------------------------------------------------------------
@@ -125,9 +137,27 @@ class OffloadEngine(ResidentEngine):
                 layer_slots[i], evicted[i] = copy_fixed(layer_slots[i], layers[moe].experts, state.plan_experts[i],
                                                         state.plan_slots[i])
                 copied[i] = jnp.int32(self.plan_width)
+        token_ids = {}  # MoE layer -> this token's expert ids [B, k], as the layers route (history prefetch)
+
+        def predict_into(moe_index):
+            """History prefetch: copy the experts predicted for MoE layer `moe_index` into its cache."""
+            i = position.get(moe_index)
+            if i is None or not self.caches[i]:
+                return
+            scores = self.history.in_step_scores(state.predict_base[moe_index], moe_index, token_ids)
+            layer_slots[i], ahead_evicted = prefetch_by_score(layer_slots[i], layers[moe_index].experts, scores,
+                                                              **BEST)
+            copied[i] = copied[i] + min(BEST["budget"], self.caches[i], cfg.num_experts)
+            evicted[i] = evicted[i] + ahead_evicted
+
+        if decode and self.history is not None:
+            predict_into(0)  # from the tokens before this one only
 
         def compute(moe_index, x, ids, weights):
             layer = layers[moe_index]
+            if decode and self.history is not None:
+                token_ids[moe_index] = ids
+                predict_into(moe_index + 1)
             if moe_index not in position:
                 return self.resident_experts(layer, x, ids, weights)
             i = position[moe_index]
@@ -173,6 +203,8 @@ class OffloadEngine(ResidentEngine):
         """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed."""
         slot_of_expert, counts = tables
         first_observation = self.manager.policy is None
+        if self.history is not None:
+            self.history.observe(routing)
         self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert), np.asarray(counts))
         self.state = state._replace(**self._manager_tables())
         if first_observation:  # policy="static": its table comes from this first step

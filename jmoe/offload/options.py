@@ -42,6 +42,9 @@ class OffloadOptions:
     offload_num_in_group: int = 1
     offload_prefetch_step: int = 1
     cpu_moe_layers: int = 0  # the first N MoE layers keep no expert on the device (cache 0)
+    # A routing trace of the model (.npy path or int array [tokens, MoE layers, k]): prefetch with the
+    # history predictor fitted on it (jmoe.offload.history_prefetch); None = off.
+    prefetch_trace: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -74,6 +77,13 @@ class OffloadOptions:
         object.__setattr__(self, "offload_params", tuple(patterns))
         object.__setattr__(self, "prefetch", whole_number("prefetch", self.prefetch, 0,
                                                                      "experts per layer copied ahead, 0 = off"))
+        if self.prefetch_trace is not None:
+            if self.prefetch:
+                raise InputError(f"give either prefetch={self.prefetch} (router guess) or prefetch_trace (history "
+                                 f"predictor), not both")
+            if self.policy == "static":
+                raise InputError("prefetch_trace needs a cache policy that admits misses (lru, lfu, lfru); "
+                                 "static never changes its slots")
         if self.miss_mode not in MISS_MODES:
             raise InputError(f"miss_mode must be one of {', '.join(MISS_MODES)}, found {self.miss_mode!r}")
         if isinstance(self.policy, str):

@@ -166,6 +166,43 @@ def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, co
     return slots, remaining, evicted
 
 
+def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: int, min_score: float,
+                      budget: int, min_gain: float) -> tuple[LayerSlots, jax.Array]:
+    """Prefetch by predictor scores (float32 [E], higher = more likely next), the replay's rule
+    (jmoe.traces.replay.prefetch_step) in static shapes: the predicted set is the `count` best-scored
+    experts with score >= `min_score`; its uncached experts, best first, at most `budget`, fill the empty
+    slots, then replace cached experts outside the predicted set, lowest score first, each only if it
+    beats its victim's score by `min_gain`. Always `budget` copies (unrolled; the unwanted ones are
+    dropped writes). Returns (slots, evicted)."""
+    num_experts, num_cache = scores.shape[0], slots.expert_in_slot.shape[0]
+    budget = min(budget, num_cache, num_experts)
+    if not budget:
+        return slots, jnp.int32(0)
+    # Rank by descending score, ties to the lower id (top_k and a stable sort both do that).
+    predicted = jnp.zeros((num_experts,), bool).at[jax.lax.top_k(scores, min(count, num_experts))[1]].set(True)
+    predicted &= scores >= min_score
+    wanted = predicted & (slots.slot_of_expert < 0)
+    wanted_scores, candidates = jax.lax.top_k(jnp.where(wanted, scores, -jnp.inf), budget)
+    is_wanted = wanted[candidates]
+    held = slots.expert_in_slot
+    empty = held < 0
+    n_free = jnp.sum(empty, dtype=jnp.int32)
+    free_slots = jnp.nonzero(empty, size=budget, fill_value=-1)[0].astype(jnp.int32)
+    evictable = ~empty & ~predicted[jnp.maximum(held, 0)]
+    victim_scores = jnp.where(evictable, scores[jnp.maximum(held, 0)], jnp.inf)
+    # Lowest score first, ties to the lower expert id (the replay's choose_victims).
+    by_victim = jnp.lexsort((jnp.where(evictable, held, num_experts), victim_scores))[:budget]
+    j = jnp.arange(budget)
+    victim = jnp.clip(j - n_free, 0, budget - 1)
+    uses_free = j < n_free
+    room = uses_free | (j - n_free < jnp.sum(evictable))
+    gain = jnp.where(uses_free, jnp.inf, wanted_scores - victim_scores[by_victim[victim]])
+    passing = is_wanted & room & (gain >= min_gain)
+    n_fetch = jnp.sum(passing)  # the replay takes this many, best first
+    destinations = jnp.where(j < n_fetch, jnp.where(uses_free, free_slots[j], by_victim[victim]), -1)
+    return copy_fixed(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32))
+
+
 def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
                        chunk_size: int) -> tuple[jax.Array, StepCounts]:
     """Prefill path: cached experts from their slots, every other needed expert streamed from host memory in

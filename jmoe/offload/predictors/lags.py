@@ -104,6 +104,39 @@ class MultiLagPredictor(Predictor):
                              self.recency_decay)
         return total + np.float32(self.recency_weight) * recent
 
+    # ---- the engine's split: between steps (NumPy) and inside the step (jmoe.offload.engine) ----------
+    def within_token_lags(self) -> tuple[int, ...]:
+        """The lags (in steps) whose earlier step can be a layer of the same token: step lags below L."""
+        num_layers = self.log_prior.shape[0]
+        return tuple(lag for lag in sorted(self._lag_weights(num_layers)) if lag < num_layers)
+
+    def within_token_evidence(self) -> np.ndarray:
+        """float32 [D, L, E + 1, E]: weight x evidence table of each lag of `within_token_lags()` (row E:
+        no such step). Inside a step, layer l's score adds, for each such lag d <= l, the rows of the k
+        experts layer l - d chose."""
+        num_layers = self.log_prior.shape[0]
+        weights = self._lag_weights(num_layers)
+        lags = self.within_token_lags()
+        if not lags:
+            return np.zeros((0, num_layers, self.num_experts + 1, self.num_experts), np.float32)
+        return np.stack([np.float32(weights[lag]) * self.tables[lag] for lag in lags])
+
+    def next_token_base(self, history: np.ndarray) -> np.ndarray:
+        """float32 [L, E]: the scores of the token after `history` ([H, L, k]) from everything but that
+        token's own layers: `scores(next[None], history)[0]` equals this plus, per layer l, the
+        within-token evidence of the layers l - d (d in `within_token_lags()`, d <= l) of `next`."""
+        num_layers = self.log_prior.shape[0]
+        top_k = np.asarray(history).shape[2]
+        unknown = np.zeros((1, num_layers, top_k), np.int64)  # the next token: not known yet
+        layer = np.arange(num_layers)[None, :, None]
+        total = self.log_prior.copy()
+        for lag, weight in self._lag_weights(num_layers).items():
+            before = steps_back(unknown, history, lag)
+            before = np.where(layer >= lag, -1, before)  # steps inside the next token: added in the step
+            total += np.float32(weight) * _evidence_sum(self.tables[lag], before)[0]
+        recent = _recent_use(unknown, history, self.num_experts, self.recency_context, self.recency_decay)[0]
+        return (total + np.float32(self.recency_weight) * recent).astype(np.float32)
+
     def __repr__(self) -> str:
         return (f"MultiLagPredictor(count={self.count}, min_score={self.min_score}, "
                 f"smoothing={self.smoothing}, step_weights={self.step_weights}, "
