@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jmoe.offload.history_prefetch import BEST
 from jmoe.offload.policies import CachePolicy, choose_victims, initial_residents, make_policy
 from jmoe.offload.predictors import (
     Predictor,
@@ -85,8 +86,7 @@ PREFETCH_SETTINGS = {
     "crosslayer": {"predictor": "crosslayer", "count": 8, "min_score": -np.inf, "budget": 2},
     "mix": {"predictor": "mix", "count": 8, "min_score": -np.inf, "budget": 2},
     "lags": {"predictor": "lags", "count": 8, "min_score": -np.inf, "budget": 2},
-    "best": {"predictor": "lags", "count": 8, "min_score": 0.0, "budget": 4, "min_gain": 2.0,
-             "policy": "lfru"},
+    "best": {"predictor": "lags", **BEST, "policy": "lfru"},  # the engine runs it too (prefetch_trace)
 }
 
 

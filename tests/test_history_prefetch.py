@@ -1,0 +1,98 @@
+"""History prefetch in the engine (prefetch_trace): the replay's recommended predictor, split between the
+manager (scores from earlier tokens) and the step (this token's earlier layers), copying experts by the
+replay's rule. Checked against the replay on the same routing, and for exactness."""
+
+import numpy as np
+import pytest
+
+import jmoe
+from hf_models import VOCAB, write_checkpoint
+from jmoe.decode.sampling import SamplingParams
+from jmoe.offload.history_prefetch import BEST, best_predictor
+from jmoe.offload.policies import make_policy
+from jmoe.traces.forced_routing import TraceRouting
+from jmoe.traces.load import load_trace, split_trace
+from jmoe.traces.replay import replay
+
+LAYERS, EXPERTS, TOP_K, CACHE = 4, 32, 4, 8  # GPT-OSS-20B's experts and top-k, 4 of its 24 layers
+
+
+def markov_trace(tokens: int, seed: int) -> np.ndarray:
+    """int [tokens, L, k]: routing with structure a history predictor can learn: each layer's experts
+    mostly follow from the layer before's, and a token often repeats the previous token's choice."""
+    rng = np.random.default_rng(seed)
+    follow = rng.permutation(EXPERTS)
+    trace = np.zeros((tokens, LAYERS, TOP_K), np.int64)
+    for t in range(tokens):
+        for layer in range(LAYERS):
+            if t and rng.random() < 0.5:
+                chosen = trace[t - 1, layer]
+            elif layer and rng.random() < 0.8:
+                chosen = follow[trace[t, layer - 1]]
+            else:
+                chosen = rng.choice(EXPERTS, TOP_K, replace=False)
+            trace[t, layer] = chosen if len(set(chosen)) == TOP_K else rng.choice(EXPERTS, TOP_K, replace=False)
+    return trace
+
+
+def test_the_engine_split_of_the_scores_adds_up_to_the_predictor():
+    trace = markov_trace(300, seed=1)
+    predictor = best_predictor(trace[:200], EXPERTS)
+    history, coming = trace[200:240], trace[240]
+    base = predictor.next_token_base(history)
+    within = predictor.within_token_evidence()
+    split = base.copy()
+    for index, lag in enumerate(predictor.within_token_lags()):
+        for layer in range(lag, LAYERS):
+            split[layer] += within[index, layer, coming[layer - lag]].sum(axis=0)
+    np.testing.assert_allclose(split, predictor.scores(coming[None], history)[0], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("history") / "mixtral"
+    write_checkpoint(directory, "mixtral", seed=3, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                     num_hidden_layers=LAYERS, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
+    return directory
+
+
+def test_engine_stall_free_rate_matches_the_replay(checkpoint):
+    """GPT-OSS-20B's routing (its first 4 MoE layers): fitted on the tuning split, driven by 48 tokens of
+    the report split."""
+    split = split_trace(load_trace("gptoss"), None)
+    tuning, rows = split["tune_ids"][:, :LAYERS], split["eval_ids"][:48, :LAYERS]
+    predictor = best_predictor(tuning, EXPERTS)
+    rates = {}
+    for label, options in (("demand", {}), ("history", {"prefetch_trace": tuning})):
+        model = jmoe.load(checkpoint, cache=CACHE, policy="lfru", progress=False, **options)
+        routing = TraceRouting(rows, prompt_len=1, config=model.config)
+        model.generate_detailed([[1]], routing.max_new_tokens, SamplingParams(), routing_override=routing)
+        hits = sum(layer["hits"] for layer in model.stats())
+        misses = sum(layer["misses"] for layer in model.stats())
+        assert hits + misses == rows.size
+        replayed = replay(rows, EXPERTS, CACHE, make_policy("lfru", LAYERS, EXPERTS),
+                          predictor=predictor if options else None, prefetch_budget=BEST["budget"] if options else 0,
+                          prefetch_min_gain=BEST["min_gain"] if options else 0.0)
+        rates[label] = hits / rows.size
+        assert abs(rates[label] - replayed["stall_free_rate"]) <= 0.02, (label, rates[label], replayed)
+    assert rates["history"] > rates["demand"] + 0.1  # the replay: 0.49 -> 0.69
+
+
+def test_history_prefetch_changes_no_result(checkpoint):
+    prompts = [list(np.random.RandomState(i).randint(0, VOCAB, 6)) for i in range(3)]
+    expected = jmoe.load(checkpoint, progress=False).generate(prompts, max_new_tokens=8)
+    model = jmoe.load(checkpoint, cache=3, prefetch_trace=markov_trace(500, seed=5), progress=False)
+    assert model.generate(prompts, max_new_tokens=8) == expected
+    assert model.generate(prompts, max_new_tokens=8) == expected  # with the history of the first generation
+
+
+def test_bad_prefetch_trace(checkpoint, tmp_path):
+    with pytest.raises(jmoe.InputError, match="either prefetch=2 .* or prefetch_trace"):
+        jmoe.load(checkpoint, cache=3, prefetch=2, prefetch_trace=markov_trace(50, seed=0), progress=False)
+    with pytest.raises(jmoe.InputError, match="expected a .npy routing trace"):
+        jmoe.load(checkpoint, cache=3, prefetch_trace=tmp_path / "missing.npy", progress=False)
+    with pytest.raises(jmoe.InputError, match=r"prefetch_trace: expert_ids: expected expert ids in \[0, 32\)"):
+        jmoe.load(checkpoint, cache=3, prefetch_trace=np.full((10, LAYERS, TOP_K), 99), progress=False)
+    wrong_layers = markov_trace(50, seed=0)[:, :3]
+    with pytest.raises(jmoe.InputError, match="for 3 MoE layers x 32 experts, the model has 4 x 32"):
+        jmoe.load(checkpoint, cache=3, prefetch_trace=wrong_layers, progress=False)
