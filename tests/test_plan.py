@@ -81,7 +81,8 @@ def test_plan_totals_equal_the_placement_load_makes(olmoe_dir, options):
     arrays = jax.tree.leaves(model.params) + jax.tree.leaves(model.engine.state)
     host = sum(a.nbytes for a in arrays if a.sharding.memory_kind == "pinned_host")
     device = sum(a.nbytes for a in jax.tree.leaves(model.params) if a.sharding.memory_kind == "device")
-    slots = sum(a.nbytes for a in jax.tree.leaves(getattr(model.engine.state, "buffers", ())))
+    state = model.engine.state
+    slots = sum(a.nbytes for a in jax.tree.leaves((getattr(state, "buffers", ()), getattr(state, "scratch", ()))))
     assert plan.needs.host_bytes == host
     assert plan.needs.device_weight_bytes == device
     assert plan.needs.slot_bytes == slots
