@@ -8,6 +8,7 @@ A new family (DeepSeek-V3, GPT-OSS) is a new entry plus whatever new switch it n
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,6 +70,38 @@ def _get(hf: dict, key: str, source: str, default: Any = ...) -> Any:
         raise ConfigError(f"{source}: missing required key {key!r} for model_type {hf.get('model_type')!r}; "
                           f"add it to config.json")
     return default
+
+
+# Sane upper bounds on config sizes, checked before anything is built from them: far above any published
+# model, far below what would exhaust memory while building per-layer or per-expert tables. A config that
+# passes is then checked against the checkpoint's tensors (jmoe.checkpoint.bounds) before any allocation.
+SIZE_LIMITS = {
+    "hidden_size": 1 << 17, "num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+    "head_dim": 4096, "experts": 1 << 16, "num_experts_per_tok": 1 << 16, "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 27, "expert_width": 1 << 20, "intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20,
+}
+
+
+def _size(hf: dict, key: str, source: str, default: Any = ..., *, low: int = 1, limit_key: str | None = None) -> int:
+    """A whole-number config value in [low, SIZE_LIMITS[limit_key or key]]: booleans, fractions, strings and
+    out-of-range values are errors that say what was found and what to write."""
+    value = _get(hf, key, source, default)
+    high = SIZE_LIMITS[limit_key or key]
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(value, float) and value.is_integer():
+        value, whole = int(value), True
+    if not whole or not low <= value <= high:
+        raise ConfigError(f"{source}: {key} must be a whole number in [{low}, {high}], found {value!r}; fix "
+                          f"config.json")
+    return value
+
+
+def _positive_float(hf: dict, key: str, source: str, default: float) -> float:
+    value = _get(hf, key, source, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{source}: {key} must be a finite number > 0, found {value!r}; fix config.json")
+    return float(value)
 
 
 def _rope(hf: dict, source: str) -> tuple[float, float]:
@@ -142,12 +175,13 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def _eos_ids(value: Any, source: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"{source}: eos_token_id must be a token id or a list of them, found {value!r}; fix it")
+    return tuple(values)
 
 
 def parse_config(hf: dict, source: str = "config.json", generation: dict | None = None) -> ModelConfig:
@@ -157,14 +191,14 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
         raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported model types: "
                           f"{', '.join(sorted(FAMILIES))}")
     fam = FAMILIES[model_type]
-    hidden = int(_get(hf, "hidden_size", source))
-    num_layers = int(_get(hf, "num_hidden_layers", source))
-    num_heads = int(_get(hf, "num_attention_heads", source))
-    num_kv_heads = int(_get(hf, "num_key_value_heads", source, num_heads))
-    head_dim = int(_get(hf, "head_dim", source, hidden // num_heads))
+    hidden = _size(hf, "hidden_size", source)
+    num_layers = _size(hf, "num_hidden_layers", source)
+    num_heads = _size(hf, "num_attention_heads", source)
+    num_kv_heads = _size(hf, "num_key_value_heads", source, num_heads)
+    head_dim = _size(hf, "head_dim", source, max(hidden // num_heads, 1))
     experts_key = next((k for k in fam.num_experts_keys if hf.get(k) is not None), fam.num_experts_keys[0])
-    num_experts = int(_get(hf, experts_key, source))
-    top_k = int(_get(hf, "num_experts_per_tok", source))
+    num_experts = _size(hf, experts_key, source, limit_key="experts")
+    top_k = _size(hf, "num_experts_per_tok", source)
     if num_heads % num_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
                           f"num_key_value_heads ({num_kv_heads})")
@@ -172,10 +206,10 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
         raise ConfigError(f"{source}: num_experts_per_tok must be in 1..{experts_key} "
                           f"({num_experts}), found {top_k}")
     theta, linear_factor = _rope(hf, source)
-    eos = _eos_ids(hf.get("eos_token_id"))
+    eos = _eos_ids(hf.get("eos_token_id"), source)
     if generation is not None and generation.get("eos_token_id") is not None:
-        eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"])))
-    vocab = int(_get(hf, "vocab_size", source))
+        eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"], "generation_config.json")))
+    vocab = _size(hf, "vocab_size", source)
     eos = tuple(e for e in eos if 0 <= e < vocab)
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     return ModelConfig(
@@ -186,18 +220,18 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(_get(hf, "rms_norm_eps", source, 1e-6)),
+        rms_norm_eps=_positive_float(hf, "rms_norm_eps", source, 1e-6),
         rope_theta=theta,
         rope_linear_factor=linear_factor,
-        max_position_embeddings=int(_get(hf, "max_position_embeddings", source)),
+        max_position_embeddings=_size(hf, "max_position_embeddings", source),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        expert_intermediate_size=int(_get(hf, fam.expert_width_key, source)),
-        dense_intermediate_size=int(hf.get("intermediate_size") or 0),
+        expert_intermediate_size=_size(hf, fam.expert_width_key, source, limit_key="expert_width"),
+        dense_intermediate_size=_size(hf, "intermediate_size", source, 0, low=0),
         moe_layers=fam.moe_layers(hf, num_layers, num_experts),
         sliding_windows=_sliding_windows(hf, num_layers),
-        shared_expert_intermediate_size=(int(hf.get("shared_expert_intermediate_size") or 0)
+        shared_expert_intermediate_size=(_size(hf, "shared_expert_intermediate_size", source, 0, low=0)
                                          if fam.has_shared_expert else 0),
         norm_topk_prob=fam.norm_topk_prob(hf),
         qk_norm=fam.qk_norm,

@@ -66,7 +66,7 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
 
 def read_manifest(orbax_dir: str | Path) -> dict:
     """The manifest of a complete jmoe Orbax checkpoint; CheckpointError naming what is missing otherwise."""
-    orbax_dir = Path(orbax_dir)
+    orbax_dir = Path(orbax_dir).absolute()  # Orbax works on absolute paths only
     redo = f"convert again with `python -m jmoe.convert HF_DIR {orbax_dir} --overwrite`"
     if not orbax_dir.is_dir():
         raise CheckpointError(f"{orbax_dir}: no such directory; expected a jmoe Orbax checkpoint directory")
@@ -118,7 +118,7 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
     memory_kind_of: jmoe parameter path, e.g. ("layers", 3, "mlp", "experts", "w_down") -> "device" or
         "pinned_host"; default: everything on "device".
     """
-    orbax_dir = Path(orbax_dir)
+    orbax_dir = Path(orbax_dir).absolute()  # Orbax works on absolute paths only
     manifest = read_manifest(orbax_dir)
     dtype = np.dtype(jnp.dtype(dtype or manifest["dtype"]))
     graphdef, state = abstract_model(cfg, dtype)

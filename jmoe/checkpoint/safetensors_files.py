@@ -59,6 +59,15 @@ def _read_header(path: Path, check_data: bool = True) -> tuple[dict, int]:
     return header, 8 + header_len
 
 
+def _index_entry(index: Path, name) -> Path:
+    """A shard file the index names: a file name inside the model directory, never a path that leaves it
+    (the file itself may be a symlink, as in the Hugging Face cache)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{index}: weight_map entry {name!r} is not a file name inside the model directory "
+                              f"(absolute paths and '..' are refused); fix the index")
+    return index.parent / name
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a model directory; refuses pickle checkpoints."""
     index = model_dir / "model.safetensors.index.json"
@@ -68,7 +77,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: expected a 'weight_map' object (tensor name -> shard file), found "
                                   f"{type(weight_map).__name__}; {advice}")
-        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        files = [_index_entry(index, name) for name in dict.fromkeys(weight_map.values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
@@ -107,6 +116,11 @@ def index_tensors(model_dir: Path, check_data: bool = True) -> dict[str, TensorI
                 raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
             tensors[name] = TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
     return tensors
+
+
+def stored_values(model_dir: Path) -> int:
+    """How many values the checkpoint's tensors hold, from the headers alone."""
+    return sum(int(np.prod(info.shape, dtype=np.int64)) for info in index_tensors(model_dir, check_data=False).values())
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:

@@ -1,0 +1,152 @@
+"""Hostile and broken inputs at the loading boundary and in the converter (issue 16): each defect the issue
+lists here gets a clear error, or now works."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import jmoe
+from hf_models import edit_json, write_checkpoint, write_word_tokenizer
+from jmoe.checkpoint.convert import OWNER_FILE, convert_checkpoint
+from jmoe.checkpoint.orbax_store import TMP_INFIX
+from jmoe.errors import CheckpointError, ConfigError
+
+IDS = [[3, 1, 4, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def good_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hostile") / "m"
+    write_checkpoint(directory, "mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                     num_attention_heads=2, num_key_value_heads=1)
+    write_word_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def copy_dir(good_dir, tmp_path):
+    directory = tmp_path / "m"
+    shutil.copytree(good_dir, directory)
+    return directory
+
+
+@pytest.mark.parametrize("key,value", [("num_local_experts", 1_000_000), ("num_local_experts", 10**9),
+                                       ("num_hidden_layers", 100_000), ("num_hidden_layers", 10**9),
+                                       ("vocab_size", 10**8), ("intermediate_size", 100_000)])
+def test_a_config_far_larger_than_its_weights_fails_fast(copy_dir, key, value):
+    edit_json(copy_dir / "config.json", **{key: value})
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    with pytest.raises((ConfigError, CheckpointError), match=rf"{key}|config.json describes at least"):
+        jmoe.load(copy_dir, progress=False)
+    assert time.perf_counter() - start < 1.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200 * 1024  # KiB
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("num_attention_heads", 0, r"num_attention_heads must be a whole number in \[1, 4096\], found 0"),
+    ("num_key_value_heads", 0, r"num_key_value_heads must be a whole number"),
+    ("hidden_size", -8, r"hidden_size must be a whole number in \[1, 131072\], found -8"),
+    ("hidden_size", "32", r"hidden_size must be a whole number .* found '32'"),
+    ("num_local_experts", True, r"num_local_experts must be a whole number .* found True"),
+    ("max_position_embeddings", 0, r"max_position_embeddings must be a whole number in \[1, "),
+    ("eos_token_id", "2", r"eos_token_id must be a token id or a list of them, found '2'"),
+    ("rms_norm_eps", float("nan"), r"rms_norm_eps must be a finite number > 0"),
+])
+def test_config_values_are_type_and_range_checked(copy_dir, key, value, message):
+    edit_json(copy_dir / "config.json", **{key: value})
+    with pytest.raises(ConfigError, match=message):
+        jmoe.load(copy_dir, progress=False)
+
+
+def test_a_config_that_is_a_json_list_is_refused(copy_dir):
+    (copy_dir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="config.json"):
+        jmoe.load(copy_dir, progress=False)
+
+
+@pytest.mark.parametrize("entry", ["../other/model.safetensors", "/etc/passwd", 7])
+def test_index_entries_never_leave_the_model_directory(copy_dir, entry):
+    (copy_dir / "model.safetensors").rename(copy_dir / "shard.safetensors")
+    names = json.loads(json.dumps({"weight_map": {"model.embed_tokens.weight": entry,
+                                                  "lm_head.weight": "shard.safetensors"}}))
+    (copy_dir / "model.safetensors.index.json").write_text(json.dumps(names))
+    with pytest.raises(CheckpointError, match=r"weight_map entry .* is not a file name inside the model directory"):
+        jmoe.load(copy_dir, progress=False)
+
+
+def test_relative_paths_convert_and_load(good_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(good_dir, "hf")
+    convert_checkpoint("hf", "out", progress=False)
+    model = jmoe.load("out", progress=False)
+    np.testing.assert_array_equal(np.asarray(model.logits(IDS)), np.asarray(jmoe.load("hf", progress=False).logits(IDS)))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+
+
+def test_converter_copies_only_checked_files(copy_dir, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a tokenizer")
+    (copy_dir / "tokenizer.json").unlink()
+    (copy_dir / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="outside the model directory"):
+        convert_checkpoint(copy_dir, tmp_path / "out", progress=False)
+    (copy_dir / "tokenizer.json").unlink()
+    (copy_dir / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(CheckpointError, match="not a tokenizer the `tokenizers` library can load"):
+        convert_checkpoint(copy_dir, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "secret.txt"]  # nothing half-written
+
+
+def test_hugging_face_cache_layout_converts(good_dir, tmp_path):
+    """Files of a snapshot are links into the repository's blob store: allowed."""
+    repository = tmp_path / "models--org--name"
+    snapshot, blobs = repository / "snapshots" / "abc123", repository / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, source in enumerate(sorted(good_dir.iterdir())):
+        shutil.copy(source, blobs / f"blob{i}")
+        (snapshot / source.name).symlink_to(f"../../blobs/blob{i}")
+    convert_checkpoint(snapshot, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_stale_temporaries_of_dead_conversions_are_removed(good_dir, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = __import__("socket").gethostname()
+    stale, alive, foreign = (tmp_path / f".out{TMP_INFIX}{n}" for n in ("stale", "alive", "foreign"))
+    for directory, owner in ((stale, {"pid": int(dead.stdout), "host": host}),
+                             (alive, {"pid": os.getpid(), "host": host}), (foreign, None)):
+        directory.mkdir()
+        if owner:
+            (directory / OWNER_FILE).write_text(json.dumps(owner))
+    convert_checkpoint(good_dir, tmp_path / "out", progress=False)
+    assert not stale.exists() and alive.exists() and foreign.exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_conversion_removes_its_temporary_directory(good_dir, tmp_path, signum):
+    script = ("import sys, time, jmoe.checkpoint.convert as c\n"
+              "original = c._copy_checked_files\n"
+              "def slow(*a):\n    print('writing', flush=True); time.sleep(60); return original(*a)\n"
+              "c._copy_checked_files = slow\n"
+              "c.convert_checkpoint(sys.argv[1], sys.argv[2], progress=False)\n")
+    process = subprocess.Popen([sys.executable, "-c", script, str(good_dir), str(tmp_path / "out")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert process.stdout.readline().strip() == "writing"
+    assert any(TMP_INFIX in p.name for p in tmp_path.iterdir())
+    process.send_signal(signum)
+    process.wait(timeout=60)
+    assert process.returncode != 0
+    assert list(tmp_path.iterdir()) == []
