@@ -150,6 +150,10 @@ class Model:
         """Generated text for one prompt (str) or several (list of str). `stream` prints text as it arrives."""
         tokenizer = self.require_tokenizer()
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not all(isinstance(p, str) for p in prompts):
+            raise InputError(f"generate_text: expected a str or a list of str, found "
+                             f"{type(prompt).__name__ if isinstance(prompt, str | bytes) else [type(p).__name__ for p in prompts]}; "
+                             f"decode bytes first (e.g. prompt.decode('utf-8'))")
         if any(not p for p in prompts):
             raise InputError("generate_text: empty prompt; give some text to continue")
         if stream and len(prompts) != 1:

@@ -150,3 +150,25 @@ def test_a_signalled_conversion_removes_its_temporary_directory(good_dir, tmp_pa
     process.wait(timeout=60)
     assert process.returncode != 0
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def model(good_dir):
+    return jmoe.load(good_dir, progress=False)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda m: m.generate([[1, 2]], max_new_tokens=2.5), "max_new_tokens must be a whole number >= 1"),
+    (lambda m: m.generate([[1, 2]], max_new_tokens=True), "max_new_tokens must be a whole number >= 1"),
+    (lambda m: m.generate([[1.5, 2]], max_new_tokens=2), r"found an element \[1.5, 2\]"),
+    (lambda m: m.generate([["a", "b"]], max_new_tokens=2), r"found an element \['a', 'b'\]"),
+    (lambda m: m.generate(None, max_new_tokens=2), "found NoneType"),
+    (lambda m: m.generate([[[1, 2]]], max_new_tokens=2), r"found an element \[\[1, 2\]\]"),
+    (lambda m: m.generate([[1, 2]], max_new_tokens=2, seed=2**32 + 5), "seed must be below 2\\*\\*32"),
+    (lambda m: m.generate([[1, 2]], max_new_tokens=2, seed=-1), "seed must be a whole number >= 0"),
+    (lambda m: m.generate_text(b"w1 w2", max_new_tokens=2), "expected a str or a list of str, found bytes"),
+    (lambda m: m.logits([[1.5, 2]]), r"found an element \[1.5, 2\]"),
+])
+def test_api_arguments_are_checked(model, call, message):
+    with pytest.raises(jmoe.InputError, match=message):
+        call(model)
