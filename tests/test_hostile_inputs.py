@@ -172,3 +172,16 @@ def model(good_dir):
 def test_api_arguments_are_checked(model, call, message):
     with pytest.raises(jmoe.InputError, match=message):
         call(model)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool"])
+def test_integer_or_boolean_weights_are_refused(copy_dir, dtype):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(copy_dir / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(getattr(torch, dtype))
+    save_file(tensors, copy_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype (I8|BOOL), expected a floating-point"):
+        jmoe.load(copy_dir, progress=False)

@@ -31,6 +31,9 @@ def _name_list(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors dtypes a weight may have
+
+
 def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected: dict[str, TensorTarget],
                        cfg: ModelConfig) -> None:
     """Every expected tensor is present with its expected shape; nothing unexpected is present."""
@@ -50,6 +53,10 @@ def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected
         if found != target.hf_shape:
             raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has shape {list(found)}, expected "
                                   f"{list(target.hf_shape)} from config.json; the checkpoint and config disagree")
+        if tensors[name].dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has dtype {tensors[name].dtype}, expected "
+                                  f"a floating-point weight ({', '.join(FLOAT_DTYPES)}); casting it would give wrong "
+                                  f"numbers: re-export the checkpoint in a float dtype")
 
 
 def assemble_param(shape, dtype, pieces: list[tuple[TensorTarget, TensorInfo]]) -> np.ndarray:
