@@ -185,3 +185,23 @@ def test_integer_or_boolean_weights_are_refused(copy_dir, dtype):
     save_file(tensors, copy_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype (I8|BOOL), expected a floating-point"):
         jmoe.load(copy_dir, progress=False)
+
+
+def _poison(directory, name):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_non_finite_weights_are_found_at_load_and_conversion_and_during_generation(copy_dir, tmp_path):
+    _poison(copy_dir, "model.layers.1.self_attn.o_proj.weight")
+    with pytest.raises(CheckpointError, match=r"parameter layers.1.attn.o.kernel holds 1 NaN or infinite values"):
+        jmoe.load(copy_dir, progress=False)  # checked by default at this size
+    with pytest.raises(CheckpointError, match="holds 1 NaN or infinite values"):
+        convert_checkpoint(copy_dir, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    model = jmoe.load(copy_dir, check_finite=False, progress=False)
+    with pytest.raises(jmoe.NonFiniteError, match=r"generation step 0: decoder layer 1 \(of 2\) produced NaN"):
+        model.generate([[1, 2, 3]], max_new_tokens=3)

@@ -29,7 +29,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from tqdm import tqdm
 
 from jmoe.checkpoint.bounds import check_sizes_against_tensors
-from jmoe.checkpoint.loading import assemble_param, param_pieces
+from jmoe.checkpoint.loading import assemble_param, check_finite_param, param_pieces
 from jmoe.checkpoint.orbax_store import (COPIED_FILES, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, PARAMS_DIR,
                                          TMP_INFIX, is_orbax_checkpoint, orbax_key, param_groups)
 from jmoe.model.params import abstract_params, nest_params, param_key
@@ -200,6 +200,7 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
                 host = {}
                 for path in paths:
                     host[orbax_key(path)] = assemble_param(abstract[path].shape, dtype, pieces[path])
+                    check_finite_param(hf_dir, path, host[orbax_key(path)])
                     bar.update()
                 ocp.partial.save(tmp / PARAMS_DIR, nest_params(host))
                 del host  # free this group before assembling the next

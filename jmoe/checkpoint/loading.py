@@ -92,9 +92,18 @@ def param_pieces(model_dir: Path, cfg: ModelConfig, abstract: dict[ParamPath, ob
     return pieces
 
 
+def check_finite_param(source: Path, path: ParamPath, host: np.ndarray) -> None:
+    """Refuse a parameter holding NaN or inf (a check over data already in memory)."""
+    if not np.isfinite(host).all():
+        bad = int(np.size(host) - np.count_nonzero(np.isfinite(host)))
+        raise CheckpointError(f"{source}: parameter {param_key(path)} holds {bad} NaN or infinite values; the "
+                              f"weights are broken: download or export the checkpoint again")
+
+
 def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer = device_placer,
-               progress: bool = True) -> MoETransformer:
-    """Read, check and place every parameter; return the merged NNX model."""
+               progress: bool = True, check_finite: bool = False) -> MoETransformer:
+    """Read, check and place every parameter; return the merged NNX model. `check_finite`: refuse NaN or
+    inf weights (one pass over data already read)."""
     dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
     graphdef, state = abstract_model(cfg, dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
@@ -102,6 +111,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer =
     loaded = {}
     for path in tqdm(abstract, desc="loading weights", unit="param", disable=not progress, leave=False):
         host = assemble_param(abstract[path].shape, dtype, pieces[path])
+        if check_finite:
+            check_finite_param(model_dir, path, host)
         loaded[path] = place(path, host)
     nnx.replace_by_pure_dict(state, nest_params(loaded))
     return nnx.merge(graphdef, state)
