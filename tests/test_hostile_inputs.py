@@ -205,3 +205,13 @@ def test_non_finite_weights_are_found_at_load_and_conversion_and_during_generati
     model = jmoe.load(copy_dir, check_finite=False, progress=False)
     with pytest.raises(jmoe.NonFiniteError, match=r"generation step 0: decoder layer 1 \(of 2\) produced NaN"):
         model.generate([[1, 2, 3]], max_new_tokens=3)
+
+
+def test_a_flipped_byte_in_orbax_data_is_an_error(good_dir, tmp_path):
+    out = convert_checkpoint(good_dir, tmp_path / "out", progress=False)
+    data = max((p for p in (out / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="does not match the checksum the converter recorded"):
+        jmoe.load(out, progress=False)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from jmoe.checkpoint.bounds import check_sizes_against_tensors
 from jmoe.checkpoint.loading import assemble_param, check_finite_param, param_pieces
 from jmoe.checkpoint.orbax_store import (COPIED_FILES, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, PARAMS_DIR,
-                                         TMP_INFIX, is_orbax_checkpoint, orbax_key, param_groups)
+                                         TMP_INFIX, checksum, is_orbax_checkpoint, orbax_key, param_groups)
 from jmoe.model.params import abstract_params, nest_params, param_key
 from jmoe.checkpoint.safetensors_files import checkpoint_files, stored_values
 from jmoe.jsonfile import read_json
@@ -194,6 +194,7 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
         # zstd saved 22% of disk on random bf16 experts but made saving 6x and restoring 1.4x slower
         # (bench/results/convert.md); loading fast is the point of converting.
         save_context.array.saving.use_compression = False
+        checksums = {}  # param key -> CRC-32 of the stored bytes (restore verifies them)
         with save_context, tqdm(total=len(abstract), desc="converting", unit="param", disable=not progress) as bar:
             for group, paths in param_groups(abstract).items():
                 bar.set_postfix_str(param_key(group) or "embeddings")
@@ -201,6 +202,7 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
                 for path in paths:
                     host[orbax_key(path)] = assemble_param(abstract[path].shape, dtype, pieces[path])
                     check_finite_param(hf_dir, path, host[orbax_key(path)])
+                    checksums[param_key(path)] = checksum(host[orbax_key(path)])
                     bar.update()
                 ocp.partial.save(tmp / PARAMS_DIR, nest_params(host))
                 del host  # free this group before assembling the next
@@ -208,7 +210,8 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
         copied = _copy_checked_files(hf_dir, tmp)
         _write_json(tmp / MANIFEST, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
-            "params": {param_key(p): {"shape": list(a.shape)} for p, a in abstract.items()},
+            "params": {param_key(p): {"shape": list(a.shape), "crc32": checksums[param_key(p)]}
+                       for p, a in abstract.items()},
             "source": {"directory": str(hf_dir.resolve()), "files": sources},
             "copied_files": copied,
             "versions": {"orbax-checkpoint": ocp_pkg.__version__, "jax": jax.__version__},

@@ -13,6 +13,8 @@ meant for pinned host memory never pass through device memory.
 
 from __future__ import annotations
 
+import zlib
+
 from pathlib import Path
 from typing import Callable
 
@@ -93,6 +95,23 @@ def read_manifest(orbax_dir: str | Path) -> dict:
     return manifest
 
 
+def checksum(array) -> int:
+    """CRC-32 of an array's bytes as stored (host or device array): the converter records one per parameter,
+    restore verifies it, so a flipped byte in a data file is an error, not different numbers."""
+    host = np.ascontiguousarray(jax.device_get(array))
+    return zlib.crc32(host.view(np.uint8).reshape(-1))
+
+
+def verify_checksums(orbax_dir: Path, manifest: dict, restored: dict[str, object]) -> None:
+    """Compare restored parameters (param key -> array, in the stored dtype) with the manifest's checksums."""
+    for key, array in restored.items():
+        recorded = manifest["params"][key].get("crc32")
+        if recorded is not None and checksum(array) != recorded:
+            raise CheckpointError(f"{orbax_dir / PARAMS_DIR}: parameter {key} does not match the checksum the "
+                                  f"converter recorded; the data files are damaged: convert it again with "
+                                  f"`python -m jmoe.convert`")
+
+
 def check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, object], cfg: ModelConfig) -> None:
     """Every parameter the config asks for is in the manifest with its shape, and nothing else is."""
     stored = {name: tuple(entry["shape"]) for name, entry in manifest["params"].items()}
@@ -149,6 +168,8 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
             flat = flat_params(restored)
             for path in paths:
                 loaded[path] = flat[orbax_key(path)]
+            if dtype == np.dtype(manifest["dtype"]):  # restored as stored: the bytes the checksums cover
+                verify_checksums(orbax_dir, manifest, {param_key(p): loaded[p] for p in paths})
             bar.update(len(paths))
     nnx.replace_by_pure_dict(state, nest_params(loaded))
     return nnx.merge(graphdef, state)
