@@ -108,21 +108,28 @@ def _rope(hf: dict, source: str) -> tuple[float, float]:
     """(theta, linear factor) from transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be an object, found {value!r}; fix config.json")
+    theta = _positive_float({"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta", source,
+                            10000.0)
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: unsupported rope scaling type {rope_type!r}; "
                           f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     factor = 1.0
     if rope_type == "linear":
-        factor = float(params.get("factor", scaling.get("factor", 1.0)))
-    return float(theta), factor
+        factor = _positive_float({"factor": params.get("factor", scaling.get("factor"))}, "rope factor", source, 1.0)
+    return theta, factor
 
 
 def _sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     """Qwen-style layer selection: MoE every `decoder_sparse_step` layers except `mlp_only_layers`."""
-    step = int(hf.get("decoder_sparse_step") or 1)
-    mlp_only = set(hf.get("mlp_only_layers") or [])
+    step = _size(hf, "decoder_sparse_step", "config.json", 1, limit_key="num_hidden_layers")
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, found {mlp_only!r}")
+    mlp_only = set(mlp_only)
     return tuple(num_experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers))
 
 
@@ -132,8 +139,14 @@ def _all_moe(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
 
 def _sliding_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
+    if window is not None:
+        window = _size(hf, "sliding_window", "config.json", limit_key="max_position_embeddings")
     layer_types = hf.get("layer_types")
     if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers or not all(
+                isinstance(t, str) for t in layer_types):
+            raise ConfigError(f"config.json: layer_types must list one attention type per layer ({num_layers}), "
+                              f"found {layer_types!r}")
         return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
     if "use_sliding_window" in hf and not hf["use_sliding_window"]:
         return (None,) * num_layers
@@ -186,6 +199,17 @@ def _eos_ids(value: Any, source: str) -> tuple[int, ...]:
 
 def parse_config(hf: dict, source: str = "config.json", generation: dict | None = None) -> ModelConfig:
     """Build a ModelConfig from a parsed HF config dict (and optional generation_config dict)."""
+    try:
+        return _parse_config(hf, source, generation)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        # A value of the wrong kind that no specific check names: still the file's fault, said as such.
+        raise ConfigError(f"{source}: a value has the wrong type or form ({type(e).__name__}: {e}); compare it with "
+                          f"the config.json the model was saved with") from e
+
+
+def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported model types: "
@@ -211,7 +235,9 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
         eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"], "generation_config.json")))
     vocab = _size(hf, "vocab_size", source)
     eos = tuple(e for e in eos if 0 <= e < vocab)
-    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if not isinstance(dtype, str):
+        raise ConfigError(f"{source}: dtype must be a dtype name such as 'bfloat16', found {dtype!r}; fix config.json")
     return ModelConfig(
         family=model_type,
         vocab_size=vocab,

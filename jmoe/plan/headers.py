@@ -20,6 +20,7 @@ from jmoe.checkpoint.loading import param_pieces
 from jmoe.checkpoint.orbax_store import check_params, is_orbax_checkpoint, read_manifest
 from jmoe.checkpoint.safetensors_files import stored_values
 from jmoe.config import ModelConfig, load_config
+from jmoe.errors import ConfigError, InputError
 from jmoe.model.params import ParamPath, abstract_params
 
 
@@ -59,7 +60,13 @@ def read_headers(model_dir: str | Path, dtype=None) -> CheckpointHeaders:
                                  sum(int(np.prod(s)) for s in shapes) * stored_dtype.itemsize,
                                  {stored_dtype.name: len(shapes)})
     # A Hugging Face checkpoint says its dtype in config.json.
-    dtype = param_dtype(dtype or config.dtype)
+    if dtype is None:
+        try:
+            dtype = param_dtype(config.dtype)
+        except InputError as e:
+            raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
+    else:
+        dtype = param_dtype(dtype)
     check_sizes_against_tensors(model_dir, config, stored_values(model_dir))
     abstract = abstract_params(config, dtype)
     pieces = param_pieces(model_dir, config, abstract, check_data=False)
