@@ -22,7 +22,7 @@ from jmoe.decode.generation import RoutingOverride, TokenCallback, as_rows, chec
 from jmoe.decode.sampling import SamplingParams
 from jmoe.decode.steps import make_logits_fn, make_step_fn
 from jmoe.decode.streaming import stdout_streamer
-from jmoe.errors import InputError
+from jmoe.errors import InputError, NonFiniteError
 from jmoe.memory import sharding_for
 from jmoe.model import MoETransformer
 from jmoe.model.params import flat_params
@@ -106,8 +106,15 @@ class Model:
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
         args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
                 jnp.int32(step), arrays, forced)
-        next_tokens, routing, kv_cache, state = self._program(sampling.greedy, args)(*args)
-        return self._finish_step(state, routing, next_tokens), kv_cache
+        outputs, routing, kv_cache, state = self._program(sampling.greedy, args)(*args)
+        next_tokens, finite = self._finish_step(state, routing, outputs)
+        if not finite.all():
+            layer = int(np.argmin(finite))
+            raise NonFiniteError(f"generation step {step}: decoder layer {layer} (of {len(finite)}) produced NaN or "
+                                 f"infinite values, so every later token would be meaningless; the weights of that "
+                                 f"layer or those before it are broken: check the checkpoint with "
+                                 f"jmoe.load(..., check_finite=True)")
+        return next_tokens, kv_cache
 
     def _program(self, greedy: bool, args) -> jax.stages.Compiled:
         """The compiled step for these inputs' shapes, compiled (and timed) the first time they are seen."""
@@ -150,6 +157,10 @@ class Model:
         """Generated text for one prompt (str) or several (list of str). `stream` prints text as it arrives."""
         tokenizer = self.require_tokenizer()
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not all(isinstance(p, str) for p in prompts):
+            raise InputError(f"generate_text: expected a str or a list of str, found "
+                             f"{type(prompt).__name__ if isinstance(prompt, str | bytes) else [type(p).__name__ for p in prompts]}; "
+                             f"decode bytes first (e.g. prompt.decode('utf-8'))")
         if any(not p for p in prompts):
             raise InputError("generate_text: empty prompt; give some text to continue")
         if stream and len(prompts) != 1:
@@ -168,11 +179,16 @@ class Model:
         return self.engine.stats()
 
 
+# jmoe.load checks Hugging Face weights for NaN and inf by default up to this size (one more pass over them).
+CHECK_FINITE_BYTES = 4 * 2**30
+
+
 def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, policy: str | CachePolicy = "lfru",
          offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
          miss_mode: str = "fetch", offload_group_size: int = 0, offload_num_in_group: int = 1,
          offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, prefetch_trace=None, dtype: str | None = None,
-         backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None, check_memory: bool = True) -> Model:
+         backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
+         check_memory: bool = True, check_finite: bool | None = None) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -205,17 +221,20 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     check_memory: before reading any weight, plan the memory from the checkpoint headers (as jmoe.plan does
         for this machine, batch 1, the default context) and raise InsufficientMemoryError, with the numbers
         and what to change, when it does not fit. False skips the check.
+    check_finite: refuse weights holding NaN or inf (CheckpointError naming the parameter). None = check
+        Hugging Face checkpoints of up to CHECK_FINITE_BYTES (4 GiB) of weights, where the extra pass costs
+        little; True / False = always / never. Converted checkpoints were checked when converted.
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
                              prefetch_trace)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
-                             compile_cache=compile_cache, check_memory=check_memory)
+                             compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 
 
 def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str | None = None, backend: str = "auto",
                       progress: bool = True, compile_cache: bool | str | Path | None = None,
-                      check_memory: bool = True) -> Model:
+                      check_memory: bool = True, check_finite: bool | None = None) -> Model:
     """`load` with the offload settings already gathered in an OffloadOptions (the command lines use this)."""
     check_backend(backend)
     enable_compile_cache(compile_cache)
@@ -228,7 +247,11 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
         module = restore_model(model_dir, config, dtype=dtype, memory_kind_of=placement.memory_kind_of,
                                progress=progress)
     else:
-        module = load_model(model_dir, config, dtype=dtype, progress=progress,
+        if check_finite is not None and not isinstance(check_finite, bool):
+            raise InputError(f"check_finite must be True, False or None, found {check_finite!r}")
+        if check_finite is None:
+            check_finite = headers.stored_bytes <= CHECK_FINITE_BYTES
+        module = load_model(model_dir, config, dtype=dtype, progress=progress, check_finite=check_finite,
                             place=lambda p, host: jax.device_put(host, sharding_for(placement.memory_kind_of(p))))
     if progress:
         print(placement.summary(), file=sys.stderr)

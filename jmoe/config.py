@@ -8,6 +8,7 @@ A new family (DeepSeek-V3, GPT-OSS) is a new entry plus whatever new switch it n
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,25 +72,64 @@ def _get(hf: dict, key: str, source: str, default: Any = ...) -> Any:
     return default
 
 
+# Sane upper bounds on config sizes, checked before anything is built from them: far above any published
+# model, far below what would exhaust memory while building per-layer or per-expert tables. A config that
+# passes is then checked against the checkpoint's tensors (jmoe.checkpoint.bounds) before any allocation.
+SIZE_LIMITS = {
+    "hidden_size": 1 << 17, "num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+    "head_dim": 4096, "experts": 1 << 16, "num_experts_per_tok": 1 << 16, "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 27, "expert_width": 1 << 20, "intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20,
+}
+
+
+def _size(hf: dict, key: str, source: str, default: Any = ..., *, low: int = 1, limit_key: str | None = None) -> int:
+    """A whole-number config value in [low, SIZE_LIMITS[limit_key or key]]: booleans, fractions, strings and
+    out-of-range values are errors that say what was found and what to write."""
+    value = _get(hf, key, source, default)
+    high = SIZE_LIMITS[limit_key or key]
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(value, float) and value.is_integer():
+        value, whole = int(value), True
+    if not whole or not low <= value <= high:
+        raise ConfigError(f"{source}: {key} must be a whole number in [{low}, {high}], found {value!r}; fix "
+                          f"config.json")
+    return value
+
+
+def _positive_float(hf: dict, key: str, source: str, default: float) -> float:
+    value = _get(hf, key, source, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{source}: {key} must be a finite number > 0, found {value!r}; fix config.json")
+    return float(value)
+
+
 def _rope(hf: dict, source: str) -> tuple[float, float]:
     """(theta, linear factor) from transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be an object, found {value!r}; fix config.json")
+    theta = _positive_float({"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta", source,
+                            10000.0)
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: unsupported rope scaling type {rope_type!r}; "
                           f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     factor = 1.0
     if rope_type == "linear":
-        factor = float(params.get("factor", scaling.get("factor", 1.0)))
-    return float(theta), factor
+        factor = _positive_float({"factor": params.get("factor", scaling.get("factor"))}, "rope factor", source, 1.0)
+    return theta, factor
 
 
 def _sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     """Qwen-style layer selection: MoE every `decoder_sparse_step` layers except `mlp_only_layers`."""
-    step = int(hf.get("decoder_sparse_step") or 1)
-    mlp_only = set(hf.get("mlp_only_layers") or [])
+    step = _size(hf, "decoder_sparse_step", "config.json", 1, limit_key="num_hidden_layers")
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, found {mlp_only!r}")
+    mlp_only = set(mlp_only)
     return tuple(num_experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers))
 
 
@@ -99,8 +139,14 @@ def _all_moe(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
 
 def _sliding_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
+    if window is not None:
+        window = _size(hf, "sliding_window", "config.json", limit_key="max_position_embeddings")
     layer_types = hf.get("layer_types")
     if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers or not all(
+                isinstance(t, str) for t in layer_types):
+            raise ConfigError(f"config.json: layer_types must list one attention type per layer ({num_layers}), "
+                              f"found {layer_types!r}")
         return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
     if "use_sliding_window" in hf and not hf["use_sliding_window"]:
         return (None,) * num_layers
@@ -142,29 +188,41 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def _eos_ids(value: Any, source: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"{source}: eos_token_id must be a token id or a list of them, found {value!r}; fix it")
+    return tuple(values)
 
 
 def parse_config(hf: dict, source: str = "config.json", generation: dict | None = None) -> ModelConfig:
     """Build a ModelConfig from a parsed HF config dict (and optional generation_config dict)."""
+    try:
+        return _parse_config(hf, source, generation)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        # A value of the wrong kind that no specific check names: still the file's fault, said as such.
+        raise ConfigError(f"{source}: a value has the wrong type or form ({type(e).__name__}: {e}); compare it with "
+                          f"the config.json the model was saved with") from e
+
+
+def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported model types: "
                           f"{', '.join(sorted(FAMILIES))}")
     fam = FAMILIES[model_type]
-    hidden = int(_get(hf, "hidden_size", source))
-    num_layers = int(_get(hf, "num_hidden_layers", source))
-    num_heads = int(_get(hf, "num_attention_heads", source))
-    num_kv_heads = int(_get(hf, "num_key_value_heads", source, num_heads))
-    head_dim = int(_get(hf, "head_dim", source, hidden // num_heads))
+    hidden = _size(hf, "hidden_size", source)
+    num_layers = _size(hf, "num_hidden_layers", source)
+    num_heads = _size(hf, "num_attention_heads", source)
+    num_kv_heads = _size(hf, "num_key_value_heads", source, num_heads)
+    head_dim = _size(hf, "head_dim", source, max(hidden // num_heads, 1))
     experts_key = next((k for k in fam.num_experts_keys if hf.get(k) is not None), fam.num_experts_keys[0])
-    num_experts = int(_get(hf, experts_key, source))
-    top_k = int(_get(hf, "num_experts_per_tok", source))
+    num_experts = _size(hf, experts_key, source, limit_key="experts")
+    top_k = _size(hf, "num_experts_per_tok", source)
     if num_heads % num_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
                           f"num_key_value_heads ({num_kv_heads})")
@@ -172,12 +230,14 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
         raise ConfigError(f"{source}: num_experts_per_tok must be in 1..{experts_key} "
                           f"({num_experts}), found {top_k}")
     theta, linear_factor = _rope(hf, source)
-    eos = _eos_ids(hf.get("eos_token_id"))
+    eos = _eos_ids(hf.get("eos_token_id"), source)
     if generation is not None and generation.get("eos_token_id") is not None:
-        eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"])))
-    vocab = int(_get(hf, "vocab_size", source))
+        eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"], "generation_config.json")))
+    vocab = _size(hf, "vocab_size", source)
     eos = tuple(e for e in eos if 0 <= e < vocab)
-    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if not isinstance(dtype, str):
+        raise ConfigError(f"{source}: dtype must be a dtype name such as 'bfloat16', found {dtype!r}; fix config.json")
     return ModelConfig(
         family=model_type,
         vocab_size=vocab,
@@ -186,18 +246,18 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(_get(hf, "rms_norm_eps", source, 1e-6)),
+        rms_norm_eps=_positive_float(hf, "rms_norm_eps", source, 1e-6),
         rope_theta=theta,
         rope_linear_factor=linear_factor,
-        max_position_embeddings=int(_get(hf, "max_position_embeddings", source)),
+        max_position_embeddings=_size(hf, "max_position_embeddings", source),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        expert_intermediate_size=int(_get(hf, fam.expert_width_key, source)),
-        dense_intermediate_size=int(hf.get("intermediate_size") or 0),
+        expert_intermediate_size=_size(hf, fam.expert_width_key, source, limit_key="expert_width"),
+        dense_intermediate_size=_size(hf, "intermediate_size", source, 0, low=0),
         moe_layers=fam.moe_layers(hf, num_layers, num_experts),
         sliding_windows=_sliding_windows(hf, num_layers),
-        shared_expert_intermediate_size=(int(hf.get("shared_expert_intermediate_size") or 0)
+        shared_expert_intermediate_size=(_size(hf, "shared_expert_intermediate_size", source, 0, low=0)
                                          if fam.has_shared_expert else 0),
         norm_topk_prob=fam.norm_topk_prob(hf),
         qk_norm=fam.qk_norm,

@@ -20,5 +20,9 @@ class InputError(JmoeError):
     """A prompt, token id or generation argument is out of range."""
 
 
+class NonFiniteError(JmoeError):
+    """A generation step produced NaN or infinite activations (broken weights or inputs)."""
+
+
 class InsufficientMemoryError(JmoeError):
     """The model, placed as asked, does not fit the memory available (jmoe.load's check before reading weights)."""

@@ -92,6 +92,12 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     # A backend chosen by platform traces every branch, which NumPy inputs cannot enter: convert once.
     x, slot_ids, weights, w_gate_up, w_down = (jnp.asarray(a) for a in (x, slot_ids, weights, w_gate_up, w_down))
     validate_inputs(x, slot_ids, weights, w_gate_up, w_down)
+    num_slots = w_gate_up.shape[0]
+    if not isinstance(slot_ids, jax.core.Tracer) and bool(((slot_ids < -1) | (slot_ids >= num_slots)).any()):
+        raise ValueError(f"moe_ffn: slot_ids must be in [-1, {num_slots}) (-1 = none), found "
+                         f"[{int(slot_ids.min())}, {int(slot_ids.max())}]")
+    # Traced ids out of range contribute nothing, in every backend alike.
+    slot_ids = jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1)
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")

@@ -19,6 +19,13 @@ def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=num_slots + 1)[:num_slots].astype(jnp.int32)
     x_sorted = x[order // top_k]
+    # XLA:CPU lowers ragged_dot densely (every row times every group's weights, masked by multiplying), so a
+    # NaN in a slot no row uses would reach every row: there, unused slots are zeroed first.
+    used = group_sizes > 0
+    w_gate_up, w_down = jax.lax.platform_dependent(
+        w_gate_up, w_down,
+        cpu=lambda a, b: (jnp.where(used[:, None, None], a, 0), jnp.where(used[:, None, None], b, 0)),
+        default=lambda a, b: (a, b))
     gate_up = jax.lax.ragged_dot(
         x_sorted, w_gate_up, group_sizes, preferred_element_type=jnp.float32
     )

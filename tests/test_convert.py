@@ -98,8 +98,13 @@ def test_non_empty_output_needs_overwrite(hf_checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not empty" in err and "--overwrite" in err
     assert (out / "keep.txt").read_text() == "precious" and not is_orbax_checkpoint(out)
-    assert main([str(hf_dir), str(out), "--overwrite", "--quiet"]) == 0
-    assert not (out / "keep.txt").exists()
+    # --overwrite replaces a jmoe checkpoint or an empty directory, never other files.
+    assert main([str(hf_dir), str(out), "--overwrite", "--quiet"]) == 2
+    assert "is not a jmoe checkpoint" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    assert main([str(hf_dir), str(out), "--quiet"]) == 0  # empty: no --overwrite needed
+    assert main([str(hf_dir), str(out), "--overwrite", "--quiet"]) == 0  # a jmoe checkpoint
     cfg = load_config(hf_dir)
     assert_same_params(restore_model(out, cfg, progress=False), load_model(hf_dir, cfg, progress=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directories left behind

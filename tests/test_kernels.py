@@ -139,18 +139,7 @@ def test_long_prefill_and_padding_rows(backend):
 
 @pytest.mark.parametrize(
     "backend",
-    ["reference", "gather", "xla_tiled", "pallas", "auto"]
-    + [
-        pytest.param(
-            "xla",
-            marks=pytest.mark.xfail(
-                jax.default_backend() == "cpu",
-                strict=True,
-                reason="XLA:CPU lowers lax.ragged_dot to a dense product over every group, "
-                "so it reads unreferenced slots (0 * NaN = NaN)",
-            ),
-        )
-    ],
+    ["reference", "gather", "xla_tiled", "pallas", "auto", "xla"],  # xla: zeroes unused slots on CPU (dense ragged_dot)
 )
 @pytest.mark.parametrize("num_tokens", [40])
 def test_unreferenced_and_padding_slots_are_never_read(backend, num_tokens):
@@ -282,3 +271,17 @@ def test_unknown_backend_and_activation():
         moe_ffn(*_ok(), backend="cuda")
     with pytest.raises(ValueError, match="unknown activation 'gelu'.*swiglu"):
         moe_ffn(*_ok(), activation="gelu")
+
+
+@pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pallas", "auto"])
+def test_out_of_range_slot_ids_and_nan_in_unused_slots(backend):
+    x, slot_ids, weights, w_gate_up, w_down = make_inputs(3, 6, 2, 4, 16, 16, jnp.float32)
+    slot_ids = jnp.asarray(np.array(slot_ids) % 3)  # slot 3 is never used ...
+    w_gate_up, w_down = w_gate_up.at[3].set(jnp.nan), w_down.at[3].set(jnp.nan)  # ... and holds NaN
+    expected = numpy_moe(x, np.where(np.array(slot_ids) == 0, -1, slot_ids), weights, w_gate_up, w_down)
+    with pytest.raises(ValueError, match=r"slot_ids must be in \[-1, 4\) \(-1 = none\), found \[1, 7\]"):
+        moe_ffn(x, jnp.where(slot_ids == 0, 7, slot_ids), weights, w_gate_up, w_down, backend=backend)
+    # Traced, an id out of range contributes nothing, as -1 does.
+    for bad in (7, -5):
+        y = _JITTED[backend](x, jnp.where(slot_ids == 0, bad, slot_ids), weights, w_gate_up, w_down)
+        np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4, err_msg=f"id {bad}")

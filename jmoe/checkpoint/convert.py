@@ -4,15 +4,20 @@ Conversion streams one parameter group at a time (the top-level parameters, then
 a group is assembled on the host with `assemble_param` and appended to the Orbax checkpoint with
 Orbax's partial save, so peak memory is about one layer's experts, not the model. Everything is written
 into a temporary directory next to the output and renamed into place at the end, so an interrupted
-conversion never leaves a directory that restores.
+conversion never leaves a directory that restores; SIGINT and SIGTERM remove it, and a later conversion
+into the same parent removes those whose owner (a process on this host, recorded in OWNER_FILE) is gone.
+`--overwrite` replaces only a jmoe checkpoint or an empty directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -23,11 +28,13 @@ import orbax.checkpoint as ocp_pkg
 import orbax.checkpoint.experimental.v1 as ocp
 from tqdm import tqdm
 
-from jmoe.checkpoint.loading import assemble_param, param_pieces
+from jmoe.checkpoint.bounds import check_sizes_against_tensors
+from jmoe.checkpoint.loading import assemble_param, check_finite_param, param_pieces
 from jmoe.checkpoint.orbax_store import (COPIED_FILES, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, PARAMS_DIR,
-                                         TMP_INFIX, orbax_key, param_groups)
+                                         TMP_INFIX, checksum, is_orbax_checkpoint, orbax_key, param_groups)
 from jmoe.model.params import abstract_params, nest_params, param_key
-from jmoe.checkpoint.safetensors_files import checkpoint_files
+from jmoe.checkpoint.safetensors_files import checkpoint_files, stored_values
+from jmoe.jsonfile import read_json
 from jmoe.config import load_config
 from jmoe.errors import CheckpointError, InputError
 
@@ -57,9 +64,93 @@ def _check_output(hf_dir: Path, out_dir: Path, overwrite: bool) -> None:
     if out_dir.resolve() == source or out_dir.resolve() in source.parents:
         raise CheckpointError(f"{out_dir}: the output directory contains the source checkpoint {hf_dir}; "
                               f"converting there would replace the source; choose another output path")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise CheckpointError(f"{out_dir}: the output directory is not empty; pass --overwrite (overwrite=True) "
-                              f"to replace its contents, or choose another output path")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"{out_dir}: the output directory is not empty; pass --overwrite (overwrite=True) "
+                                  f"to replace a jmoe checkpoint there, or choose another output path")
+        if not is_orbax_checkpoint(out_dir):
+            raise CheckpointError(f"{out_dir}: the output directory is not empty and is not a jmoe checkpoint; "
+                                  f"--overwrite replaces only a jmoe checkpoint or an empty directory: choose "
+                                  f"another output path or empty it yourself")
+
+
+OWNER_FILE = "jmoe_converting_owner.json"  # in a temporary directory: the process writing it
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_temporaries(parent: Path, name: str) -> None:
+    """Remove temporary directories of conversions into `parent / name` whose process on this host is gone
+    (a SIGKILL leaves them); any other directory, or one whose owner is unknown or alive, is kept."""
+    for candidate in parent.glob(f".{name}{TMP_INFIX}*"):
+        try:
+            owner = json.loads((candidate / OWNER_FILE).read_text())
+            pid, host = int(owner["pid"]), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if host == socket.gethostname() and not _process_alive(pid):
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _termination_raises():
+    """SIGTERM raises SystemExit while converting, so the cleanup that follows an exception runs."""
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _inside_model(path: Path, hf_dir: Path) -> bool:
+    """Whether `path` resolves inside the model directory, or into the blob store of the Hugging Face cache
+    repository the directory is a snapshot of (models--ORG--NAME/snapshots/REV -> models--ORG--NAME/blobs)."""
+    target, home = path.resolve(), hf_dir.resolve()
+    if target.parent == home:
+        return True
+    repository = home.parent.parent
+    return home.parent.name == "snapshots" and target.parent == repository / "blobs"
+
+
+def _copy_checked_files(hf_dir: Path, tmp: Path) -> list[str]:
+    """Copy config, generation config and tokenizer files, each checked first: inside the model directory
+    (a symlink may not lead elsewhere) and readable as what it claims to be."""
+    copied = []
+    for name in COPIED_FILES:
+        source = hf_dir / name
+        if not source.is_file():
+            continue
+        if not _inside_model(source, hf_dir):
+            raise CheckpointError(f"{source}: a link to {source.resolve()}, outside the model directory; copy the "
+                                  f"real file into {hf_dir} if it belongs to this model")
+        if name.endswith(".json"):
+            read_json(source, name, CheckpointError, "fix or remove it before converting")
+        if name == "tokenizer.json":
+            from tokenizers import Tokenizer
+
+            try:
+                Tokenizer.from_file(str(source))
+            except Exception as e:  # tokenizers raises a bare Exception for any unreadable file
+                raise CheckpointError(f"{source}: not a tokenizer the `tokenizers` library can load ({e}); fix or "
+                                      f"remove it before converting") from None
+        shutil.copy2(source, tmp / name)
+        copied.append(name)
+    return copied
 
 
 def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, overwrite: bool = False,
@@ -69,7 +160,7 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, o
     dtype: parameter dtype to store (default: the checkpoint's dtype in config.json).
     overwrite: replace a non-empty `out_dir` (only once the new checkpoint is complete).
     """
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_dir, out_dir = Path(hf_dir).absolute(), Path(out_dir).absolute()  # Orbax needs absolute paths
     cfg = load_config(hf_dir)
     try:
         dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
@@ -78,11 +169,23 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, o
     if not jnp.issubdtype(dtype, jnp.floating):
         raise InputError(f"dtype {dtype} is not a floating-point type; expected e.g. bfloat16 or float32")
     _check_output(hf_dir, out_dir, overwrite)
+    check_sizes_against_tensors(hf_dir, cfg, stored_values(hf_dir))
     abstract = abstract_params(cfg, dtype)
     pieces = param_pieces(hf_dir, cfg, abstract)  # checks every tensor name and shape before any work
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out_dir.parent, out_dir.name)
+    with _termination_raises():
+        _convert_into(hf_dir, out_dir, cfg, dtype, abstract, pieces, progress)
+    return out_dir
+
+
+def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, progress: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TMP_INFIX}", dir=out_dir.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the checkpoint gets the usual permissions
+        _write_json(tmp / OWNER_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
         _write_json(tmp / MARKER, {"format": FORMAT, "format_version": FORMAT_VERSION})
         sources = _source_record(hf_dir, progress)
         # Orbax copies host arrays before writing unless told not to; we never touch them afterwards.
@@ -91,31 +194,33 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, o
         # zstd saved 22% of disk on random bf16 experts but made saving 6x and restoring 1.4x slower
         # (bench/results/convert.md); loading fast is the point of converting.
         save_context.array.saving.use_compression = False
+        checksums = {}  # param key -> CRC-32 of the stored bytes (restore verifies them)
         with save_context, tqdm(total=len(abstract), desc="converting", unit="param", disable=not progress) as bar:
             for group, paths in param_groups(abstract).items():
                 bar.set_postfix_str(param_key(group) or "embeddings")
                 host = {}
                 for path in paths:
                     host[orbax_key(path)] = assemble_param(abstract[path].shape, dtype, pieces[path])
+                    check_finite_param(hf_dir, path, host[orbax_key(path)])
+                    checksums[param_key(path)] = checksum(host[orbax_key(path)])
                     bar.update()
                 ocp.partial.save(tmp / PARAMS_DIR, nest_params(host))
                 del host  # free this group before assembling the next
             ocp.partial.finalize(tmp / PARAMS_DIR)
-        copied = [name for name in COPIED_FILES if (hf_dir / name).is_file()]
-        for name in copied:
-            shutil.copy2(hf_dir / name, tmp / name)
+        copied = _copy_checked_files(hf_dir, tmp)
         _write_json(tmp / MANIFEST, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
-            "params": {param_key(p): {"shape": list(a.shape)} for p, a in abstract.items()},
+            "params": {param_key(p): {"shape": list(a.shape), "crc32": checksums[param_key(p)]}
+                       for p, a in abstract.items()},
             "source": {"directory": str(hf_dir.resolve()), "files": sources},
             "copied_files": copied,
             "versions": {"orbax-checkpoint": ocp_pkg.__version__, "jax": jax.__version__},
         })
+        (tmp / OWNER_FILE).unlink()
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -31,6 +31,9 @@ def _name_list(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors dtypes a weight may have
+
+
 def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected: dict[str, TensorTarget],
                        cfg: ModelConfig) -> None:
     """Every expected tensor is present with its expected shape; nothing unexpected is present."""
@@ -50,6 +53,10 @@ def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected
         if found != target.hf_shape:
             raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has shape {list(found)}, expected "
                                   f"{list(target.hf_shape)} from config.json; the checkpoint and config disagree")
+        if tensors[name].dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has dtype {tensors[name].dtype}, expected "
+                                  f"a floating-point weight ({', '.join(FLOAT_DTYPES)}); casting it would give wrong "
+                                  f"numbers: re-export the checkpoint in a float dtype")
 
 
 def assemble_param(shape, dtype, pieces: list[tuple[TensorTarget, TensorInfo]]) -> np.ndarray:
@@ -85,9 +92,18 @@ def param_pieces(model_dir: Path, cfg: ModelConfig, abstract: dict[ParamPath, ob
     return pieces
 
 
+def check_finite_param(source: Path, path: ParamPath, host: np.ndarray) -> None:
+    """Refuse a parameter holding NaN or inf (a check over data already in memory)."""
+    if not np.isfinite(host).all():
+        bad = int(np.size(host) - np.count_nonzero(np.isfinite(host)))
+        raise CheckpointError(f"{source}: parameter {param_key(path)} holds {bad} NaN or infinite values; the "
+                              f"weights are broken: download or export the checkpoint again")
+
+
 def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer = device_placer,
-               progress: bool = True) -> MoETransformer:
-    """Read, check and place every parameter; return the merged NNX model."""
+               progress: bool = True, check_finite: bool = False) -> MoETransformer:
+    """Read, check and place every parameter; return the merged NNX model. `check_finite`: refuse NaN or
+    inf weights (one pass over data already read)."""
     dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
     graphdef, state = abstract_model(cfg, dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
@@ -95,6 +111,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer =
     loaded = {}
     for path in tqdm(abstract, desc="loading weights", unit="param", disable=not progress, leave=False):
         host = assemble_param(abstract[path].shape, dtype, pieces[path])
+        if check_finite:
+            check_finite_param(model_dir, path, host)
         loaded[path] = place(path, host)
     nnx.replace_by_pure_dict(state, nest_params(loaded))
     return nnx.merge(graphdef, state)

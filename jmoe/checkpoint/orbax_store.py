@@ -13,6 +13,8 @@ meant for pinned host memory never pass through device memory.
 
 from __future__ import annotations
 
+import zlib
+
 from pathlib import Path
 from typing import Callable
 
@@ -66,7 +68,7 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
 
 def read_manifest(orbax_dir: str | Path) -> dict:
     """The manifest of a complete jmoe Orbax checkpoint; CheckpointError naming what is missing otherwise."""
-    orbax_dir = Path(orbax_dir)
+    orbax_dir = Path(orbax_dir).absolute()  # Orbax works on absolute paths only
     redo = f"convert again with `python -m jmoe.convert HF_DIR {orbax_dir} --overwrite`"
     if not orbax_dir.is_dir():
         raise CheckpointError(f"{orbax_dir}: no such directory; expected a jmoe Orbax checkpoint directory")
@@ -91,6 +93,23 @@ def read_manifest(orbax_dir: str | Path) -> dict:
         raise CheckpointError(f"{orbax_dir / PARAMS_DIR}: missing or not an Orbax checkpoint; the directory "
                               f"is incomplete: {redo}")
     return manifest
+
+
+def checksum(array) -> int:
+    """CRC-32 of an array's bytes as stored (host or device array): the converter records one per parameter,
+    restore verifies it, so a flipped byte in a data file is an error, not different numbers."""
+    host = np.ascontiguousarray(jax.device_get(array))
+    return zlib.crc32(host.view(np.uint8).reshape(-1))
+
+
+def verify_checksums(orbax_dir: Path, manifest: dict, restored: dict[str, object]) -> None:
+    """Compare restored parameters (param key -> array, in the stored dtype) with the manifest's checksums."""
+    for key, array in restored.items():
+        recorded = manifest["params"][key].get("crc32")
+        if recorded is not None and checksum(array) != recorded:
+            raise CheckpointError(f"{orbax_dir / PARAMS_DIR}: parameter {key} does not match the checksum the "
+                                  f"converter recorded; the data files are damaged: convert it again with "
+                                  f"`python -m jmoe.convert`")
 
 
 def check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, object], cfg: ModelConfig) -> None:
@@ -118,7 +137,7 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
     memory_kind_of: jmoe parameter path, e.g. ("layers", 3, "mlp", "experts", "w_down") -> "device" or
         "pinned_host"; default: everything on "device".
     """
-    orbax_dir = Path(orbax_dir)
+    orbax_dir = Path(orbax_dir).absolute()  # Orbax works on absolute paths only
     manifest = read_manifest(orbax_dir)
     dtype = np.dtype(jnp.dtype(dtype or manifest["dtype"]))
     graphdef, state = abstract_model(cfg, dtype)
@@ -149,6 +168,8 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
             flat = flat_params(restored)
             for path in paths:
                 loaded[path] = flat[orbax_key(path)]
+            if dtype == np.dtype(manifest["dtype"]):  # restored as stored: the bytes the checksums cover
+                verify_checksums(orbax_dir, manifest, {param_key(p): loaded[p] for p in paths})
             bar.update(len(paths))
     nnx.replace_by_pure_dict(state, nest_params(loaded))
     return nnx.merge(graphdef, state)

@@ -23,6 +23,7 @@ _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on the JSON header
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -40,12 +41,15 @@ def _read_header(path: Path, check_data: bool = True) -> tuple[dict, int]:
         try:
             with safe_open(str(path), framework="numpy"):
                 pass
-        except (SafetensorError, OSError) as e:
+        except (SafetensorError, OSError, OverflowError, ValueError) as e:
             raise CheckpointError(f"{path}: not a valid safetensors file ({e}); the file is truncated or "
                                   f"corrupted: download or export it again") from e
     try:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > min(MAX_HEADER_BYTES, path.stat().st_size - 8):
+                raise ValueError(f"the header length field says {header_len} bytes, more than the file holds or "
+                                 f"the format allows ({MAX_HEADER_BYTES})")
             raw = f.read(header_len)
         if len(raw) != header_len:
             raise ValueError(f"the header says {header_len} bytes, the file has {len(raw)} after it")
@@ -59,6 +63,45 @@ def _read_header(path: Path, check_data: bool = True) -> tuple[dict, int]:
     return header, 8 + header_len
 
 
+def _index_entry(index: Path, name) -> Path:
+    """A shard file the index names: a file name inside the model directory, never a path that leaves it
+    (the file itself may be a symlink, as in the Hugging Face cache)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{index}: weight_map entry {name!r} is not a file name inside the model directory "
+                              f"(absolute paths and '..' are refused); fix the index")
+    return index.parent / name
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_entry(path: Path, name: str, meta) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, data begin, data end) of one header entry, each checked: a known dtype, a shape of
+    whole numbers, offsets that hold exactly that many bytes (where they lie in the file is checked when the
+    data is read)."""
+    def malformed(why: str):
+        return CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({why}); the file is "
+                               f"corrupted: download or export it again")
+
+    if not isinstance(meta, dict):
+        raise malformed(f"expected an object, found {meta!r}")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise malformed(f"dtype {dtype!r}")
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
+    if not isinstance(shape, list) or not all(_whole(v) for v in shape):
+        raise malformed(f"shape {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(v) for v in offsets):
+        raise malformed(f"data_offsets {offsets!r}")
+    size = int(np.prod(shape, dtype=object)) * np.dtype(_DTYPES[dtype]).itemsize
+    if offsets[1] - offsets[0] != size:
+        raise malformed(f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, the shape {shape} of "
+                        f"{dtype} needs {size}")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a model directory; refuses pickle checkpoints."""
     index = model_dir / "model.safetensors.index.json"
@@ -68,7 +111,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: expected a 'weight_map' object (tensor name -> shard file), found "
                                   f"{type(weight_map).__name__}; {advice}")
-        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        files = list(dict.fromkeys(_index_entry(index, name) for name in weight_map.values()))
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
@@ -96,17 +139,14 @@ def index_tensors(model_dir: Path, check_data: bool = True) -> dict[str, TensorI
         for name, meta in header.items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} appears in both {tensors[name].file} and {path}")
-            try:
-                dtype = meta["dtype"]
-                begin, end = (int(v) for v in meta["data_offsets"])
-                shape = tuple(int(v) for v in meta["shape"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}; the file "
-                                      f"is corrupted: download or export it again") from e
-            if dtype not in _DTYPES:
-                raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
+            dtype, shape, begin, end = _tensor_entry(path, name, meta)
             tensors[name] = TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
     return tensors
+
+
+def stored_values(model_dir: Path) -> int:
+    """How many values the checkpoint's tensors hold, from the headers alone."""
+    return sum(int(np.prod(info.shape, dtype=np.int64)) for info in index_tensors(model_dir, check_data=False).values())
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe.arguments import is_whole_number, whole_number
 from jmoe.config import ModelConfig
 from jmoe.decode.sampling import SamplingParams
 from jmoe.errors import InputError
@@ -62,12 +63,20 @@ def as_rows(token_ids) -> list[list[int]]:
             raise InputError(f"token ids: expected an integer array of shape [T] or [B, T], found "
                              f"{arr.dtype} {arr.shape}")
         return [list(map(int, r)) for r in (arr[None] if arr.ndim == 1 else arr)]
+    expected = "token ids: expected a list of ints (one prompt) or a list of such lists (a batch)"
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise InputError(f"{expected}, found {type(token_ids).__name__}; text goes to generate_text")
     token_ids = list(token_ids)
     if not token_ids:  # an empty prompt, reported as such by check_token_ids
         return [[]]
-    if all(isinstance(t, (int, np.integer)) for t in token_ids):
+    if all(is_whole_number(t) for t in token_ids):
         return [[int(t) for t in token_ids]]
-    return [[int(t) for t in row] for row in token_ids]
+    rows = []
+    for row in token_ids:
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or not all(is_whole_number(t) for t in row):
+            raise InputError(f"{expected}, found an element {row!r}; convert your ids to ints")
+        rows.append([int(t) for t in row])
+    return rows
 
 
 @dataclasses.dataclass
@@ -85,8 +94,10 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
     """Run prefill + decode for `model` (a jmoe.Model); see Model.generate for the arguments."""
     cfg: ModelConfig = model.config
     check_token_ids(cfg, rows, "generate")
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+    max_new_tokens = whole_number("max_new_tokens", max_new_tokens, 1, "tokens to generate per prompt")
+    seed = whole_number("seed", seed, 0, "the sampling seed")
+    if seed >= 2**32:  # JAX keeps the low 32 bits of a larger seed: two seeds would give one stream
+        raise InputError(f"seed must be below 2**32, found {seed}; use a smaller seed")
     longest = max(len(r) for r in rows)
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise InputError(f"generate: prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

@@ -42,7 +42,8 @@ def make_logits_fn(graphdef, engine, kv_dtype):
 def make_step_fn(graphdef, engine, greedy: bool):
     """One generation step: feed tokens [B, T] at `write_index`, pick the next token of every row.
 
-    Returns (next tokens int32 [B], routing ids [L_moe, B, T, k], kv cache, engine state). Used for the
+    Returns (next tokens int32 [B], bool [L] whether each decoder layer's output is finite, routing ids
+    [L_moe, B, T, k], kv cache, engine state). Used for the
     prompt (T = padded prompt length) and for every decode step (T = 1). `sampling` is None when `greedy`,
     else the traced SamplingArrays (so every temperature / top_k / top_p shares the program);
     `forced_routing` is None, or int32 [L_moe, B, T, k] expert ids to use instead of the router's.
@@ -53,7 +54,7 @@ def make_step_fn(graphdef, engine, greedy: bool):
                                  last_only=True, forced_routing=forced_routing)
         logits = out.logits[:, -1]
         next_tokens = greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
-        return next_tokens, out.routing, out.kv_cache, engine_state
+        return (next_tokens, out.finite), out.routing, out.kv_cache, engine_state
 
     return jax.jit(step_fn, donate_argnums=(1, 3))
 

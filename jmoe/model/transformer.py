@@ -39,6 +39,7 @@ class ForwardOut(NamedTuple):
     logits: jax.Array  # float32 [B, T or 1, V]
     kv_cache: tuple  # per layer (k [B, S, Hkv, hd], v [B, S, Hkv, hd])
     routing: jax.Array  # int32 [num_moe_layers, B, T, k]: expert ids chosen (-1 for padding)
+    finite: jax.Array  # bool [num_layers]: whether each decoder layer's output is free of NaN and inf
 
 
 class MoETransformer(nnx.Module):
@@ -90,7 +91,7 @@ class MoETransformer(nnx.Module):
             return base_mask & (q_cols[:, None] - cols[None, :] < window)[None]
 
         x = jnp.take(self.embed[...], tokens, axis=0)
-        new_cache, routing = [], []
+        new_cache, routing, finite = [], [], []
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 x = before_layer(i, x)
@@ -112,6 +113,7 @@ class MoETransformer(nnx.Module):
             else:
                 y = layer.mlp(h)
             x = x + y.reshape(b, t, -1)
+            finite.append(jnp.isfinite(x).all())  # one reduction per layer, read back with the step
         if last_only:
             x = x[:, -1:]
         x = self.final_norm(x)
@@ -119,7 +121,7 @@ class MoETransformer(nnx.Module):
         logits = jnp.einsum("btd,dv->btv", x, head).astype(jnp.float32)
         routing_ids = (jnp.stack(routing) if routing
                        else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32))
-        return ForwardOut(logits, tuple(new_cache), routing_ids)
+        return ForwardOut(logits, tuple(new_cache), routing_ids, jnp.stack(finite))
 
 
 def empty_kv_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> tuple:

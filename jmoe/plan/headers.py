@@ -15,9 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from jmoe.arguments import param_dtype
+from jmoe.checkpoint.bounds import check_sizes_against_tensors
 from jmoe.checkpoint.loading import param_pieces
 from jmoe.checkpoint.orbax_store import check_params, is_orbax_checkpoint, read_manifest
+from jmoe.checkpoint.safetensors_files import stored_values
 from jmoe.config import ModelConfig, load_config
+from jmoe.errors import ConfigError, InputError
 from jmoe.model.params import ParamPath, abstract_params
 
 
@@ -48,15 +51,23 @@ def read_headers(model_dir: str | Path, dtype=None) -> CheckpointHeaders:
         manifest = read_manifest(model_dir)
         # An Orbax checkpoint keeps the dtype it was converted to.
         dtype = param_dtype(dtype or manifest["dtype"])
+        shapes = [entry["shape"] for entry in manifest["params"].values()]
+        check_sizes_against_tensors(model_dir, config, sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
         abstract = abstract_params(config, dtype)
         check_params(model_dir, manifest, abstract, config)
-        shapes = [entry["shape"] for entry in manifest["params"].values()]
         stored_dtype = np.dtype(manifest["dtype"])
         return CheckpointHeaders(model_dir, config, "jmoe-orbax", dtype, abstract, len(shapes),
                                  sum(int(np.prod(s)) for s in shapes) * stored_dtype.itemsize,
                                  {stored_dtype.name: len(shapes)})
     # A Hugging Face checkpoint says its dtype in config.json.
-    dtype = param_dtype(dtype or config.dtype)
+    if dtype is None:
+        try:
+            dtype = param_dtype(config.dtype)
+        except InputError as e:
+            raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
+    else:
+        dtype = param_dtype(dtype)
+    check_sizes_against_tensors(model_dir, config, stored_values(model_dir))
     abstract = abstract_params(config, dtype)
     pieces = param_pieces(model_dir, config, abstract, check_data=False)
     infos = [info for path_pieces in pieces.values() for _, info in path_pieces]

@@ -79,7 +79,10 @@ def plugin_available() -> bool:
     """Whether the CUDA PJRT plugin (the `gpu-compile` extra) is installed."""
     import importlib.util
 
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
 
 
 def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backend: str, batch: int, context: int,
