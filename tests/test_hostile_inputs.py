@@ -215,3 +215,11 @@ def test_a_flipped_byte_in_orbax_data_is_an_error(good_dir, tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="does not match the checksum the converter recorded"):
         jmoe.load(out, progress=False)
+
+
+def test_cli_refuses_a_huge_seed_before_printing_anything(good_dir, capsys):
+    from jmoe.generate import main
+
+    assert main(["--model", str(good_dir), "--prompt", "w1 w2", "--seed", str(2**40)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "seed must be below 2**32" in out.err

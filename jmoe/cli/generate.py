@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from jmoe.decode.generation import checked_length_and_seed
     from jmoe.decode.sampling import SamplingParams
     from jmoe.decode.streaming import stdout_streamer
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> dict:
         raise JmoeError("--prompt is empty; give some text to continue")
     options = offload_options(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    checked_length_and_seed(args.max_new_tokens, args.seed)  # before anything is loaded or printed
     model_dir = resolve_model_dir(args.model)
     model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache,
                          progress=not args.json)

@@ -55,6 +55,15 @@ def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str) 
                              f"[0, {cfg.vocab_size})")
 
 
+def checked_length_and_seed(max_new_tokens, seed) -> tuple[int, int]:
+    """max_new_tokens (>= 1) and seed (0 <= seed < 2**32) as ints, or an InputError saying what to change."""
+    max_new_tokens = whole_number("max_new_tokens", max_new_tokens, 1, "tokens to generate per prompt")
+    seed = whole_number("seed", seed, 0, "the sampling seed")
+    if seed >= 2**32:  # JAX keeps the low 32 bits of a larger seed: two seeds would give one stream
+        raise InputError(f"seed must be below 2**32, found {seed}; use a smaller seed")
+    return max_new_tokens, seed
+
+
 def as_rows(token_ids) -> list[list[int]]:
     """Accept one prompt (list of ints / 1-D array) or a batch (list of lists / 2-D array)."""
     if isinstance(token_ids, (np.ndarray, jax.Array)):
@@ -94,10 +103,7 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
     """Run prefill + decode for `model` (a jmoe.Model); see Model.generate for the arguments."""
     cfg: ModelConfig = model.config
     check_token_ids(cfg, rows, "generate")
-    max_new_tokens = whole_number("max_new_tokens", max_new_tokens, 1, "tokens to generate per prompt")
-    seed = whole_number("seed", seed, 0, "the sampling seed")
-    if seed >= 2**32:  # JAX keeps the low 32 bits of a larger seed: two seeds would give one stream
-        raise InputError(f"seed must be below 2**32, found {seed}; use a smaller seed")
+    max_new_tokens, seed = checked_length_and_seed(max_new_tokens, seed)
     longest = max(len(r) for r in rows)
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise InputError(f"generate: prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
