@@ -6,6 +6,8 @@ os.environ.setdefault("JMOE_COMPILE_CACHE", "off")
 
 import pytest
 
+import shutil
+
 from hf_models import FAMILY_CASES, write_checkpoint
 
 
@@ -18,3 +20,20 @@ def hf_checkpoints(tmp_path_factory):
         directory = root / name
         out[name] = (directory, write_checkpoint(directory, model_type, seed=i, **overrides))
     return out
+
+
+@pytest.fixture(scope="session")
+def small_mixtral_dir(tmp_path_factory):
+    """A tiny Mixtral checkpoint (4 experts, top-2) without a tokenizer, for tests that break copies of it."""
+    directory = tmp_path_factory.mktemp("small") / "m"
+    write_checkpoint(directory, "mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                     num_attention_heads=2, num_key_value_heads=1)
+    return directory
+
+
+@pytest.fixture
+def small_mixtral_copy(small_mixtral_dir, tmp_path):
+    """A fresh copy of small_mixtral_dir that a test may change."""
+    directory = tmp_path / "m"
+    shutil.copytree(small_mixtral_dir, directory)
+    return directory

@@ -1,34 +1,18 @@
 """Every bad input gets a clear error that names the file, tensor or flag."""
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
 import jmoe
-from hf_models import VOCAB, edit_json, write_checkpoint
+from hf_models import VOCAB, edit_json
 from jmoe.errors import CheckpointError, ConfigError, InputError
 
 
 @pytest.fixture(scope="module")
-def good_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("good") / "m"
-    write_checkpoint(d, "mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
-                     num_attention_heads=2, num_key_value_heads=1)
-    return d
-
-
-@pytest.fixture
-def copy_dir(good_dir, tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(good_dir, d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def model(good_dir):
-    return jmoe.load(good_dir, progress=False)
+def model(small_mixtral_dir):
+    return jmoe.load(small_mixtral_dir, progress=False)
 
 
 def _rewrite_weights(directory, change):
@@ -39,65 +23,65 @@ def _rewrite_weights(directory, change):
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_missing_config_json(copy_dir):
-    (copy_dir / "config.json").unlink()
+def test_missing_config_json(small_mixtral_copy):
+    (small_mixtral_copy / "config.json").unlink()
     with pytest.raises(ConfigError, match="no config.json"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_unknown_model_type_lists_supported(copy_dir):
-    edit_json(copy_dir / "config.json", model_type="llama4_moe")
+def test_unknown_model_type_lists_supported(small_mixtral_copy):
+    edit_json(small_mixtral_copy / "config.json", model_type="llama4_moe")
     with pytest.raises(ConfigError, match="unknown model_type 'llama4_moe'.*mixtral.*olmoe.*qwen2_moe.*qwen3_moe"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_unsupported_rope_scaling_lists_supported(copy_dir):
-    edit_json(copy_dir / "config.json", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+def test_unsupported_rope_scaling_lists_supported(small_mixtral_copy):
+    edit_json(small_mixtral_copy / "config.json", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
     with pytest.raises(ConfigError, match="unsupported rope scaling type 'yarn'.*default, linear"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_missing_tensor_is_named(copy_dir):
-    _rewrite_weights(copy_dir, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
+def test_missing_tensor_is_named(small_mixtral_copy):
+    _rewrite_weights(small_mixtral_copy, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.block_sparse_moe\.experts\.3\.w2"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_unexpected_tensor_is_named(copy_dir):
-    _rewrite_weights(copy_dir, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
+def test_unexpected_tensor_is_named(small_mixtral_copy):
+    _rewrite_weights(small_mixtral_copy, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensors: model\.layers\.0\.extra\.weight"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_wrong_shape_names_tensor_and_shapes(copy_dir):
+def test_wrong_shape_names_tensor_and_shapes(small_mixtral_copy):
     name = "model.layers.0.self_attn.q_proj.weight"
-    _rewrite_weights(copy_dir, lambda t: t.update({name: torch.zeros(8, 32)}))
+    _rewrite_weights(small_mixtral_copy, lambda t: t.update({name: torch.zeros(8, 32)}))
     with pytest.raises(CheckpointError, match=rf"{name}' has shape \[8, 32\], expected \[32, 32\]"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_truncated_safetensors(copy_dir):
-    path = copy_dir / "model.safetensors"
+def test_truncated_safetensors(small_mixtral_copy):
+    path = small_mixtral_copy / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="model.safetensors: not a valid safetensors file.*truncated"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_corrupted_safetensors_header(copy_dir):
-    path = copy_dir / "model.safetensors"
+def test_corrupted_safetensors_header(small_mixtral_copy):
+    path = small_mixtral_copy / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[8:20] = b"!!garbage!!!"
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="not a valid safetensors file"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
-def test_pickle_checkpoint_refused(copy_dir):
-    (copy_dir / "model.safetensors").unlink()
-    torch.save({"w": torch.zeros(1)}, copy_dir / "pytorch_model.bin")
+def test_pickle_checkpoint_refused(small_mixtral_copy):
+    (small_mixtral_copy / "model.safetensors").unlink()
+    torch.save({"w": torch.zeros(1)}, small_mixtral_copy / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="pytorch_model.bin.*arbitrary code.*safetensors"):
-        jmoe.load(copy_dir)
+        jmoe.load(small_mixtral_copy)
 
 
 def test_empty_prompt(model):

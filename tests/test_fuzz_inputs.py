@@ -9,11 +9,9 @@ import shutil
 import struct
 import time
 
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jmoe
-from hf_models import write_checkpoint
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
@@ -25,14 +23,6 @@ JSON_VALUES = st.recursive(
 FUZZ = settings(max_examples=int(os.environ.get("JMOE_FUZZ_EXAMPLES", 60)), deadline=None,
                 derandomize="JMOE_FUZZ_EXAMPLES" not in os.environ,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="module")
-def good_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fuzz") / "m"
-    write_checkpoint(directory, "mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
-                     num_attention_heads=2, num_key_value_heads=1)
-    return directory
 
 
 def load_fails_cleanly(directory):
@@ -48,9 +38,9 @@ def load_fails_cleanly(directory):
 
 @FUZZ
 @given(data=st.data())
-def test_config_values(good_dir, tmp_path_factory, data):
+def test_config_values(small_mixtral_dir, tmp_path_factory, data):
     directory = tmp_path_factory.mktemp("c") / "m"
-    shutil.copytree(good_dir, directory)
+    shutil.copytree(small_mixtral_dir, directory)
     config = json.loads((directory / "config.json").read_text())
     key = data.draw(st.sampled_from(sorted(config)), label="key")
     config[key] = data.draw(JSON_VALUES, label="value")
@@ -60,9 +50,9 @@ def test_config_values(good_dir, tmp_path_factory, data):
 
 @FUZZ
 @given(data=st.data())
-def test_safetensors_headers(good_dir, tmp_path_factory, data):
+def test_safetensors_headers(small_mixtral_dir, tmp_path_factory, data):
     directory = tmp_path_factory.mktemp("h") / "m"
-    shutil.copytree(good_dir, directory)
+    shutil.copytree(small_mixtral_dir, directory)
     raw = (directory / "model.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + length])
@@ -80,8 +70,8 @@ def test_safetensors_headers(good_dir, tmp_path_factory, data):
 
 @FUZZ
 @given(weight_map=JSON_VALUES | st.dictionaries(st.text(max_size=40), st.text(max_size=30) | JSON_VALUES, max_size=4))
-def test_index_files(good_dir, tmp_path_factory, weight_map):
+def test_index_files(small_mixtral_dir, tmp_path_factory, weight_map):
     directory = tmp_path_factory.mktemp("i") / "m"
-    shutil.copytree(good_dir, directory)
+    shutil.copytree(small_mixtral_dir, directory)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     load_fails_cleanly(directory)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jmoe
-from hf_models import edit_json, write_checkpoint, write_word_tokenizer
+from hf_models import edit_json, write_word_tokenizer
 from jmoe.checkpoint.convert import OWNER_FILE, convert_checkpoint
 from jmoe.checkpoint.orbax_store import TMP_INFIX
 from jmoe.errors import CheckpointError, ConfigError
@@ -23,10 +23,10 @@ IDS = [[3, 1, 4, 1, 5]]
 
 
 @pytest.fixture(scope="module")
-def good_dir(tmp_path_factory):
+def good_dir(small_mixtral_dir, tmp_path_factory):
+    """The small Mixtral checkpoint with a tokenizer (the converter copies and checks it)."""
     directory = tmp_path_factory.mktemp("hostile") / "m"
-    write_checkpoint(directory, "mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
-                     num_attention_heads=2, num_key_value_heads=1)
+    shutil.copytree(small_mixtral_dir, directory)
     write_word_tokenizer(directory)
     return directory
 
