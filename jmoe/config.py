@@ -139,6 +139,8 @@ def _all_moe(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
 
 def _sliding_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
+    if type(window) is int and window == 0:  # some configs write 0 for "no window"
+        window = None
     if window is not None:
         window = _size(hf, "sliding_window", "config.json", limit_key="max_position_embeddings")
     layer_types = hf.get("layer_types")
