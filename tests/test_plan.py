@@ -5,7 +5,6 @@ import shutil
 import struct
 
 import jax
-import numpy as np
 import pytest
 
 import jmoe
