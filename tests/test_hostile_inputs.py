@@ -136,7 +136,9 @@ def test_stale_temporaries_of_dead_conversions_are_removed(good_dir, tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signalled_conversion_removes_its_temporary_directory(good_dir, tmp_path, signum):
-    script = ("import sys, time, jmoe.checkpoint.convert as c\n"
+    # A background job starts with SIGINT ignored (as under CI); a terminal's Ctrl-C raises KeyboardInterrupt.
+    script = ("import signal, sys, time, jmoe.checkpoint.convert as c\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "original = c._copy_checked_files\n"
               "def slow(*a):\n    print('writing', flush=True); time.sleep(60); return original(*a)\n"
               "c._copy_checked_files = slow\n"
