@@ -2,7 +2,8 @@
 
 Per-family differences live in `FAMILIES`, one `Family` entry per `model_type`: the config keys it
 uses and the few architectural switches (router normalisation, q/k norm, biases, shared expert).
-A new family (DeepSeek-V3, GPT-OSS) is a new entry plus whatever new switch it needs.
+A new family is a new entry plus whatever new switch it needs; `ALIASES` maps model types that share an
+architecture onto one family (Kimi K2 is DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -15,7 +16,34 @@ from typing import Any, Callable
 from jmoe.errors import ConfigError
 from jmoe.jsonfile import read_json
 
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+SUPPORTED_QUANT_METHODS = ("fp8",)
+MLA_NORM_EPS = 1e-6  # transformers builds DeepSeek's q_a / kv_a RMSNorms with their default eps, not rms_norm_eps
+
+
+@dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN rotary scaling, as config.json states it (transformers' `_compute_yarn_parameters`)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float  # multiplies cos and sin
+    truncate: bool  # round the correction range outwards to whole dimensions
+
+
+@dataclasses.dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention."""
+
+    q_lora_rank: int  # 0: a plain q projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rotary dimensions come as interleaved pairs
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale_all_dim correction squared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +78,20 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "float32"
+    rotary_dim: int | None = None  # leading dimensions of each head that are rotated; None = head_dim
+    rope_yarn: Yarn | None = None
+    mla: MLA | None = None  # None: grouped-query attention
+    router: str = "softmax"  # "softmax" | "sigmoid_grouped" (DeepSeek-V3: biased selection within groups)
+    n_group: int = 1  # sigmoid_grouped: experts fall into n_group groups, the best topk_group are eligible
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # sigmoid_grouped: multiplies the routed experts' weights
+    shared_expert_gate: bool = True  # the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)
+    extra_layers: int = 0  # decoder layers past num_hidden_layers a checkpoint may carry (multi-token prediction)
+    fp8_block: tuple[int, int] | None = None  # float8 weights with per-block inverse scales of this shape
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def moe_layer_indices(self) -> tuple[int, ...]:
@@ -79,7 +121,8 @@ SIZE_LIMITS = {
     "hidden_size": 1 << 17, "num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
     "head_dim": 4096, "experts": 1 << 16, "num_experts_per_tok": 1 << 16, "vocab_size": 1 << 24,
     "max_position_embeddings": 1 << 27, "expert_width": 1 << 20, "intermediate_size": 1 << 20,
-    "shared_expert_intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20, "lora_rank": 1 << 17, "n_group": 1 << 16,
+    "n_shared_experts": 1 << 10, "fp8_block": 1 << 16,
 }
 
 
@@ -104,8 +147,25 @@ def _positive_float(hf: dict, key: str, source: str, default: float) -> float:
     return float(value)
 
 
-def _rope(hf: dict, source: str) -> tuple[float, float]:
-    """(theta, linear factor) from transformers>=5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+def _rope_type(params: dict, scaling: dict, source: str) -> str:
+    for where, key, value in (("rope_parameters", "rope_type", params.get("rope_type")),
+                              ("rope_scaling", "rope_type", scaling.get("rope_type")),
+                              ("rope_scaling", "type", scaling.get("type"))):
+        if value is not None:
+            if value not in SUPPORTED_ROPE_TYPES:
+                raise ConfigError(f"{source}: unsupported rope scaling type {value!r} in {where}.{key}; supported: "
+                                  f"{', '.join(SUPPORTED_ROPE_TYPES)}; use a model whose config names one of these")
+            return value
+    return "default"
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope(hf: dict, source: str) -> tuple[float, float, Yarn | None, float]:
+    """(theta, linear factor, YaRN parameters, softmax-scale multiplier for MLA) from transformers>=5
+    `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
@@ -113,14 +173,46 @@ def _rope(hf: dict, source: str) -> tuple[float, float]:
             raise ConfigError(f"{source}: {key} must be an object, found {value!r}; fix config.json")
     theta = _positive_float({"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta", source,
                             10000.0)
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"{source}: unsupported rope scaling type {rope_type!r}; "
-                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    factor = 1.0
+    rope_type = _rope_type(params, scaling, source)
+    merged = {**scaling, **params}
+    named = {f"rope_parameters.{k}": v for k, v in merged.items()}
+
+    def number(key: str, default, *, zero_ok: bool = False) -> float:
+        value = merged.get(key)
+        if zero_ok and value == 0 and not isinstance(value, bool):
+            return 0.0
+        return _positive_float(named, f"rope_parameters.{key}", source, default)
+
+    if rope_type == "default":
+        return theta, 1.0, None, 1.0
     if rope_type == "linear":
-        factor = _positive_float({"factor": params.get("factor", scaling.get("factor"))}, "rope factor", source, 1.0)
-    return theta, factor
+        factor = number("factor", 1.0)
+        mscale_all_dim = number("mscale_all_dim", 0.0, zero_ok=True) if merged.get("mscale_all_dim") else 0.0
+        return theta, factor, None, _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    original = hf.get("original_max_position_embeddings", merged.get("original_max_position_embeddings"))
+    original = _size({"original_max_position_embeddings": original}, "original_max_position_embeddings", source,
+                     _size(hf, "max_position_embeddings", source), limit_key="max_position_embeddings")
+    if merged.get("factor") is None:  # DeepSeek-style: the ratio of the two context lengths
+        factor = _size(hf, "max_position_embeddings", source) / original
+    else:
+        factor = number("factor", None)
+    mscale = number("mscale", 0.0, zero_ok=True) if merged.get("mscale") is not None else 0.0
+    mscale_all_dim = number("mscale_all_dim", 0.0, zero_ok=True) if merged.get("mscale_all_dim") is not None else 0.0
+    if merged.get("attention_factor") is not None:
+        attention_factor = number("attention_factor", None)
+    elif mscale and mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    else:
+        attention_factor = _yarn_mscale(factor)
+    truncate = merged.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{source}: rope_parameters.truncate must be true or false, found {truncate!r}; fix "
+                          f"config.json")
+    yarn = Yarn(factor=factor, original_max_position_embeddings=original,
+                beta_fast=number("beta_fast", 32.0) if merged.get("beta_fast") else 32.0,
+                beta_slow=number("beta_slow", 1.0) if merged.get("beta_slow") else 1.0,
+                attention_factor=attention_factor, truncate=truncate)
+    return theta, 1.0, yarn, _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
 
 
 def _sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
@@ -135,6 +227,13 @@ def _sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, .
 
 def _all_moe(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     return (True,) * num_layers
+
+
+def _first_k_dense(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+    """DeepSeek-style: the first `first_k_dense_replace` layers are dense, the rest MoE (transformers reads no
+    other key; `moe_layer_freq` in some configs is not used by it either)."""
+    dense = _size(hf, "first_k_dense_replace", "config.json", low=0, limit_key="num_hidden_layers")
+    return tuple(i >= dense for i in range(num_layers))
 
 
 def _sliding_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
@@ -163,10 +262,16 @@ class Family:
     expert_width_key: str
     moe_layers: Callable[[dict, int, int], tuple[bool, ...]]
     norm_topk_prob: Callable[[dict], bool]
-    qk_norm: str = "none"
+    qk_norm: str | Callable[[dict], str] = "none"
     qkv_bias: Callable[[dict], bool] = lambda hf: bool(hf.get("attention_bias", False))
     o_bias: Callable[[dict], bool] = lambda hf: bool(hf.get("attention_bias", False))
     has_shared_expert: bool = False
+    # DeepSeek-style MoE: a sigmoid router with grouped, bias-corrected selection, and `n_shared_experts`
+    # ungated shared experts of the routed experts' width; `defaults` are transformers' for missing keys.
+    deepseek_moe: bool = False
+    mla: bool = False
+    partial_rotary_default: float | None = None  # rotate only part of each head (GLM-4.5); None: all of it
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 FAMILIES: dict[str, Family] = {
@@ -187,7 +292,22 @@ FAMILIES: dict[str, Family] = {
         num_experts_keys=("num_experts", "num_local_experts"), expert_width_key="intermediate_size",
         moe_layers=_all_moe, norm_topk_prob=lambda hf: bool(hf.get("norm_topk_prob", False)),
         qk_norm="full"),
+    "deepseek_v3": Family(
+        num_experts_keys=("n_routed_experts", "num_local_experts"), expert_width_key="moe_intermediate_size",
+        moe_layers=_first_k_dense, norm_topk_prob=lambda hf: bool(hf["norm_topk_prob"]),
+        deepseek_moe=True, mla=True,
+        defaults=(("n_group", 8), ("topk_group", 4), ("routed_scaling_factor", 2.5), ("first_k_dense_replace", 3),
+                  ("n_shared_experts", 1), ("norm_topk_prob", True), ("rope_interleave", True))),
+    "glm4_moe": Family(
+        num_experts_keys=("n_routed_experts", "num_local_experts"), expert_width_key="moe_intermediate_size",
+        moe_layers=_first_k_dense, norm_topk_prob=lambda hf: bool(hf["norm_topk_prob"]),
+        qk_norm=lambda hf: "per_head" if hf.get("use_qk_norm") else "none", o_bias=lambda hf: False,
+        deepseek_moe=True, partial_rotary_default=0.5,
+        defaults=(("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0), ("first_k_dense_replace", 1),
+                  ("n_shared_experts", 1), ("norm_topk_prob", True))),
 }
+# model_type -> the family whose architecture and checkpoint names it shares
+ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def _eos_ids(value: Any, source: str) -> tuple[int, ...]:
@@ -211,12 +331,87 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
                           f"the config.json the model was saved with") from e
 
 
+def _bool(hf: dict, key: str, source: str) -> bool:
+    value = hf.get(key)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, found {value!r}; fix config.json")
+    return value
+
+
+def _rotary_dim(hf: dict, fam: Family, head_dim: int, source: str) -> int | None:
+    """How many leading dimensions of a head are rotated (GLM-4.5's partial_rotary_factor); None = all."""
+    if fam.partial_rotary_default is None:
+        return None
+    params = hf.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    factor = _positive_float({"partial_rotary_factor": value}, "partial_rotary_factor", source,
+                             fam.partial_rotary_default)
+    dim = int(head_dim * factor)
+    if factor > 1 or dim < 2 or dim % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor {value!r} gives {dim} rotated dimensions of head_dim "
+                          f"{head_dim}; expected a factor <= 1 giving an even number >= 2; fix config.json")
+    return dim
+
+
+def _mla(hf: dict, source: str, softmax_mult: float) -> MLA:
+    if "q_lora_rank" not in hf:
+        raise ConfigError(f"{source}: missing required key 'q_lora_rank' (null for a plain q projection) for "
+                          f"model_type {hf.get('model_type')!r}; add it to config.json")
+    q_lora = 0 if hf["q_lora_rank"] is None else _size(hf, "q_lora_rank", source, limit_key="lora_rank")
+    nope = _size(hf, "qk_nope_head_dim", source, limit_key="head_dim")
+    rope = _size(hf, "qk_rope_head_dim", source, limit_key="head_dim")
+    if rope % 2:
+        raise ConfigError(f"{source}: qk_rope_head_dim must be even (rotary pairs), found {rope}; fix config.json")
+    return MLA(q_lora_rank=q_lora, kv_lora_rank=_size(hf, "kv_lora_rank", source, limit_key="lora_rank"),
+               qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+               v_head_dim=_size(hf, "v_head_dim", source, limit_key="head_dim"),
+               rope_interleave=_bool(hf, "rope_interleave", source),
+               softmax_scale=(nope + rope) ** -0.5 * softmax_mult)
+
+
+def _grouped_router(hf: dict, num_experts: int, top_k: int, source: str) -> dict:
+    """n_group, topk_group and routed_scaling_factor, checked the way transformers will use them: equal groups
+    of at least two experts (a group's score is its best two), enough eligible experts for top-k."""
+    n_group = _size(hf, "n_group", source)
+    topk_group = _size(hf, "topk_group", source, limit_key="n_group")
+    if num_experts % n_group or num_experts // n_group < 2:
+        raise ConfigError(f"{source}: n_group ({n_group}) must split the {num_experts} routed experts into equal "
+                          f"groups of at least 2; fix config.json")
+    if topk_group > n_group or top_k > topk_group * (num_experts // n_group):
+        raise ConfigError(f"{source}: topk_group ({topk_group}) must be <= n_group ({n_group}) and its groups must "
+                          f"hold num_experts_per_tok ({top_k}) experts; fix config.json")
+    return dict(router="sigmoid_grouped", n_group=n_group, topk_group=topk_group,
+                routed_scaling_factor=_positive_float(hf, "routed_scaling_factor", source, 1.0))
+
+
+def _fp8_block(hf: dict, source: str) -> tuple[int, int] | None:
+    quant = hf.get("quantization_config")
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object, found {quant!r}; fix config.json")
+    method = quant.get("quant_method")
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise ConfigError(f"{source}: unsupported quantization_config.quant_method {method!r}; supported: "
+                          f"{', '.join(SUPPORTED_QUANT_METHODS)} (block-scaled float8 weights); use an unquantized "
+                          f"or fp8 checkpoint")
+    block = quant.get("weight_block_size", [128, 128])
+    if not isinstance(block, list) or len(block) != 2:
+        raise ConfigError(f"{source}: quantization_config.weight_block_size must be [rows, columns], found "
+                          f"{block!r}; fix config.json")
+    rows, cols = (_size({"quantization_config.weight_block_size": v}, "quantization_config.weight_block_size",
+                        source, limit_key="fp8_block") for v in block)
+    return rows, cols
+
+
 def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig:
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    family = ALIASES.get(model_type, model_type)
+    if family not in FAMILIES:
         raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported model types: "
-                          f"{', '.join(sorted(FAMILIES))}")
-    fam = FAMILIES[model_type]
+                          f"{', '.join(sorted([*FAMILIES, *ALIASES]))}")
+    fam = FAMILIES[family]
+    hf = {**hf, **{key: value for key, value in fam.defaults if hf.get(key) is None}}
     hidden = _size(hf, "hidden_size", source)
     num_layers = _size(hf, "num_hidden_layers", source)
     num_heads = _size(hf, "num_attention_heads", source)
@@ -231,7 +426,7 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
     if not 0 < top_k <= num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok must be in 1..{experts_key} "
                           f"({num_experts}), found {top_k}")
-    theta, linear_factor = _rope(hf, source)
+    theta, linear_factor, yarn, softmax_mult = _rope(hf, source)
     eos = _eos_ids(hf.get("eos_token_id"), source)
     if generation is not None and generation.get("eos_token_id") is not None:
         eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"], "generation_config.json")))
@@ -240,8 +435,23 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     if not isinstance(dtype, str):
         raise ConfigError(f"{source}: dtype must be a dtype name such as 'bfloat16', found {dtype!r}; fix config.json")
+    expert_width = _size(hf, fam.expert_width_key, source, limit_key="expert_width")
+    mla = _mla(hf, source, softmax_mult) if fam.mla else None
+    if mla is not None:  # as transformers: the rotary tables span the rotated part of a head
+        head_dim = mla.qk_rope_head_dim
+    family_switches: dict[str, Any] = {}
+    if fam.deepseek_moe:
+        shared = _size(hf, "n_shared_experts", source, low=0)
+        family_switches.update(_grouped_router(hf, num_experts, top_k, source), shared_expert_gate=False,
+                               shared_expert_intermediate_size=shared * expert_width,
+                               extra_layers=_size(hf, "num_nextn_predict_layers", source, 0, low=0,
+                                                  limit_key="num_hidden_layers"))
+    elif fam.has_shared_expert:
+        family_switches["shared_expert_intermediate_size"] = _size(hf, "shared_expert_intermediate_size", source,
+                                                                   0, low=0)
+    qk_norm = fam.qk_norm(hf) if callable(fam.qk_norm) else fam.qk_norm
     return ModelConfig(
-        family=model_type,
+        family=family,
         vocab_size=vocab,
         hidden_size=hidden,
         num_layers=num_layers,
@@ -255,20 +465,23 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        expert_intermediate_size=_size(hf, fam.expert_width_key, source, limit_key="expert_width"),
+        expert_intermediate_size=expert_width,
         dense_intermediate_size=_size(hf, "intermediate_size", source, 0, low=0),
         moe_layers=fam.moe_layers(hf, num_layers, num_experts),
         sliding_windows=_sliding_windows(hf, num_layers),
-        shared_expert_intermediate_size=(_size(hf, "shared_expert_intermediate_size", source, 0, low=0)
-                                         if fam.has_shared_expert else 0),
         norm_topk_prob=fam.norm_topk_prob(hf),
-        qk_norm=fam.qk_norm,
+        qk_norm=qk_norm,
         qkv_bias=fam.qkv_bias(hf),
         o_bias=fam.o_bias(hf),
         clip_qkv=hf.get("clip_qkv"),
         eos_token_ids=eos,
         pad_token_id=hf.get("pad_token_id"),
         dtype=dtype,
+        rotary_dim=_rotary_dim(hf, fam, head_dim, source),
+        rope_yarn=yarn,
+        mla=mla,
+        fp8_block=_fp8_block(hf, source),
+        **family_switches,
     )
 
 
