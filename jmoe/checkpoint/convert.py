@@ -200,7 +200,7 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
                 bar.set_postfix_str(param_key(group) or "embeddings")
                 host = {}
                 for path in paths:
-                    host[orbax_key(path)] = assemble_param(abstract[path].shape, dtype, pieces[path])
+                    host[orbax_key(path)] = assemble_param(abstract[path].shape, abstract[path].dtype, pieces[path])
                     check_finite_param(hf_dir, path, host[orbax_key(path)])
                     checksums[param_key(path)] = checksum(host[orbax_key(path)])
                     bar.update()

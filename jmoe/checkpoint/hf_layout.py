@@ -30,12 +30,24 @@ _MOE_NAMES = {
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 # Names a checkpoint may carry that jmoe deliberately does not load, with the reason.
 IGNORABLE = {
     "lm_head.weight": "tie_word_embeddings is true: the output head is the input embedding",
 }
+
+
+def is_ignorable(cfg: ModelConfig, name: str) -> bool:
+    """A tensor jmoe does not load: the untied head of a tied model, or a multi-token-prediction layer
+    (`model.layers.N` for N past num_hidden_layers, as DeepSeek-V3 ships them: jmoe predicts one token)."""
+    if name in IGNORABLE:
+        return cfg.tie_word_embeddings
+    parts = name.split(".")
+    return (cfg.extra_layers > 0 and len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and cfg.num_layers <= int(parts[2]) < cfg.num_layers + cfg.extra_layers)
 
 
 def _swiglu_targets(prefix: str, names: tuple[str, str, str], param: ParamPath, lead: tuple,
@@ -50,10 +62,52 @@ def _swiglu_targets(prefix: str, names: tuple[str, str, str], param: ParamPath, 
     }
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
-    """Every tensor name a checkpoint of this config must contain, with its target and HF shape."""
+def _linear(table: dict, name: str, param: ParamPath, n_in: int, n_out: int, bias: bool) -> None:
+    table[f"{name}.weight"] = TensorTarget(param + ("kernel",), (), True, (n_out, n_in))
+    if bias:
+        table[f"{name}.bias"] = TensorTarget(param + ("bias",), (), False, (n_out,))
+
+
+def _norm(table: dict, name: str, param: ParamPath, dim: int) -> None:
+    table[f"{name}.weight"] = TensorTarget(param + ("scale",), (), False, (dim,))
+
+
+def _gqa_targets(cfg: ModelConfig, pre: str, attn: ParamPath) -> dict[str, TensorTarget]:
     d, hd = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    table: dict[str, TensorTarget] = {}
+    for proj, (n_in, n_out) in {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out), "o": (q_out, d)}.items():
+        _linear(table, f"{pre}.{proj}_proj", attn + (proj,), n_in, n_out, cfg.o_bias if proj == "o" else cfg.qkv_bias)
+    if cfg.qk_norm != "none":
+        q_dim, k_dim = (hd, hd) if cfg.qk_norm == "per_head" else (q_out, kv_out)
+        _norm(table, f"{pre}.q_norm", attn + ("q_norm",), q_dim)
+        _norm(table, f"{pre}.k_norm", attn + ("k_norm",), k_dim)
+    return table
+
+
+def _mla_targets(cfg: ModelConfig, pre: str, attn: ParamPath) -> dict[str, TensorTarget]:
+    """transformers' DeepseekV3Attention names; attention_bias gives q_a, kv_a and o a bias."""
+    m, d, h = cfg.mla, cfg.hidden_size, cfg.num_heads
+    q_out = h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    table: dict[str, TensorTarget] = {}
+    if m.q_lora_rank:
+        _linear(table, f"{pre}.q_a_proj", attn + ("q_a",), d, m.q_lora_rank, cfg.qkv_bias)
+        _norm(table, f"{pre}.q_a_layernorm", attn + ("q_a_norm",), m.q_lora_rank)
+        _linear(table, f"{pre}.q_b_proj", attn + ("q_b",), m.q_lora_rank, q_out, False)
+    else:
+        _linear(table, f"{pre}.q_proj", attn + ("q",), d, q_out, False)
+    _linear(table, f"{pre}.kv_a_proj_with_mqa", attn + ("kv_a",), d, m.kv_lora_rank + m.qk_rope_head_dim,
+            cfg.qkv_bias)
+    _norm(table, f"{pre}.kv_a_layernorm", attn + ("kv_a_norm",), m.kv_lora_rank)
+    _linear(table, f"{pre}.kv_b_proj", attn + ("kv_b",), m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim),
+            False)
+    _linear(table, f"{pre}.o_proj", attn + ("o",), h * m.v_head_dim, d, cfg.o_bias)
+    return table
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
+    """Every tensor name a checkpoint of this config must contain, with its target and HF shape."""
+    d = cfg.hidden_size
     moe_name, expert_names = _MOE_NAMES[cfg.family]
     table: dict[str, TensorTarget] = {
         "model.embed_tokens.weight": TensorTarget(("embed",), (), False, (cfg.vocab_size, d)),
@@ -65,15 +119,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
         pre, layer = f"model.layers.{i}", ("layers", i)
         table[f"{pre}.input_layernorm.weight"] = TensorTarget(layer + ("input_norm", "scale"), (), False, (d,))
         table[f"{pre}.post_attention_layernorm.weight"] = TensorTarget(layer + ("post_norm", "scale"), (), False, (d,))
-        for proj, (n_in, n_out) in {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out), "o": (q_out, d)}.items():
-            attn = layer + ("attn", proj)
-            table[f"{pre}.self_attn.{proj}_proj.weight"] = TensorTarget(attn + ("kernel",), (), True, (n_out, n_in))
-            if (cfg.qkv_bias and proj != "o") or (cfg.o_bias and proj == "o"):
-                table[f"{pre}.self_attn.{proj}_proj.bias"] = TensorTarget(attn + ("bias",), (), False, (n_out,))
-        if cfg.qk_norm != "none":
-            q_dim, k_dim = (hd, hd) if cfg.qk_norm == "per_head" else (q_out, kv_out)
-            table[f"{pre}.self_attn.q_norm.weight"] = TensorTarget(layer + ("attn", "q_norm", "scale"), (), False, (q_dim,))
-            table[f"{pre}.self_attn.k_norm.weight"] = TensorTarget(layer + ("attn", "k_norm", "scale"), (), False, (k_dim,))
+        table.update((_mla_targets if cfg.mla else _gqa_targets)(cfg, f"{pre}.self_attn", layer + ("attn",)))
         mlp = layer + ("mlp",)
         if not cfg.moe_layers[i]:
             table.update(_swiglu_targets(f"{pre}.mlp", ("gate_proj", "up_proj", "down_proj"), mlp, (),
@@ -81,12 +127,17 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
             continue
         moe = f"{pre}.{moe_name}"
         table[f"{moe}.gate.weight"] = TensorTarget(mlp + ("router", "kernel"), (), True, (cfg.num_experts, d))
+        if cfg.router == "sigmoid_grouped":
+            table[f"{moe}.gate.e_score_correction_bias"] = TensorTarget(mlp + ("router", "score_bias"), (), False,
+                                                                        (cfg.num_experts,))
         for e in range(cfg.num_experts):
             table.update(_swiglu_targets(f"{moe}.experts.{e}", expert_names, mlp + ("experts",), (e,),
                                          d, cfg.expert_intermediate_size))
         if cfg.shared_expert_intermediate_size:
-            table.update(_swiglu_targets(f"{moe}.shared_expert", ("gate_proj", "up_proj", "down_proj"),
+            shared = "shared_expert" if cfg.shared_expert_gate else "shared_experts"  # Qwen2-MoE vs DeepSeek
+            table.update(_swiglu_targets(f"{moe}.{shared}", ("gate_proj", "up_proj", "down_proj"),
                                          mlp + ("shared_expert",), (), d, cfg.shared_expert_intermediate_size))
-            table[f"{moe}.shared_expert_gate.weight"] = TensorTarget(mlp + ("shared_expert_gate", "kernel"), (),
-                                                                     True, (1, d))
+            if cfg.shared_expert_gate:
+                table[f"{moe}.shared_expert_gate.weight"] = TensorTarget(mlp + ("shared_expert_gate", "kernel"), (),
+                                                                         True, (1, d))
     return table

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jmoe.checkpoint.hf_layout import IGNORABLE, TensorTarget, expected_tensors
+from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors, is_ignorable
 from jmoe.model.params import ParamPath, abstract_model, flat_params, nest_params, param_key
 from jmoe.checkpoint.safetensors_files import TensorInfo, index_tensors, read_tensor
 from jmoe.config import ModelConfig
@@ -37,9 +37,8 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors dtypes a weight may 
 def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected: dict[str, TensorTarget],
                        cfg: ModelConfig) -> None:
     """Every expected tensor is present with its expected shape; nothing unexpected is present."""
-    ignorable = {n for n in IGNORABLE if cfg.tie_word_embeddings}
     missing = sorted(n for n in expected if n not in tensors)
-    unexpected = sorted(n for n in tensors if n not in expected and n not in ignorable)
+    unexpected = sorted(n for n in tensors if n not in expected and not is_ignorable(cfg, n))
     problems = []
     if missing:
         problems.append(f"missing tensors: {_name_list(missing)}")
@@ -110,7 +109,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer =
     pieces = param_pieces(model_dir, cfg, abstract)
     loaded = {}
     for path in tqdm(abstract, desc="loading weights", unit="param", disable=not progress, leave=False):
-        host = assemble_param(abstract[path].shape, dtype, pieces[path])
+        host = assemble_param(abstract[path].shape, abstract[path].dtype, pieces[path])
         if check_finite:
             check_finite_param(model_dir, path, host)
         loaded[path] = place(path, host)

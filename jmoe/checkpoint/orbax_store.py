@@ -155,7 +155,7 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
                 if kind not in MEMORY_KINDS:
                     raise InputError(f"memory_kind_of({path}) returned {kind!r}; expected one of {MEMORY_KINDS}")
                 targets[orbax_key(path)] = jax.ShapeDtypeStruct(
-                    abstract[path].shape, dtype, sharding=sharding_for(kind))
+                    abstract[path].shape, abstract[path].dtype, sharding=sharding_for(kind))
             try:
                 restored = ocp.load(orbax_dir / PARAMS_DIR, nest_params(targets))
             except Exception as e:  # Orbax reports unreadable data as a bare Exception

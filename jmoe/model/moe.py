@@ -15,14 +15,38 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.model.layers import DenseMLP, Experts, Linear
+from jmoe.model.layers import DenseMLP, Experts, Linear, normal_param
 
 
 def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
     """float32 [N, E]: how strongly each token of x [N, d] prefers each expert, from the router's
-    parameters `router` (its kernel [d, E])."""
-    (kernel,) = router
-    return jax.nn.softmax((x @ kernel).astype(jnp.float32), axis=-1)
+    parameters `router` (its kernel [d, E], and for "sigmoid_grouped" its score bias [E]). Its top-k is the
+    router's choice, for every router: "sigmoid_grouped" returns the bias-corrected sigmoid scores with the
+    experts of groups outside the best `topk_group` at -inf."""
+    if cfg.router == "softmax":
+        (kernel,) = router
+        return jax.nn.softmax((x @ kernel).astype(jnp.float32), axis=-1)
+    kernel, bias = router
+    biased = _sigmoid_scores(router, x) + bias.astype(jnp.float32)
+    grouped = biased.reshape(x.shape[0], cfg.n_group, -1)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # a group is as good as its best two
+    _, best_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    eligible = jnp.zeros(group_scores.shape, bool).at[jnp.arange(x.shape[0])[:, None], best_groups].set(True)
+    return jnp.where(eligible[:, :, None], grouped, -jnp.inf).reshape(x.shape[0], -1)
+
+
+def _sigmoid_scores(router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
+    # In float32 from float32 operands, as transformers computes this router whatever the model's dtype.
+    return jax.nn.sigmoid(x.astype(jnp.float32) @ router[0].astype(jnp.float32))
+
+
+class ScoreRouter(nnx.Module):
+    """The sigmoid router's parameters: its kernel and the per-expert bias added for selection only (kept in
+    float32, as transformers keeps it)."""
+
+    def __init__(self, d: int, e: int, *, dtype, rngs: nnx.Rngs):
+        self.kernel = normal_param(rngs, (d, e), dtype)
+        self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
 
 
 class MoELayerView(NamedTuple):
@@ -37,14 +61,20 @@ class MoEBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d = cfg.hidden_size
         self.cfg = cfg
-        self.router = Linear(d, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
+        if cfg.router == "softmax":
+            self.router = Linear(d, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
+        else:
+            self.router = ScoreRouter(d, cfg.num_experts, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg.num_experts, d, cfg.expert_intermediate_size, dtype=dtype, rngs=rngs)
         fs = cfg.shared_expert_intermediate_size
         self.shared_expert = DenseMLP(d, fs, dtype=dtype, rngs=rngs) if fs else None
-        self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype, rngs=rngs) if fs else None
+        gated = fs and cfg.shared_expert_gate
+        self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype, rngs=rngs) if gated else None
 
     def router_params(self) -> tuple[jax.Array, ...]:
-        return (self.router.kernel.get_value(),)  # get_value: see Experts.weights
+        if self.cfg.router == "softmax":
+            return (self.router.kernel.get_value(),)  # get_value: see Experts.weights
+        return (self.router.kernel.get_value(), self.router.score_bias.get_value())
 
     def route(self, x: jax.Array, token_valid: jax.Array,
               forced_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -54,13 +84,18 @@ class MoEBlock(nnx.Module):
         a random-weight model sees real cache behaviour; the weights are the router's probabilities of
         the forced experts.
         """
-        probs = router_probabilities(self.cfg, self.router_params(), x)
-        if forced_ids is None:
-            weights, ids = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
-        else:
-            ids, weights = forced_ids, jnp.take_along_axis(probs, forced_ids, axis=-1)
-        if self.cfg.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        cfg = self.cfg
+        probs = router_probabilities(cfg, self.router_params(), x)
+        ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)[1] if forced_ids is None else forced_ids
+        if cfg.router == "softmax":
+            weights = jnp.take_along_axis(probs, ids, axis=-1)
+            if cfg.norm_topk_prob:
+                weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        else:  # the chosen experts' unbiased scores
+            weights = jnp.take_along_axis(_sigmoid_scores(self.router_params(), x), ids, axis=-1)
+            if cfg.norm_topk_prob:
+                weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+            weights = weights * cfg.routed_scaling_factor
         ids = jnp.where(token_valid[:, None], ids.astype(jnp.int32), -1)
         return ids, weights.astype(x.dtype)
 
@@ -73,4 +108,6 @@ class MoEBlock(nnx.Module):
     def shared(self, x: jax.Array) -> jax.Array:
         if self.shared_expert is None:
             return jnp.zeros_like(x)
+        if self.shared_expert_gate is None:
+            return self.shared_expert(x)
         return jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

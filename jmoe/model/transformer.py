@@ -6,6 +6,7 @@ the expert weights come from without touching the rest of the model.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 from jmoe.config import ModelConfig
 from jmoe.model.attention import Attention
 from jmoe.model.layers import INIT_STD, DenseMLP, RMSNorm, normal_param
+from jmoe.model.mla import MLAttention
 from jmoe.model.moe import MoEBlock, MoELayerView
 from jmoe.model.rope import rope_tables
 
@@ -27,7 +29,7 @@ BeforeLayer = Callable[[int, jax.Array], jax.Array]
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.attn = (MLAttention if cfg.mla else Attention)(cfg, dtype=dtype, rngs=rngs)
         self.post_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         if cfg.moe_layers[layer]:
             self.mlp = MoEBlock(cfg, dtype=dtype, rngs=rngs)
@@ -37,7 +39,7 @@ class DecoderLayer(nnx.Module):
 
 class ForwardOut(NamedTuple):
     logits: jax.Array  # float32 [B, T or 1, V]
-    kv_cache: tuple  # per layer (k [B, S, Hkv, hd], v [B, S, Hkv, hd])
+    kv_cache: tuple  # per layer (k [B, S, Hkv, hd], v [B, S, Hkv, hd]); MLA: see empty_kv_cache
     routing: jax.Array  # int32 [num_moe_layers, B, T, k]: expert ids chosen (-1 for padding)
     finite: jax.Array  # bool [num_layers]: whether each decoder layer's output is free of NaN and inf
 
@@ -124,6 +126,21 @@ class MoETransformer(nnx.Module):
         return ForwardOut(logits, tuple(new_cache), routing_ids, jnp.stack(finite))
 
 
-def empty_kv_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> tuple:
+def kv_cache_shapes(cfg: ModelConfig, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of one layer's cache pair: keys and values [B, S, Hkv, hd], or for MLA the compressed latent
+    [B, S, 1, kv_lora_rank] and the roped shared key [B, S, 1, qk_rope_head_dim] (jmoe.model.mla)."""
+    if cfg.mla is not None:
+        return (batch, length, 1, cfg.mla.kv_lora_rank), (batch, length, 1, cfg.mla.qk_rope_head_dim)
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+    return shape, shape
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """Bytes the KV cache holds per token of one row, over all layers."""
+    per_layer = sum(math.prod(shape) for shape in kv_cache_shapes(cfg, 1, 1))
+    return cfg.num_layers * per_layer * jnp.dtype(dtype).itemsize
+
+
+def empty_kv_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> tuple:
+    k_shape, v_shape = kv_cache_shapes(cfg, batch, length)
+    return tuple((jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers))
