@@ -420,7 +420,7 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
     experts_key = next((k for k in fam.num_experts_keys if hf.get(k) is not None), fam.num_experts_keys[0])
     num_experts = _size(hf, experts_key, source, limit_key="experts")
     top_k = _size(hf, "num_experts_per_tok", source)
-    if num_heads % num_kv_heads:
+    if num_heads % num_kv_heads and not fam.mla:  # MLA has no KV heads: its keys come from one latent
         raise ConfigError(f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
                           f"num_key_value_heads ({num_kv_heads})")
     if not 0 < top_k <= num_experts:

@@ -11,7 +11,10 @@ from pathlib import Path
 VOCAB = 96
 
 # name -> (model_type, config overrides). Shapes vary: experts, top-k, GQA ratio, tied/untied,
-# shared expert, dense layers, sliding window, per-head vs full q/k norm, qkv clipping.
+# shared expert, dense layers, sliding window, per-head vs full q/k norm, qkv clipping; DeepSeek-V3's latent
+# attention with and without q_lora, expert groups, YaRN, interleaved rotary; GLM-4.5's partial rotary.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 16, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 1.0}
 FAMILY_CASES = {
     "mixtral_e4k2_gqa2": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=48)),
@@ -34,7 +37,24 @@ FAMILY_CASES = {
                                                  tie_word_embeddings=True)),
     "olmoe_e8k4_clip": ("olmoe", dict(num_experts=8, num_experts_per_tok=4, intermediate_size=24,
                                       num_attention_heads=4, num_key_value_heads=4, clip_qkv=4.0)),
+    "deepseek_v3_qlora_groups": ("deepseek_v3", dict(
+        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=16,
+        n_shared_experts=2, intermediate_size=40, first_k_dense_replace=1, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, attention_bias=True, routed_scaling_factor=2.5)),
+    "deepseek_v3_yarn_plain_q": ("deepseek_v3", dict(
+        n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=24,
+        n_shared_experts=1, intermediate_size=32, first_k_dense_replace=0, num_attention_heads=2,
+        num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+        rope_interleave=False, norm_topk_prob=False, routed_scaling_factor=1.5, rope_parameters=YARN,
+        tie_word_embeddings=True)),
+    "glm4_moe_partial_qknorm": ("glm4_moe", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
+        intermediate_size=40, first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5)),
 }
+# Routers whose selection bias transformers initialises to zero get random values, so the tests see it work.
+SCORE_BIAS_STD = 0.2
 
 
 def hf_config(model_type: str, **overrides):
@@ -54,6 +74,10 @@ def write_checkpoint(directory: Path, model_type: str, seed: int = 0, max_shard_
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(model_type, **overrides)).eval()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, SCORE_BIAS_STD)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return model
