@@ -21,7 +21,13 @@ PACKING_SLACK = 8
 def parameter_lower_bound(cfg: ModelConfig) -> int:
     """Parameters every supported family has at least: embeddings, attention projections, routed experts."""
     embeddings = cfg.vocab_size * cfg.hidden_size
-    attention = cfg.num_layers * cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+    if cfg.mla is None:
+        attention = cfg.num_layers * cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+    else:  # the latent projections and the output projection, whichever query projection there is
+        m = cfg.mla
+        attention = cfg.num_layers * (cfg.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)
+                                      + m.kv_lora_rank * cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+                                      + cfg.num_heads * m.v_head_dim * cfg.hidden_size)
     experts = cfg.num_moe_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size
     return embeddings + attention + experts
 

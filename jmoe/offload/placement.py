@@ -27,6 +27,7 @@ import numpy as np
 from jmoe.config import ModelConfig
 from jmoe.errors import InputError
 from jmoe.memory import DEVICE, PINNED_HOST
+from jmoe.model import kv_bytes_per_token
 from jmoe.model.params import ParamPath, param_key
 from jmoe.offload.layer_groups import LayerGroups, prefetch_buffer_bytes
 from jmoe.offload.options import OffloadOptions
@@ -78,6 +79,7 @@ class Placement:
     layer_groups: LayerGroups | None = None
     fetched_keys: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # layer -> keys fetched ahead
     fetch_buffer_bytes: int = 0  # device memory the fetched layer weights can take at once
+    kv_bytes_per_token: int = 0  # KV cache per token of one sequence, all layers (MLA: the compressed latent)
 
     def memory_kind_of(self, path: ParamPath) -> str:
         return self.memory_kind[param_key(path)]
@@ -131,6 +133,7 @@ class Placement:
                          f"{self.fetch_buffer_bytes / 2**20:>12.2f}   ({self.layer_groups.describe()}: "
                          f"layers {', '.join(map(str, sorted(self.fetched_keys)))})")
         totals = self.totals()
+        lines.append(f"KV cache: {self.kv_bytes_per_token:,} bytes per token of each sequence, all layers")
         lines.append(f"total on device {totals['device_bytes'] / 2**20:.2f} MB, in pinned host memory "
                      f"{totals['host_bytes'] / 2**20:.2f} MB")
         lines.extend(self.notes)
@@ -143,6 +146,7 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
     device_budget_gb, layer_groups = options.device_budget_gb, options.layer_groups
     offload_params = options.offload_params
     keys = {path: param_key(path) for path in abstract}
+    kv_per_token = kv_bytes_per_token(cfg, abstract[("embed",)].dtype)  # the cache takes the activations' dtype
     nbytes = {keys[p]: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for p, a in abstract.items()}
     host_keys: set[str] = set()
     offloaded: set[int] = set()
@@ -186,7 +190,7 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
         budget = int(device_budget_gb * 2**30)
         dense = sum(b for k, b in nbytes.items()
                     if k not in host_keys and not is_expert_param(tuple(k.split("."))))
-        kv = 2 * cfg.num_layers * BUDGET_KV_TOKENS * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+        kv = BUDGET_KV_TOKENS * kv_per_token
         chosen = [i for i, c in enumerate(caches) if c is None]  # the layers whose cache the budget chooses
         per_slot = len(chosen) * expert_bytes
         scratch_bytes = scratch * expert_bytes
@@ -221,7 +225,7 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
     return Placement(memory_kind, nbytes, {keys[p]: param_group(p) for p in abstract}, offloaded_layers,
                      tuple(min(caches[i], cfg.num_experts) for i in offloaded_layers),
                      scratch if offloaded_layers else 0, expert_bytes, tuple(notes), layer_groups, fetched_keys,
-                     fetch_buffer)
+                     fetch_buffer, kv_per_token)
 
 
 def select_params(patterns: list[str] | None, candidates: list[ParamPath], keys: dict[ParamPath, str],

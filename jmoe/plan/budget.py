@@ -13,6 +13,7 @@ import numpy as np
 
 from jmoe.config import ModelConfig
 from jmoe.memory import DEVICE
+from jmoe.model import kv_bytes_per_token
 from jmoe.offload.placement import Placement
 from jmoe.plan.resources import PINNED_POOL_ENV, Resources, pinned_pool_gb_for
 
@@ -45,8 +46,8 @@ class MemoryNeeds:
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, context: int, dtype) -> int:
-    """Keys and values of every layer for `batch` rows of `context` tokens (jmoe.model.empty_kv_cache)."""
-    return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+    """The KV cache of every layer for `batch` rows of `context` tokens (jmoe.model.empty_kv_cache)."""
+    return batch * context * kv_bytes_per_token(cfg, dtype)
 
 
 def memory_needs(cfg: ModelConfig, placement: Placement, batch: int, context: int, dtype,
