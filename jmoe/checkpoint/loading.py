@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jmoe.checkpoint.fp8 import attach_scales
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors, is_ignorable
 from jmoe.model.params import ParamPath, abstract_model, flat_params, nest_params, param_key
 from jmoe.checkpoint.safetensors_files import TensorInfo, index_tensors, read_tensor
@@ -52,7 +53,7 @@ def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected
         if found != target.hf_shape:
             raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has shape {list(found)}, expected "
                                   f"{list(target.hf_shape)} from config.json; the checkpoint and config disagree")
-        if tensors[name].dtype not in FLOAT_DTYPES:
+        if tensors[name].dtype not in FLOAT_DTYPES and tensors[name].scale_inv is None:
             raise CheckpointError(f"{tensors[name].file}: tensor {name!r} has dtype {tensors[name].dtype}, expected "
                                   f"a floating-point weight ({', '.join(FLOAT_DTYPES)}); casting it would give wrong "
                                   f"numbers: re-export the checkpoint in a float dtype")
@@ -79,7 +80,7 @@ def param_pieces(model_dir: Path, cfg: ModelConfig, abstract: dict[ParamPath, ob
                  check_data: bool = True) -> dict[ParamPath, list[tuple[TensorTarget, TensorInfo]]]:
     """Check the checkpoint against the config; then, per parameter path, the HF tensors that fill it.
     `check_data=False` reads the file headers alone (see index_tensors)."""
-    tensors = index_tensors(model_dir, check_data)
+    tensors = attach_scales(model_dir, index_tensors(model_dir, check_data), cfg)
     expected = expected_tensors(cfg)
     check_tensor_names(model_dir, tensors, expected, cfg)
     pieces: dict[ParamPath, list] = defaultdict(list)

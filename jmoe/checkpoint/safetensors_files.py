@@ -16,22 +16,25 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from jmoe.checkpoint.fp8 import dequantize
 from jmoe.errors import CheckpointError
 from jmoe.jsonfile import read_json
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on the JSON header
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 class TensorInfo:
-    __slots__ = ("file", "dtype", "shape", "start", "end")
+    __slots__ = ("file", "dtype", "shape", "start", "end", "scale_inv", "block")
 
     def __init__(self, file: Path, dtype: str, shape: tuple[int, ...], start: int, end: int):
         self.file, self.dtype, self.shape, self.start, self.end = file, dtype, shape, start, end
+        self.scale_inv: TensorInfo | None = None  # a float8 weight's block scales (jmoe.checkpoint.fp8)
+        self.block: tuple[int, int] | None = None
 
 
 def _read_header(path: Path, check_data: bool = True) -> tuple[dict, int]:
@@ -150,7 +153,14 @@ def stored_values(model_dir: Path) -> int:
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
-    """The tensor's data as a NumPy array (a read-only view of the memory-mapped file)."""
+    """The tensor's data as a NumPy array (a read-only view of the memory-mapped file); a float8 weight with
+    block scales comes back dequantized, in float32."""
+    if info.scale_inv is not None:
+        return dequantize(_read(info), _read(info.scale_inv), info.block)
+    return _read(info)
+
+
+def _read(info: TensorInfo) -> np.ndarray:
     dtype = np.dtype(_DTYPES[info.dtype])
     count = int(np.prod(info.shape, dtype=np.int64))
     data = np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=(count,))

@@ -72,4 +72,6 @@ def read_headers(model_dir: str | Path, dtype=None) -> CheckpointHeaders:
     pieces = param_pieces(model_dir, config, abstract, check_data=False)
     infos = [info for path_pieces in pieces.values() for _, info in path_pieces]
     return CheckpointHeaders(model_dir, config, "safetensors", dtype, abstract, len(infos),
-                             sum(info.end - info.start for info in infos), dict(Counter(i.dtype for i in infos)))
+                             sum(info.end - info.start + (info.scale_inv.end - info.scale_inv.start
+                                                          if info.scale_inv else 0) for info in infos),
+                             dict(Counter(i.dtype for i in infos)))
