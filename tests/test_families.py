@@ -220,3 +220,34 @@ def test_fp8_checkpoint_problems_are_named(fp8_pair, tmp_path):
     edit_json(broken / "config.json", quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
     with pytest.raises(CheckpointError, match=r"_scale_inv' is F32 \[\d+, \d+\], expected F32 \[\d+, \d+\]"):
         jmoe.load(broken, progress=False)
+
+
+def test_fp8_checkpoint_matches_transformers(tmp_path):
+    """transformers loads a float8 checkpoint on CPU by dequantizing it (it needs accelerate, and blocks that
+    divide every quantized weight): jmoe computes the same logits."""
+    pytest.importorskip("accelerate")
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import FAMILY_CASES, write_checkpoint
+
+    overrides = {**FAMILY_CASES[DEEPSEEK][1], "q_lora_rank": 16, "qk_rope_head_dim": 8, "v_head_dim": 8,
+                 "intermediate_size": 48}  # every quantized dimension a multiple of 8
+    write_checkpoint(tmp_path / "source", "deepseek_v3", **overrides)
+    tensors = {}
+    for name, array in load_file(tmp_path / "source" / "model.safetensors").items():
+        if quantized_linear(name, array):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(array, (8, 8))
+        else:
+            tensors[name] = array
+    directory = tmp_path / "fp8"
+    directory.mkdir()
+    shutil.copy(tmp_path / "source" / "config.json", directory / "config.json")
+    write_safetensors(directory / "model.safetensors", tensors)
+    edit_json(directory / "config.json", quantization_config={"quant_method": "fp8", "weight_block_size": [8, 8],
+                                                              "activation_scheme": "dynamic"})
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    expected = reference(torch.tensor(IDS)).logits.detach().numpy()
+    np.testing.assert_allclose(np.asarray(jmoe.load(directory, progress=False).logits(IDS)), expected, atol=1e-4,
+                               rtol=0)
