@@ -251,3 +251,29 @@ def test_fp8_checkpoint_matches_transformers(tmp_path):
     expected = reference(torch.tensor(IDS)).logits.detach().numpy()
     np.testing.assert_allclose(np.asarray(jmoe.load(directory, progress=False).logits(IDS)), expected, atol=1e-4,
                                rtol=0)
+
+
+@pytest.mark.parametrize("rope", [
+    # DeepSeek-V3's own config.json (old-style rope_scaling): the frequencies and both scales at full size.
+    {"rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}, "rope_theta": 10000},
+    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "mscale": 0.707,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "truncate": False}},
+])
+def test_yarn_at_deepseek_scale_matches_transformers(rope):
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from jmoe.model.rope import inv_freq
+
+    sizes = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, q_lora_rank=None,
+                 kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                 max_position_embeddings=163840, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+    hf = DeepseekV3Config(**sizes, **rope)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    cfg = parse_config({"model_type": "deepseek_v3", "moe_intermediate_size": 32, "intermediate_size": 64,
+                        **sizes, **rope})
+    np.testing.assert_allclose(inv_freq(cfg), expected.numpy(), rtol=1e-6)
+    assert cfg.rope_yarn.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+    assert cfg.mla.softmax_scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, (128 + 64) ** -0.5), rel=1e-12)
