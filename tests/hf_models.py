@@ -45,7 +45,8 @@ FAMILY_CASES = {
     "deepseek_v3_yarn_plain_q": ("deepseek_v3", dict(
         n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=24,
         n_shared_experts=1, intermediate_size=32, first_k_dense_replace=0, num_attention_heads=2,
-        num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+        num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+        v_head_dim=16,
         rope_interleave=False, norm_topk_prob=False, routed_scaling_factor=1.5, rope_parameters=YARN,
         tie_word_embeddings=True)),
     "glm4_moe_partial_qknorm": ("glm4_moe", dict(

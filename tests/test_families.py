@@ -104,7 +104,7 @@ def test_glm4_moe_every_cache_size_matches_resident(hf_checkpoints):
     DeepSeek-V3's, which runs them all)."""
     directory = hf_checkpoints["glm4_moe_partial_qknorm"][0]
     base = jmoe.load(directory, progress=False)
-    prompts = [list(np.random.RandomState(1).randint(0, VOCAB, 11)), list(np.random.RandomState(2).randint(0, VOCAB, 4))]
+    prompts = [list(np.random.RandomState(seed).randint(0, VOCAB, n)) for seed, n in ((1, 11), (2, 4))]
     ref_logits, ref_tokens = np.asarray(base.logits(IDS)), base.generate(prompts, max_new_tokens=8)
     e, k = base.config.num_experts, base.config.num_experts_per_tok
     for cache in sorted({0, k, e // 2, e - 1}):
