@@ -38,7 +38,8 @@ class MoEBlock(nnx.Module):
         d = cfg.hidden_size
         self.cfg = cfg
         self.router = Linear(d, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
-        self.experts = Experts(cfg.num_experts, d, cfg.expert_intermediate_size, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg.num_experts, d, cfg.expert_intermediate_size, dtype=dtype, rngs=rngs,
+                               expert_dtype=cfg.expert_dtype, group=cfg.expert_group)
         fs = cfg.shared_expert_intermediate_size
         self.shared_expert = DenseMLP(d, fs, dtype=dtype, rngs=rngs) if fs else None
         self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype, rngs=rngs) if fs else None
