@@ -23,6 +23,7 @@ from jmoe.decode.sampling import SamplingParams
 from jmoe.decode.steps import make_logits_fn, make_step_fn
 from jmoe.decode.streaming import stdout_streamer
 from jmoe.errors import InputError, NonFiniteError
+from jmoe.kernels import FORMATS
 from jmoe.memory import sharding_for
 from jmoe.model import MoETransformer
 from jmoe.model.params import flat_params
@@ -186,7 +187,8 @@ CHECK_FINITE_BYTES = 4 * 2**30
 def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, policy: str | CachePolicy = "lfru",
          offload_params: list[str] | None = None, device_budget_gb: float | None = None, prefetch: int = 0,
          miss_mode: str = "fetch", offload_group_size: int = 0, offload_num_in_group: int = 1,
-         offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, prefetch_trace=None, dtype: str | None = None,
+         offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, prefetch_trace=None,
+         expert_dtype: str | None = None, expert_group_size: int | None = None, dtype: str | None = None,
          backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
          check_memory: bool = True, check_finite: bool | None = None) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
@@ -212,6 +214,12 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         pinned host memory, and each is copied in when the layer K before it starts. 0 = off.
     cpu_moe_layers: keep every expert of the first N MoE layers in pinned host memory (cache 0 there; the
         other layers follow `cache`); with miss_mode="host" they are also computed there.
+    expert_dtype: how the routed experts are stored in host memory, in the device slots and in every copy
+        between them: None = as the checkpoint stores them; "float32" / "bfloat16"; or quantized at load,
+        "int8" (per output column), "int4" (per group of expert_group_size input rows, default 64), "fp8"
+        (e4m3, 128x128 blocks) or "mxfp4" (e2m1, e8m0 scale per 32): 2-8x fewer bytes per expert, computed
+        by dequantizing inside the expert kernel (formats: jmoe.kernels.quantized).
+    expert_group_size: int4's rows per scale; must divide hidden_size and the expert width.
     dtype: parameter dtype (default: the checkpoint's `dtype` in config.json).
     backend: expert kernel backend for jmoe.kernels.moe_ffn.
     progress: show a progress bar and print the placement summary to stderr.
@@ -227,7 +235,7 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
-                             prefetch_trace)
+                             prefetch_trace, expert_dtype, expert_group_size)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 
@@ -238,7 +246,8 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
     """`load` with the offload settings already gathered in an OffloadOptions (the command lines use this)."""
     check_backend(backend)
     enable_compile_cache(compile_cache)
-    headers = read_headers(path, dtype)  # config and checkpoint headers, checked; no tensor data read yet
+    # config and checkpoint headers, checked; no tensor data read yet
+    headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     model_dir, config, dtype = headers.directory, headers.config, headers.dtype
     placement = plan_placement(config, headers.abstract, options)
     if check_memory:
@@ -262,6 +271,9 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
 def random_model(config: ModelConfig, seed: int = 0, backend: str = "auto") -> Model:
     """A randomly initialised model with every parameter on the device (tests, benchmarks, training)."""
     check_backend(backend)
+    if config.expert_dtype in FORMATS:
+        raise InputError(f"random_model makes float experts; expert_dtype={config.expert_dtype!r} is applied when "
+                         f"loading: save the random model as a checkpoint and jmoe.load it with expert_dtype")
     module = MoETransformer(config, rngs=nnx.Rngs(seed))
     placement = plan_placement(config, flat_params(nnx.to_pure_dict(nnx.state(module))))
     return Model(module, config, ResidentEngine(config, placement, backend))

@@ -9,9 +9,10 @@ import numbers
 import jax.numpy as jnp
 
 from jmoe.errors import InputError
-from jmoe.kernels import BACKENDS
+from jmoe.kernels import BACKENDS, FORMATS
 
 PARAM_DTYPES = ("float32", "bfloat16")  # what the expert kernels compute in
+EXPERT_DTYPES = (*PARAM_DTYPES, *FORMATS)  # how routed experts may be stored
 
 
 def is_whole_number(value) -> bool:
@@ -49,3 +50,4 @@ def param_dtype(name) -> jnp.dtype:
         raise InputError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, found {name!r}; pass dtype= / --dtype "
                          f"with one of them")
     return dtype
+

@@ -13,7 +13,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from jmoe.errors import ConfigError
+from jmoe.arguments import EXPERT_DTYPES
+from jmoe.errors import ConfigError, InputError
+from jmoe.kernels import FORMATS, quantized
 from jmoe.jsonfile import read_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -88,6 +90,10 @@ class ModelConfig:
     shared_expert_gate: bool = True  # the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)
     extra_layers: int = 0  # decoder layers past num_hidden_layers a checkpoint may carry (multi-token prediction)
     fp8_block: tuple[int, int] | None = None  # float8 weights with per-block inverse scales of this shape
+    # How routed experts are stored (a load option, not part of config.json): None = like every other
+    # parameter; "float32" / "bfloat16"; or a jmoe.kernels.quantized format with its group size.
+    expert_dtype: str | None = None
+    expert_group: int = 0
 
     @property
     def rope_dim(self) -> int:
@@ -483,6 +489,27 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
         fp8_block=_fp8_block(hf, source),
         **family_switches,
     )
+
+
+def with_expert_dtype(cfg: ModelConfig, expert_dtype: str | None, group_size: int | None = None) -> ModelConfig:
+    """`cfg` with its routed experts stored as `expert_dtype` (None: like the other parameters; a float dtype;
+    or a quantized format, jmoe.kernels.quantized) and, for int4, `group_size` rows per scale (default 64)."""
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise InputError(f"expert_dtype must be None or one of {', '.join(EXPERT_DTYPES)}, found {expert_dtype!r}; "
+                         f"pass expert_dtype= / --expert-dtype with one of them")
+    if group_size is not None and expert_dtype != "int4":
+        raise InputError(f"expert_group_size applies to expert_dtype='int4' only (the other formats have fixed "
+                         f"layouts), found expert_dtype={expert_dtype!r} with expert_group_size={group_size!r}")
+    if expert_dtype not in FORMATS:
+        return cfg.replace(expert_dtype=expert_dtype, expert_group=0)
+    try:
+        group = quantized.group_size(expert_dtype, group_size)
+        for name, rows in (("w_gate_up (hidden_size)", cfg.hidden_size),
+                           ("w_down (expert intermediate size)", cfg.expert_intermediate_size)):
+            quantized.check_shape(expert_dtype, group, rows, f"expert_dtype={expert_dtype}: {name}")
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return cfg.replace(expert_dtype=expert_dtype, expert_group=group)
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -2,6 +2,8 @@
 
 from jmoe.kernels.activations import ACTIVATIONS
 from jmoe.kernels.dispatch import BACKENDS, ExpertKernel, ExpertWeights, moe_ffn
+from jmoe.kernels.quantized import FORMATS, QuantizedTensor, quantize
 from jmoe.kernels.reference import moe_ffn_reference
 
-__all__ = ["ACTIVATIONS", "BACKENDS", "ExpertKernel", "ExpertWeights", "moe_ffn", "moe_ffn_reference"]
+__all__ = ["ACTIVATIONS", "BACKENDS", "FORMATS", "ExpertKernel", "ExpertWeights", "QuantizedTensor", "moe_ffn",
+           "moe_ffn_reference", "quantize"]

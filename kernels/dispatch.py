@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jmoe.kernels.activations import get_activation
 from jmoe.kernels.pallas_grouped import moe_ffn_pallas
+from jmoe.kernels.quantized import QuantizedTensor, is_quantized
 from jmoe.kernels.reference import moe_ffn_reference
 from jmoe.kernels.triton_grouped import moe_ffn_triton
 from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_ragged, moe_ffn_tiled
@@ -73,9 +74,14 @@ def validate_inputs(x, slot_ids, weights, w_gate_up, w_down):
         fail(f"slot_ids must be int32, got {slot_ids.dtype}")
     if x.dtype not in _FLOAT_DTYPES:
         fail(f"x must be float32 or bfloat16, got {x.dtype}")
+    quantized = [is_quantized(w) for w in (w_gate_up, w_down)]
+    if quantized[0] != quantized[1] or (all(quantized) and (w_gate_up.fmt, w_gate_up.group) != (w_down.fmt, w_down.group)):
+        fail("w_gate_up and w_down must be both plain or both QuantizedTensors of one format, got "
+             f"{w_gate_up!r} and {w_down!r}")
     for name, arr in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if arr.dtype != x.dtype:
-            fail(f"{name} dtype must equal x dtype {x.dtype}, got {arr.dtype}")
+        # Plain weights in the other float dtype are cast slot by slot, as quantized ones are dequantized.
+        if not is_quantized(arr) and arr.dtype not in _FLOAT_DTYPES:
+            fail(f"{name} must be float32, bfloat16 or a jmoe.kernels.QuantizedTensor, got {arr.dtype}")
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         fail(f"weights must be floating point, got {weights.dtype}")
 
@@ -84,13 +90,15 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     """y[t] = sum_j weights[t, j] * (act(x_t Wg, x_t Wu)) Wd for slot slot_ids[t, j].
 
     x [T, d]; slot_ids int32 [T, k] (-1 contributes nothing and is never read);
-    weights [T, k]; w_gate_up [S, d, 2f] (gate then up); w_down [S, f, d].
+    weights [T, k]; w_gate_up [S, d, 2f] (gate then up); w_down [S, f, d], each a float array or a
+    QuantizedTensor (dequantized slot by slot or tile by tile inside the kernel, jmoe.kernels.quantized).
     Returns [T, d] accumulated in float32 and cast to out_dtype (default x.dtype). Callers that add up
     several partial results ask for float32, so rounding happens once, after the sum.
     Inputs may be JAX or NumPy arrays (or nested lists); NumPy's float64 becomes float32 as in jnp.asarray.
     """
     # A backend chosen by platform traces every branch, which NumPy inputs cannot enter: convert once.
-    x, slot_ids, weights, w_gate_up, w_down = (jnp.asarray(a) for a in (x, slot_ids, weights, w_gate_up, w_down))
+    x, slot_ids, weights = (jnp.asarray(a) for a in (x, slot_ids, weights))
+    w_gate_up, w_down = (jax.tree.map(jnp.asarray, w) if is_quantized(w) else jnp.asarray(w) for w in (w_gate_up, w_down))
     validate_inputs(x, slot_ids, weights, w_gate_up, w_down)
     num_slots = w_gate_up.shape[0]
     if not isinstance(slot_ids, jax.core.Tracer) and bool(((slot_ids < -1) | (slot_ids >= num_slots)).any()):
@@ -109,8 +117,8 @@ class ExpertWeights(NamedTuple):
     """The stacked weights of S experts (or slots), a pytree whose every leaf has the expert axis first, so
     that copying, slicing or updating one expert is the same operation on every leaf."""
 
-    w_gate_up: jax.Array  # [S, d, 2f]: gate then up on the last axis
-    w_down: jax.Array  # [S, f, d]
+    w_gate_up: jax.Array | QuantizedTensor  # [S, d, 2f]: gate then up on the last axis
+    w_down: jax.Array | QuantizedTensor  # [S, f, d]
 
     @property
     def num_experts(self) -> int:

@@ -10,13 +10,14 @@ Weights stay whole in memory and each program indexes its tile's slot, so only s
 a tile are read; empty tiles (tile_group == -1) read nothing."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jmoe.kernels import grouping
+from jmoe.kernels import grouping, quantized
 from jmoe.kernels.activations import get_activation
 from jmoe.kernels.xla import moe_ffn_tiled
 
@@ -26,9 +27,22 @@ GPU_MIN_BLOCK = 16
 TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
-def gpu_shapes_supported(d: int, f: int) -> bool:
-    """Whether the Triton lowering can tile d and f (blocks of at least GPU_MIN_BLOCK)."""
-    return min(grouping.largest_pow2_divisor(d, 128), grouping.largest_pow2_divisor(f, 128)) >= GPU_MIN_BLOCK
+def gpu_shapes_supported(w_gate_up, w_down) -> bool:
+    """Whether the Triton lowering can tile these weights (blocks of at least GPU_MIN_BLOCK)."""
+    d, f = w_down.shape[2], w_down.shape[1]
+    blocks = (grouping.largest_pow2_divisor(d, 128), grouping.largest_pow2_divisor(f, 128),
+              contraction_block(w_gate_up, 128), contraction_block(w_down, 128))
+    return min(blocks) >= GPU_MIN_BLOCK
+
+
+def contraction_block(weight, cap: int) -> int:
+    """Rows of K one loop step reads: a power of two dividing the rows looped over and, for a quantized
+    weight, dividing the rows that share a scale (so a block never straddles two scale rows)."""
+    extent = quantized.contraction_extent(weight)
+    shared = quantized.scale_rows(weight)
+    if quantized.is_quantized(weight) and weight.fmt == "fp8":
+        shared = quantized.FP8_BLOCK
+    return grouping.largest_pow2_divisor(math.gcd(extent, shared) if shared else extent, cap)
 
 
 def choose_blocks(num_pairs, num_slots, d, f, *, on_gpu):
@@ -45,7 +59,32 @@ def choose_blocks(num_pairs, num_slots, d, f, *, on_gpu):
     return block_m, block_f, block_d
 
 
-def _gate_up_kernel(tile_group_ref, x_ref, w_ref, h_ref, *, block_d, block_f, f, act):
+def _weight_blocks(w_refs, fmt, group, slot, row, block_k, col, block_n):
+    """[(first x column, weight block [block_k, block_n])] for weight rows [row, row + block_k) of one slot
+    and columns [col, col + block_n): the block itself for a plain weight; dequantized in float32 for a
+    quantized one, where packed formats give the low-nibble rows and the high-nibble rows K/2 further."""
+    cols = pl.ds(col, block_n)
+    if fmt is None:
+        (w_ref,) = w_refs
+        return [(row, w_ref[slot, pl.ds(row, block_k), cols])]
+    values_ref, scales_ref = w_refs
+    codes = quantized.decode_codes(fmt, values_ref[slot, pl.ds(row, block_k), cols])
+    if fmt == "int8":
+        return [(row, codes * scales_ref[slot, pl.ds(0, 1), cols])]
+    if fmt == "fp8":
+        block = quantized.FP8_BLOCK
+        return [(row, codes * scales_ref[slot, pl.ds(row // block, 1), pl.ds(col // block, 1)])]
+    half = values_ref.shape[1]
+
+    def scale(first_row):
+        return quantized.scale_values(fmt, scales_ref[slot, pl.ds(first_row // group, 1), cols])
+
+    low, high = codes
+    return [(row, low * scale(row)), (half + row, high * scale(half + row))]
+
+
+def _gate_up_kernel(tile_group_ref, x_ref, *refs, block_d, block_f, f, act, fmt, group):
+    *w_refs, h_ref = refs
     tile, n = pl.program_id(0), pl.program_id(1)
     slot = tile_group_ref[tile]
 
@@ -57,20 +96,23 @@ def _gate_up_kernel(tile_group_ref, x_ref, w_ref, h_ref, *, block_d, block_f, f,
     def _():
         def step(kk, acc):
             acc_gate, acc_up = acc
-            xs = x_ref[:, pl.ds(kk * block_d, block_d)]
-            w_gate = w_ref[slot, pl.ds(kk * block_d, block_d), pl.ds(n * block_f, block_f)]
-            w_up = w_ref[slot, pl.ds(kk * block_d, block_d), pl.ds(f + n * block_f, block_f)]
-            acc_gate += jnp.dot(xs, w_gate, preferred_element_type=jnp.float32)
-            acc_up += jnp.dot(xs, w_up, preferred_element_type=jnp.float32)
+            row = kk * block_d
+            for first, w_gate in _weight_blocks(w_refs, fmt, group, slot, row, block_d, n * block_f, block_f):
+                xs = x_ref[:, pl.ds(first, block_d)]
+                acc_gate += jnp.dot(xs, w_gate.astype(xs.dtype), preferred_element_type=jnp.float32)
+            for first, w_up in _weight_blocks(w_refs, fmt, group, slot, row, block_d, f + n * block_f, block_f):
+                xs = x_ref[:, pl.ds(first, block_d)]
+                acc_up += jnp.dot(xs, w_up.astype(xs.dtype), preferred_element_type=jnp.float32)
             return acc_gate, acc_up
 
         zeros = jnp.zeros(h_ref.shape, jnp.float32)
-        num_k = x_ref.shape[1] // block_d
+        num_k = w_refs[0].shape[1] // block_d
         acc_gate, acc_up = jax.lax.fori_loop(0, num_k, step, (zeros, zeros))
         h_ref[...] = act(acc_gate, acc_up).astype(h_ref.dtype)
 
 
-def _down_kernel(tile_group_ref, h_ref, row_weight_ref, w_ref, y_ref, *, block_f, block_d):
+def _down_kernel(tile_group_ref, h_ref, row_weight_ref, *refs, block_f, block_d, fmt, group):
+    *w_refs, y_ref = refs
     tile, n = pl.program_id(0), pl.program_id(1)
     slot = tile_group_ref[tile]
 
@@ -81,22 +123,22 @@ def _down_kernel(tile_group_ref, h_ref, row_weight_ref, w_ref, y_ref, *, block_f
     @pl.when(slot >= 0)
     def _():
         def step(kk, acc):
-            hs = h_ref[:, pl.ds(kk * block_f, block_f)]
-            w = w_ref[slot, pl.ds(kk * block_f, block_f), pl.ds(n * block_d, block_d)]
-            return acc + jnp.dot(hs, w, preferred_element_type=jnp.float32)
+            for first, w in _weight_blocks(w_refs, fmt, group, slot, kk * block_f, block_f, n * block_d, block_d):
+                hs = h_ref[:, pl.ds(first, block_f)]
+                acc += jnp.dot(hs, w.astype(hs.dtype), preferred_element_type=jnp.float32)
+            return acc
 
-        num_k = h_ref.shape[1] // block_f
+        num_k = w_refs[0].shape[1] // block_f
         acc = jax.lax.fori_loop(0, num_k, step, jnp.zeros(y_ref.shape, jnp.float32))
         # Router weight after the down projection, as Hugging Face does.
         y_ref[...] = acc * row_weight_ref[...][:, None]
 
 
 def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu", blocks=None):
-    """The grouped GEMM as Triton kernels where the program is lowered for a CUDA GPU (shapes whose d and
-    f Triton cannot tile run the portable XLA kernel there instead), interpreted elsewhere."""
+    """The grouped GEMM as Triton kernels where the program is lowered for a CUDA GPU (weights Triton cannot
+    tile run the portable XLA kernel there instead), interpreted elsewhere."""
     args = (x, slot_ids, weights, w_gate_up, w_down)
-    d, f = w_down.shape[2], w_down.shape[1]
-    if gpu_shapes_supported(d, f):
+    if gpu_shapes_supported(w_gate_up, w_down):
         on_cuda = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, on_gpu=True)
     else:
         on_cuda = functools.partial(moe_ffn_tiled, activation=activation)
@@ -113,39 +155,43 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, *, activation, blocks
     if blocks is None:
         blocks = choose_blocks(num_tokens * top_k, num_slots, d, f, on_gpu=on_gpu)
     block_m, block_f, block_d = blocks
+    # Quantized weights loop over K in blocks that stay inside one scale row (and over K/2 when packed).
+    k_block_d, k_block_f = min(block_d, contraction_block(w_gate_up, 128)), min(block_f, contraction_block(w_down, 128))
+    fmt = w_gate_up.fmt if quantized.is_quantized(w_gate_up) else None
+    group = w_gate_up.group if fmt else 0
     layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
     x_rows = grouping.gather_rows(x, layout)
     num_rows = x_rows.shape[0]
     num_tiles = num_rows // block_m
 
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_d=block_d, block_f=block_f, f=f, act=act),
+        functools.partial(_gate_up_kernel, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt, group=group),
         out_shape=jax.ShapeDtypeStruct((num_rows, f), x.dtype),
         grid=(num_tiles, f // block_f),
         in_specs=[
             pl.no_block_spec,  # tile_group: whole, read one scalar per program
             pl.BlockSpec((block_m, d), lambda i, n: (i, 0)),
-            pl.no_block_spec,  # w_gate_up: whole, indexed by the tile's slot
+            *[pl.no_block_spec] * len(jax.tree.leaves(w_gate_up)),  # w_gate_up: whole, indexed by the tile's slot
         ],
         out_specs=pl.BlockSpec((block_m, block_f), lambda i, n: (i, n)),
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="moe_gate_up",
-    )(layout.tile_group, x_rows, w_gate_up)
+    )(layout.tile_group, x_rows, *jax.tree.leaves(w_gate_up))
 
     y_rows = pl.pallas_call(
-        functools.partial(_down_kernel, block_f=block_f, block_d=block_d),
+        functools.partial(_down_kernel, block_f=k_block_f, block_d=block_d, fmt=fmt, group=group),
         out_shape=jax.ShapeDtypeStruct((num_rows, d), jnp.float32),
         grid=(num_tiles, d // block_d),
         in_specs=[
             pl.no_block_spec,
             pl.BlockSpec((block_m, f), lambda i, n: (i, 0)),
             pl.BlockSpec((block_m,), lambda i, n: (i,)),
-            pl.no_block_spec,  # w_down: whole, indexed by the tile's slot
+            *[pl.no_block_spec] * len(jax.tree.leaves(w_down)),  # w_down: whole, indexed by the tile's slot
         ],
         out_specs=pl.BlockSpec((block_m, block_d), lambda i, n: (i, n)),
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="moe_down",
-    )(layout.tile_group, h, layout.row_weight, w_down)
+    )(layout.tile_group, h, layout.row_weight, *jax.tree.leaves(w_down))
     return grouping.combine_rows(y_rows, layout, top_k)

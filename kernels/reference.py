@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.quantized import rows_of
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -16,8 +17,9 @@ def moe_ffn_reference(x, slot_ids, weights, w_gate_up, w_down, *, activation="sw
     # -1 must never select real weights: clamp to slot 0 for the gather, then drop the
     # contribution with a select (not a multiply, so NaN/Inf in slot 0 cannot leak in).
     safe_ids = jnp.where(valid, slot_ids, 0)
-    w_gu = w_gate_up[safe_ids]  # [T, k, d, 2f]
-    w_d = w_down[safe_ids]  # [T, k, f, d]
+    # Quantized weights: dequantize (to x's dtype) the gathered slots, then the same math.
+    w_gu = rows_of(w_gate_up, safe_ids, x.dtype)  # [T, k, d, 2f]
+    w_d = rows_of(w_down, safe_ids, x.dtype)  # [T, k, f, d]
     gate_up = jnp.einsum(
         "td,tkdn->tkn", x, w_gu, precision=_HIGHEST, preferred_element_type=jnp.float32
     )

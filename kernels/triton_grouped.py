@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.kernels import grouping
+from jmoe.kernels.quantized import is_quantized
 from jmoe.kernels.target import gpu_available, target_compute_capability
 
 # Activations with a Triton implementation (the JAX registry cannot be called from Triton).
@@ -105,6 +106,9 @@ def _kernels():
 
 
 def moe_ffn_triton(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+    if is_quantized(w_gate_up):
+        raise ValueError("moe_ffn backend='triton' takes plain float weights; quantized experts run on "
+                         "backend='pallas' (its Triton lowering dequantizes inside the kernel) or 'auto'")
     jt = require_triton(activation)
     gate_up_kernel, down_kernel = _kernels()
     num_tokens, top_k = slot_ids.shape

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from jmoe.kernels import grouping
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.quantized import materialize, rows_of
 
 
 def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
@@ -19,6 +20,9 @@ def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=num_slots + 1)[:num_slots].astype(jnp.int32)
     x_sorted = x[order // top_k]
+    # lax.ragged_dot takes no scales: quantized weights are dequantized whole here, which is why `auto`
+    # never picks this backend for them (xla_tiled dequantizes one slot per tile).
+    w_gate_up, w_down = materialize(w_gate_up, x.dtype), materialize(w_down, x.dtype)
     # XLA:CPU lowers ragged_dot densely (every row times every group's weights, masked by multiplying), so a
     # NaN in a slot no row uses would reach every row: there, unused slots are zeroed first.
     used = group_sizes > 0
@@ -53,8 +57,8 @@ def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     safe = jnp.where(used, uniq, jnp.where(used[0], uniq[0], 0))
     # Each needed slot read once. Operands go to f32 here: a bf16 product is exact in f32, so
     # this equals bf16 x bf16 -> f32 accumulation, which XLA:CPU cannot run as a batched dot.
-    w_gu = w_gate_up[safe].astype(jnp.float32)  # [U, d, 2f]
-    w_d = w_down[safe].astype(jnp.float32)  # [U, f, d]
+    w_gu = rows_of(w_gate_up, safe, x.dtype).astype(jnp.float32)  # [U, d, 2f]
+    w_d = rows_of(w_down, safe, x.dtype).astype(jnp.float32)  # [U, f, d]
     gate_up = jnp.einsum("td,udn->tun", x.astype(jnp.float32), w_gu)
     h = act(gate_up[..., :f], gate_up[..., f:]).astype(x.dtype).astype(jnp.float32)
     out = jnp.einsum("tuf,ufd->tud", h, w_d)
@@ -85,9 +89,9 @@ def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu
     w_tiles = layout.row_weight.reshape(-1, block_m)
 
     def compute(slot, xs, ws):
-        gate_up = jnp.dot(xs, w_gate_up[slot], preferred_element_type=jnp.float32)
+        gate_up = jnp.dot(xs, rows_of(w_gate_up, slot, x.dtype), preferred_element_type=jnp.float32)
         h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
-        out = jnp.dot(h, w_down[slot], preferred_element_type=jnp.float32)
+        out = jnp.dot(h, rows_of(w_down, slot, x.dtype), preferred_element_type=jnp.float32)
         return out * ws[:, None]
 
     def branched(slot, xs, ws):

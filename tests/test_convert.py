@@ -117,7 +117,7 @@ def test_cli_reports_bad_source(tmp_path, capsys):
 
 
 def _fail_on_third_param(monkeypatch):
-    real, calls = converter.assemble_param, []
+    real, calls = converter.stored_params, []
 
     def flaky(*args):
         calls.append(1)
@@ -125,7 +125,7 @@ def _fail_on_third_param(monkeypatch):
             raise RuntimeError("simulated crash mid-conversion")
         return real(*args)
 
-    monkeypatch.setattr(converter, "assemble_param", flaky)
+    monkeypatch.setattr(converter, "stored_params", flaky)
 
 
 def test_interrupted_conversion_leaves_nothing_that_loads(hf_checkpoints, tmp_path, monkeypatch):

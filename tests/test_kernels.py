@@ -256,7 +256,7 @@ def _ok():
         (3, jnp.zeros((3, 8, 11)), "2\\*f .* odd 11"),
         (4, jnp.zeros((3, 5, 8)), r"w_down must be \[S=3, f=6, d=8\], got \(3, 5, 8\)"),
         (4, jnp.zeros((2, 6, 8)), r"w_down must be \[S=3, f=6, d=8\], got \(2, 6, 8\)"),
-        (4, jnp.zeros((3, 6, 8), jnp.bfloat16), "w_down dtype must equal x dtype float32"),
+        (4, jnp.zeros((3, 6, 8), jnp.int8), "w_down must be float32, bfloat16 or a jmoe.kernels.QuantizedTensor"),
     ],
 )
 def test_bad_inputs_raise_clear_value_error(index, bad, match):

@@ -1,7 +1,7 @@
 """Convert a Hugging Face safetensors checkpoint into jmoe's Orbax format (jmoe.checkpoint.orbax_store).
 
 Conversion streams one parameter group at a time (the top-level parameters, then each decoder layer):
-a group is assembled on the host with `assemble_param` and appended to the Orbax checkpoint with
+a group is assembled on the host with `stored_params` (quantizing experts when asked) and appended to the Orbax checkpoint with
 Orbax's partial save, so peak memory is about one layer's experts, not the model. Everything is written
 into a temporary directory next to the output and renamed into place at the end, so an interrupted
 conversion never leaves a directory that restores; SIGINT and SIGTERM remove it, and a later conversion
@@ -29,13 +29,13 @@ import orbax.checkpoint.experimental.v1 as ocp
 from tqdm import tqdm
 
 from jmoe.checkpoint.bounds import check_sizes_against_tensors
-from jmoe.checkpoint.loading import assemble_param, check_finite_param, param_pieces
+from jmoe.checkpoint.loading import param_pieces, params_as_read, stored_params
 from jmoe.checkpoint.orbax_store import (COPIED_FILES, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, PARAMS_DIR,
                                          TMP_INFIX, checksum, is_orbax_checkpoint, orbax_key, param_groups)
 from jmoe.model.params import abstract_params, nest_params, param_key
 from jmoe.checkpoint.safetensors_files import checkpoint_files, stored_values
 from jmoe.jsonfile import read_json
-from jmoe.config import load_config
+from jmoe.config import load_config, with_expert_dtype
 from jmoe.errors import CheckpointError, InputError
 
 
@@ -153,11 +153,13 @@ def _copy_checked_files(hf_dir: Path, tmp: Path) -> list[str]:
     return copied
 
 
-def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, overwrite: bool = False,
-                       progress: bool = True) -> Path:
+def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, expert_dtype: str | None = None,
+                       expert_group_size: int | None = None, overwrite: bool = False, progress: bool = True) -> Path:
     """Convert the HF checkpoint in `hf_dir` to a jmoe Orbax checkpoint at `out_dir`; returns `out_dir`.
 
     dtype: parameter dtype to store (default: the checkpoint's dtype in config.json).
+    expert_dtype, expert_group_size: how to store the routed experts, as jmoe.load's (e.g. "int4": quantized
+        once here, recorded in the manifest, loaded as stored).
     overwrite: replace a non-empty `out_dir` (only once the new checkpoint is complete).
     """
     hf_dir, out_dir = Path(hf_dir).absolute(), Path(out_dir).absolute()  # Orbax needs absolute paths
@@ -168,10 +170,11 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, o
         raise InputError(f"dtype {dtype!r} is not a dtype; expected e.g. bfloat16 or float32") from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise InputError(f"dtype {dtype} is not a floating-point type; expected e.g. bfloat16 or float32")
+    cfg = with_expert_dtype(cfg, expert_dtype, expert_group_size)
     _check_output(hf_dir, out_dir, overwrite)
     check_sizes_against_tensors(hf_dir, cfg, stored_values(hf_dir))
     abstract = abstract_params(cfg, dtype)
-    pieces = param_pieces(hf_dir, cfg, abstract)  # checks every tensor name and shape before any work
+    pieces = param_pieces(hf_dir, cfg, params_as_read(cfg, dtype))  # checks every tensor name and shape first
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out_dir.parent, out_dir.name)
     with _termination_raises():
@@ -195,14 +198,15 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
         # (bench/results/convert.md); loading fast is the point of converting.
         save_context.array.saving.use_compression = False
         checksums = {}  # param key -> CRC-32 of the stored bytes (restore verifies them)
-        with save_context, tqdm(total=len(abstract), desc="converting", unit="param", disable=not progress) as bar:
-            for group, paths in param_groups(abstract).items():
+        as_read = params_as_read(cfg, dtype)
+        with save_context, tqdm(total=len(as_read), desc="converting", unit="param", disable=not progress) as bar:
+            for group, paths in param_groups(as_read).items():
                 bar.set_postfix_str(param_key(group) or "embeddings")
                 host = {}
                 for path in paths:
-                    host[orbax_key(path)] = assemble_param(abstract[path].shape, abstract[path].dtype, pieces[path])
-                    check_finite_param(hf_dir, path, host[orbax_key(path)])
-                    checksums[param_key(path)] = checksum(host[orbax_key(path)])
+                    for stored_path, array in stored_params(hf_dir, cfg, as_read, pieces, path, True).items():
+                        host[orbax_key(stored_path)] = array
+                        checksums[param_key(stored_path)] = checksum(array)
                     bar.update()
                 ocp.partial.save(tmp / PARAMS_DIR, nest_params(host))
                 del host  # free this group before assembling the next
@@ -210,8 +214,9 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
         copied = _copy_checked_files(hf_dir, tmp)
         _write_json(tmp / MANIFEST, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
-            "params": {param_key(p): {"shape": list(a.shape), "crc32": checksums[param_key(p)]}
-                       for p, a in abstract.items()},
+            "expert_dtype": cfg.expert_dtype, "expert_group": cfg.expert_group,
+            "params": {param_key(p): {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name,
+                                      "crc32": checksums[param_key(p)]} for p, a in abstract.items()},
             "source": {"directory": str(hf_dir.resolve()), "files": sources},
             "copied_files": copied,
             "versions": {"orbax-checkpoint": ocp_pkg.__version__, "jax": jax.__version__},

@@ -18,10 +18,11 @@ from tqdm import tqdm
 
 from jmoe.checkpoint.fp8 import attach_scales
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors, is_ignorable
-from jmoe.model.params import ParamPath, abstract_model, flat_params, nest_params, param_key
+from jmoe.model.params import ParamPath, abstract_model, abstract_params, flat_params, nest_params, param_key
 from jmoe.checkpoint.safetensors_files import TensorInfo, index_tensors, read_tensor
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError
+from jmoe.kernels import FORMATS, quantize
 from jmoe.model import MoETransformer
 
 Placer = Callable[[ParamPath, np.ndarray], jax.Array]
@@ -100,19 +101,42 @@ def check_finite_param(source: Path, path: ParamPath, host: np.ndarray) -> None:
                               f"weights are broken: download or export the checkpoint again")
 
 
+def params_as_read(cfg: ModelConfig, dtype) -> dict[ParamPath, object]:
+    """{path: shape struct} of the parameters a Hugging Face checkpoint fills, before experts are quantized:
+    float experts (in `cfg.expert_dtype` when that is a float dtype)."""
+    if cfg.expert_dtype in FORMATS:
+        cfg = cfg.replace(expert_dtype=None, expert_group=0)
+    return abstract_params(cfg, dtype)
+
+
+def stored_params(model_dir: Path, cfg: ModelConfig, as_read: dict[ParamPath, object], pieces, path: ParamPath,
+                  check_finite: bool) -> dict[ParamPath, np.ndarray]:
+    """Parameter `path` of `as_read` (params_as_read) assembled from its tensors, as the model stores it:
+    itself, or, for an expert weight to be quantized, its values (same path) and scales (`..._scale`)."""
+    host = assemble_param(as_read[path].shape, as_read[path].dtype, pieces[path])
+    if check_finite:
+        check_finite_param(model_dir, path, host)
+    if cfg.expert_dtype not in FORMATS or "experts" not in path:
+        return {path: host}
+    stored = quantize(host, cfg.expert_dtype, cfg.expert_group)
+    return {path: stored.values, path[:-1] + (f"{path[-1]}_scale",): stored.scales}
+
+
 def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer = device_placer,
                progress: bool = True, check_finite: bool = False) -> MoETransformer:
     """Read, check and place every parameter; return the merged NNX model. `check_finite`: refuse NaN or
-    inf weights (one pass over data already read)."""
+    inf weights (one pass over data already read). Quantized experts (`cfg.expert_dtype`) are quantized
+    one layer's weight at a time, as they are read."""
     dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
     graphdef, state = abstract_model(cfg, dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
-    pieces = param_pieces(model_dir, cfg, abstract)
+    as_read = abstract if cfg.expert_dtype not in FORMATS else params_as_read(cfg, dtype)
+    pieces = param_pieces(model_dir, cfg, as_read)
     loaded = {}
-    for path in tqdm(abstract, desc="loading weights", unit="param", disable=not progress, leave=False):
-        host = assemble_param(abstract[path].shape, abstract[path].dtype, pieces[path])
-        if check_finite:
-            check_finite_param(model_dir, path, host)
-        loaded[path] = place(path, host)
+    for path in tqdm(as_read, desc="loading weights", unit="param", disable=not progress, leave=False):
+        for stored_path, host in stored_params(model_dir, cfg, as_read, pieces, path, check_finite).items():
+            loaded[stored_path] = place(stored_path, host)
     nnx.replace_by_pure_dict(state, nest_params(loaded))
     return nnx.merge(graphdef, state)
+
+

@@ -5,7 +5,8 @@ Layout (written by jmoe.checkpoint.convert):
     params/               the Orbax checkpoint: nested dict of arrays, keys are the jmoe parameter
                           path as strings, e.g. params["layers"]["3"]["mlp"]["experts"]["w_down"]
     config.json, generation_config.json, tokenizer files   copied from the source
-    jmoe_manifest.json    written last: dtype, every parameter's shape, source files with sizes and sha256
+    jmoe_manifest.json    written last: dtype, expert_dtype and expert_group (how experts are stored), every
+                          parameter's shape, dtype and CRC-32, source files with sizes and sha256
 
 Restoring reads each group straight into the memory kind `memory_kind_of(path)` asks for, so experts
 meant for pinned host memory never pass through device memory.
@@ -112,6 +113,26 @@ def verify_checksums(orbax_dir: Path, manifest: dict, restored: dict[str, object
                                   f"`python -m jmoe.convert`")
 
 
+def stored_dtype(manifest: dict, entry: dict) -> str:
+    """A parameter's stored dtype (checkpoints converted before quantized experts list one dtype for all)."""
+    return entry.get("dtype", manifest["dtype"])
+
+
+def converted_expert_dtype(orbax_dir: Path, manifest: dict, cfg: ModelConfig, expert_dtype: str | None,
+                           group_size: int | None) -> ModelConfig:
+    """`cfg` with the expert storage the checkpoint was converted with; asking for another one is an error,
+    because the stored experts cannot be turned back into the source's numbers."""
+    stored, group = manifest.get("expert_dtype"), manifest.get("expert_group", 0)
+    wanted = stored if expert_dtype is None else expert_dtype
+    if wanted != stored or (group_size is not None and group_size != group):
+        raise InputError(f"{orbax_dir} stores its experts as {stored or manifest['dtype']}"
+                         f"{f' (group {group})' if group else ''}, but expert_dtype={expert_dtype!r}"
+                         f"{f', expert_group_size={group_size}' if group_size is not None else ''} was asked for; "
+                         f"load it without expert_dtype, or convert the Hugging Face checkpoint again with "
+                         f"--expert-dtype")
+    return cfg.replace(expert_dtype=stored, expert_group=group)
+
+
 def check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, object], cfg: ModelConfig) -> None:
     """Every parameter the config asks for is in the manifest with its shape, and nothing else is."""
     stored = {name: tuple(entry["shape"]) for name, entry in manifest["params"].items()}
@@ -140,6 +161,7 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
     orbax_dir = Path(orbax_dir).absolute()  # Orbax works on absolute paths only
     manifest = read_manifest(orbax_dir)
     dtype = np.dtype(jnp.dtype(dtype or manifest["dtype"]))
+    cfg = converted_expert_dtype(orbax_dir, manifest, cfg, cfg.expert_dtype, None)
     graphdef, state = abstract_model(cfg, dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
     check_params(orbax_dir, manifest, abstract, cfg)
@@ -168,8 +190,10 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
             flat = flat_params(restored)
             for path in paths:
                 loaded[path] = flat[orbax_key(path)]
-            if dtype == np.dtype(manifest["dtype"]):  # restored as stored: the bytes the checksums cover
-                verify_checksums(orbax_dir, manifest, {param_key(p): loaded[p] for p in paths})
+            # Parameters restored as stored have the bytes the checksums cover.
+            verify_checksums(orbax_dir, manifest, {
+                param_key(p): loaded[p] for p in paths
+                if np.dtype(abstract[p].dtype) == np.dtype(stored_dtype(manifest, manifest["params"][param_key(p)]))})
             bar.update(len(paths))
     nnx.replace_by_pure_dict(state, nest_params(loaded))
     return nnx.merge(graphdef, state)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from jmoe.arguments import EXPERT_DTYPES
 from jmoe.errors import JmoeError
 from jmoe.kernels import BACKENDS
 from jmoe.offload.options import MISS_MODES, OffloadOptions
@@ -59,6 +60,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-num-in-group", type=int, default=1, metavar="N", help="offloaded layers per group")
     g.add_argument("--offload-prefetch-step", type=int, default=1, metavar="K",
                    help="fetch an offloaded layer's weights when the layer K before it starts")
+    add_expert_dtype_args(parser)
     parser.add_argument("--backend", default="auto", help=f"expert kernel backend: {', '.join(BACKENDS)} (jmoe.kernels)")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--compile-cache", metavar="DIR", default=None,
@@ -66,6 +68,17 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                             "(default: $JMOE_COMPILE_CACHE, else ~/.cache/jmoe/jax)")
     cache.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const=False,
                        help="compile every program again")
+
+
+def add_expert_dtype_args(parser: argparse.ArgumentParser) -> None:
+    """--expert-dtype and --expert-group-size: how routed experts are stored and moved (jmoe.load's)."""
+    g = parser.add_argument_group("expert storage")
+    g.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default=None,
+                   help="store the routed experts as this (default: as the checkpoint does): float32, bfloat16, "
+                        "or quantized int8 / int4 / fp8 / mxfp4, moving 2-8x fewer bytes per expert")
+    g.add_argument("--expert-group-size", type=int, default=None, metavar="G",
+                   help="int4 only: input rows sharing one scale (default 64; must divide the hidden size and "
+                        "the expert width)")
 
 
 def cache_value(text: str) -> int | tuple[int | None, ...]:
@@ -79,7 +92,8 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
     """The OffloadOptions of parsed `add_offload_args` flags (checked there, before any loading)."""
     return OffloadOptions(args.cache, args.policy, args.offload_params, args.device_budget_gb, args.prefetch,
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
-                          args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace)
+                          args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace, args.expert_dtype,
+                          args.expert_group_size)
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, **load_kwargs):

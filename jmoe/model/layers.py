@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.kernels import ExpertWeights
+from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor
+from jmoe.kernels.quantized import quantized_shapes
 
 INIT_STD = 0.02
 
@@ -59,12 +60,25 @@ class DenseMLP(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """The E experts of one MoE layer, stacked."""
+    """The E experts of one MoE layer, stacked. Quantized experts (`expert_dtype` one of
+    jmoe.kernels.FORMATS) hold each weight as two parameters, its values (`w_gate_up`) and scales
+    (`w_gate_up_scale`); they start as zeros and are filled by loading, which quantizes them."""
 
-    def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs):
-        self.w_gate_up = normal_param(rngs, (e, d, 2 * f), dtype)
-        self.w_down = normal_param(rngs, (e, f, d), dtype)
+    def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs, expert_dtype: str | None = None,
+                 group: int = 0):
+        self.format = expert_dtype if expert_dtype in FORMATS else None
+        self.group = group
+        for name, shape in (("w_gate_up", (e, d, 2 * f)), ("w_down", (e, f, d))):
+            if self.format is None:
+                setattr(self, name, normal_param(rngs, shape, expert_dtype or dtype))
+                continue
+            values_shape, values_dtype, scales_shape, scales_dtype = quantized_shapes(self.format, group, shape)
+            setattr(self, name, nnx.Param(jnp.zeros(values_shape, values_dtype)))
+            setattr(self, f"{name}_scale", nnx.Param(jnp.zeros(scales_shape, scales_dtype)))
 
     def weights(self) -> ExpertWeights:
         # get_value, unlike [...], also works on an abstract model (shape structs), which jmoe.plan compiles.
-        return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value())
+        if self.format is None:
+            return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value())
+        return ExpertWeights(*(QuantizedTensor(getattr(self, name).get_value(), getattr(self, f"{name}_scale").get_value(),
+                                               self.format, self.group) for name in ("w_gate_up", "w_down")))

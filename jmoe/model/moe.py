@@ -65,7 +65,8 @@ class MoEBlock(nnx.Module):
             self.router = Linear(d, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
         else:
             self.router = ScoreRouter(d, cfg.num_experts, dtype=dtype, rngs=rngs)
-        self.experts = Experts(cfg.num_experts, d, cfg.expert_intermediate_size, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg.num_experts, d, cfg.expert_intermediate_size, dtype=dtype, rngs=rngs,
+                               expert_dtype=cfg.expert_dtype, group=cfg.expert_group)
         fs = cfg.shared_expert_intermediate_size
         self.shared_expert = DenseMLP(d, fs, dtype=dtype, rngs=rngs) if fs else None
         gated = fs and cfg.shared_expert_gate

@@ -17,6 +17,7 @@ from jax.experimental.compute_on import compute_on
 
 from jmoe.kernels import ExpertWeights
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.quantized import materialize
 from jmoe.memory import to_device, to_host
 
 
@@ -26,16 +27,19 @@ def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, ac
     act = get_activation(activation)
     f = host.w_down.shape[1]
 
+    def expert_weight(weight, expert):
+        # One expert of a plain or quantized weight (every leaf), in x's dtype: dequantized here, on the host.
+        one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, expert, 0, keepdims=False), weight)
+        return materialize(one, x.dtype)
+
     def add_expert(j, acc):
         expert = experts[j]
         # Each token's routing weight for this expert (0 when it did not choose it). A product, not jnp.where:
         # where would broadcast its scalar 0 into a device-typed array.
         token_weight = jnp.sum(weights.astype(jnp.float32) * (ids == expert), axis=1, keepdims=True)
-        gate_up = jnp.dot(x, jax.lax.dynamic_index_in_dim(host.w_gate_up, expert, 0, keepdims=False),
-                          preferred_element_type=jnp.float32)
+        gate_up = jnp.dot(x, expert_weight(host.w_gate_up, expert), preferred_element_type=jnp.float32)
         h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
-        y = jnp.dot(h, jax.lax.dynamic_index_in_dim(host.w_down, expert, 0, keepdims=False),
-                    preferred_element_type=jnp.float32)
+        y = jnp.dot(h, expert_weight(host.w_down, expert), preferred_element_type=jnp.float32)
         return acc + token_weight * y
 
     return jax.lax.fori_loop(0, count, add_expert, to_host(jnp.zeros(x.shape, jnp.float32)))

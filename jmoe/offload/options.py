@@ -7,7 +7,7 @@ import dataclasses
 import re
 from typing import Sequence
 
-from jmoe.arguments import positive_finite, whole_number
+from jmoe.arguments import EXPERT_DTYPES, positive_finite, whole_number
 from jmoe.errors import InputError
 from jmoe.offload.layer_groups import LayerGroups, layer_groups_from
 from jmoe.offload.policies import CachePolicy, policy_factory
@@ -45,6 +45,11 @@ class OffloadOptions:
     # A routing trace of the model (.npy path or int array [tokens, MoE layers, k]): prefetch with the
     # history predictor fitted on it (jmoe.offload.history_prefetch); None = off.
     prefetch_trace: object = None
+    # How routed experts are stored, in host memory, slots and copies: None = as the checkpoint stores them
+    # (the other parameters' dtype; a converted checkpoint's own format), or jmoe.arguments.EXPERT_DTYPES;
+    # int4's rows per scale (None = 64).
+    expert_dtype: str | None = None
+    expert_group_size: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -95,6 +100,11 @@ class OffloadOptions:
             raise InputError(f"policy must be a policy name or a jmoe.offload.policies.CachePolicy, found "
                              f"{type(self.policy).__name__}")
         self.layer_groups  # checks the group settings
+        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
+            raise InputError(f"expert_dtype must be None or one of {', '.join(EXPERT_DTYPES)}, found "
+                             f"{self.expert_dtype!r}")
+        if self.expert_group_size is not None:
+            whole_number("expert_group_size", self.expert_group_size, 2, "rows of an int4 weight sharing a scale")
 
     def layer_caches(self, num_moe_layers: int) -> tuple[int | None, ...]:
         """The cache of every MoE layer (None = all its experts resident), before a device budget chooses

@@ -88,7 +88,8 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
 
     path: a Hugging Face or jmoe-Orbax checkpoint directory; only config.json and the headers are read.
     cache, dtype, backend and `offload` (policy, offload_params, device_budget_gb, prefetch, miss_mode,
-        offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers): as jmoe.load.
+        offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers, expert_dtype,
+        expert_group_size): as jmoe.load.
     target: a GPU to plan for: a shipped target name (jmoe.plan.targets.target_names()) or a target-config
         file; its device memory is the device memory available, and with `compile` the decode and prefill
         programs are compiled for it (needs the gpu-compile extra) and their memory is counted.
@@ -112,7 +113,7 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     check_backend(backend)
     host_gb = None if host_gb is None else positive_finite("host_gb", host_gb)
     device_gb = None if device_gb is None else positive_finite("device_gb", device_gb)
-    headers = read_headers(path, dtype)
+    headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     cfg = headers.config
     batch = whole_number("batch", batch, 1, "rows planned for")
     rows = bucket_batch(batch)
@@ -162,5 +163,5 @@ def refuse_if_unfit(headers: CheckpointHeaders, placement: Placement) -> None:
 def raise_pinned_pool_for(path: str | Path, options: OffloadOptions, dtype=None) -> str | None:
     """For the command lines, before JAX starts: raise the pinned-host pool limit to what this placement's
     pinned arrays need, unless the user set it (jmoe.plan.resources.ensure_pinned_pool). Returns what was set."""
-    headers = read_headers(path, dtype)
+    headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     return ensure_pinned_pool(plan_placement(headers.config, headers.abstract, options).totals()["host_bytes"])
