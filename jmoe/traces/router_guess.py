@@ -36,7 +36,7 @@ class RouterGuesses:
     probs[:, i] is the guess for MoE layer i + 1, made from MoE layer i's input.
     """
 
-    probs: np.ndarray  # float32 [N, L-1, E]: softmax(router_{l+1}(h_l)) for l = 0 .. L-2
+    probs: np.ndarray  # float32 [N, L-1, E]: router_probabilities of router l+1 on h_l, l = 0 .. L-2
     ids: np.ndarray  # int32 [N, L, k]: the experts each MoE layer chose
 
     @property
