@@ -448,6 +448,9 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
     family_switches: dict[str, Any] = {}
     if fam.deepseek_moe:
         shared = _size(hf, "n_shared_experts", source, low=0)
+        if shared * expert_width > SIZE_LIMITS["shared_expert_intermediate_size"]:
+            raise ConfigError(f"{source}: n_shared_experts ({shared}) x {fam.expert_width_key} ({expert_width}) must "
+                              f"be at most {SIZE_LIMITS['shared_expert_intermediate_size']}; fix config.json")
         family_switches.update(_grouped_router(hf, num_experts, top_k, source), shared_expert_gate=False,
                                shared_expert_intermediate_size=shared * expert_width,
                                extra_layers=_size(hf, "num_nextn_predict_layers", source, 0, low=0,

@@ -78,6 +78,8 @@ def test_kimi_k2_is_deepseek_v3(hf_checkpoints, tmp_path):
     (DEEPSEEK, {"routed_scaling_factor": -1}, r"routed_scaling_factor must be a finite number > 0"),
     (DEEPSEEK, {"first_k_dense_replace": "one"}, r"first_k_dense_replace must be a whole number"),
     (DEEPSEEK, {"n_shared_experts": -1}, r"n_shared_experts must be a whole number in \[0, "),
+    (DEEPSEEK, {"n_shared_experts": 1000, "moe_intermediate_size": 1 << 20}, r"n_shared_experts \(1000\) x "
+     r"moe_intermediate_size \(1048576\) must be at most"),
     (DEEPSEEK, {"rope_interleave": "yes"}, r"rope_interleave must be true or false"),
     (DEEPSEEK, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": -2.0}},
      r"rope_parameters\.factor must be a finite number > 0"),
