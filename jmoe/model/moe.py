@@ -26,7 +26,7 @@ def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax
     if cfg.router == "softmax":
         (kernel,) = router
         return jax.nn.softmax((x @ kernel).astype(jnp.float32), axis=-1)
-    kernel, bias = router
+    _, bias = router
     biased = _sigmoid_scores(router, x) + bias.astype(jnp.float32)
     grouped = biased.reshape(x.shape[0], cfg.n_group, -1)
     group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # a group is as good as its best two
