@@ -9,30 +9,18 @@ architecture onto one family (Kimi K2 is DeepSeek-V3).
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Callable
 
 from jmoe.arguments import EXPERT_DTYPES
+from jmoe.config_rope import Yarn, rope_settings
+from jmoe.config_values import SIZE_LIMITS, boolean as _bool, positive_float as _positive_float, size as _size
 from jmoe.errors import ConfigError, InputError
-from jmoe.kernels import FORMATS, quantized
 from jmoe.jsonfile import read_json
+from jmoe.kernels import FORMATS, quantized
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 SUPPORTED_QUANT_METHODS = ("fp8",)
 MLA_NORM_EPS = 1e-6  # transformers builds DeepSeek's q_a / kv_a RMSNorms with their default eps, not rms_norm_eps
-
-
-@dataclasses.dataclass(frozen=True)
-class Yarn:
-    """YaRN rotary scaling, as config.json states it (transformers' `_compute_yarn_parameters`)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-    attention_factor: float  # multiplies cos and sin
-    truncate: bool  # round the correction range outwards to whole dimensions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,116 +97,6 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
-
-
-def _get(hf: dict, key: str, source: str, default: Any = ...) -> Any:
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if default is ...:
-        raise ConfigError(f"{source}: missing required key {key!r} for model_type {hf.get('model_type')!r}; "
-                          f"add it to config.json")
-    return default
-
-
-# Sane upper bounds on config sizes, checked before anything is built from them: far above any published
-# model, far below what would exhaust memory while building per-layer or per-expert tables. A config that
-# passes is then checked against the checkpoint's tensors (jmoe.checkpoint.bounds) before any allocation.
-SIZE_LIMITS = {
-    "hidden_size": 1 << 17, "num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
-    "head_dim": 4096, "experts": 1 << 16, "num_experts_per_tok": 1 << 16, "vocab_size": 1 << 24,
-    "max_position_embeddings": 1 << 27, "expert_width": 1 << 20, "intermediate_size": 1 << 20,
-    "shared_expert_intermediate_size": 1 << 20, "lora_rank": 1 << 17, "n_group": 1 << 16,
-    "n_shared_experts": 1 << 10, "fp8_block": 1 << 16,
-}
-
-
-def _size(hf: dict, key: str, source: str, default: Any = ..., *, low: int = 1, limit_key: str | None = None) -> int:
-    """A whole-number config value in [low, SIZE_LIMITS[limit_key or key]]: booleans, fractions, strings and
-    out-of-range values are errors that say what was found and what to write."""
-    value = _get(hf, key, source, default)
-    high = SIZE_LIMITS[limit_key or key]
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(value, float) and value.is_integer():
-        value, whole = int(value), True
-    if not whole or not low <= value <= high:
-        raise ConfigError(f"{source}: {key} must be a whole number in [{low}, {high}], found {value!r}; fix "
-                          f"config.json")
-    return value
-
-
-def _positive_float(hf: dict, key: str, source: str, default: float) -> float:
-    value = _get(hf, key, source, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{source}: {key} must be a finite number > 0, found {value!r}; fix config.json")
-    return float(value)
-
-
-def _rope_type(params: dict, scaling: dict, source: str) -> str:
-    for where, key, value in (("rope_parameters", "rope_type", params.get("rope_type")),
-                              ("rope_scaling", "rope_type", scaling.get("rope_type")),
-                              ("rope_scaling", "type", scaling.get("type"))):
-        if value is not None:
-            if value not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"{source}: unsupported rope scaling type {value!r} in {where}.{key}; supported: "
-                                  f"{', '.join(SUPPORTED_ROPE_TYPES)}; use a model whose config names one of these")
-            return value
-    return "default"
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _rope(hf: dict, source: str) -> tuple[float, float, Yarn | None, float]:
-    """(theta, linear factor, YaRN parameters, softmax-scale multiplier for MLA) from transformers>=5
-    `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key} must be an object, found {value!r}; fix config.json")
-    theta = _positive_float({"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta", source,
-                            10000.0)
-    rope_type = _rope_type(params, scaling, source)
-    merged = {**scaling, **params}
-    named = {f"rope_parameters.{k}": v for k, v in merged.items()}
-
-    def number(key: str, default, *, zero_ok: bool = False) -> float:
-        value = merged.get(key)
-        if zero_ok and value == 0 and not isinstance(value, bool):
-            return 0.0
-        return _positive_float(named, f"rope_parameters.{key}", source, default)
-
-    if rope_type == "default":
-        return theta, 1.0, None, 1.0
-    if rope_type == "linear":
-        factor = number("factor", 1.0)
-        mscale_all_dim = number("mscale_all_dim", 0.0, zero_ok=True) if merged.get("mscale_all_dim") else 0.0
-        return theta, factor, None, _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
-    original = hf.get("original_max_position_embeddings", merged.get("original_max_position_embeddings"))
-    original = _size({"original_max_position_embeddings": original}, "original_max_position_embeddings", source,
-                     _size(hf, "max_position_embeddings", source), limit_key="max_position_embeddings")
-    if merged.get("factor") is None:  # DeepSeek-style: the ratio of the two context lengths
-        factor = _size(hf, "max_position_embeddings", source) / original
-    else:
-        factor = number("factor", None)
-    mscale = number("mscale", 0.0, zero_ok=True) if merged.get("mscale") is not None else 0.0
-    mscale_all_dim = number("mscale_all_dim", 0.0, zero_ok=True) if merged.get("mscale_all_dim") is not None else 0.0
-    if merged.get("attention_factor") is not None:
-        attention_factor = number("attention_factor", None)
-    elif mscale and mscale_all_dim:
-        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    else:
-        attention_factor = _yarn_mscale(factor)
-    truncate = merged.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise ConfigError(f"{source}: rope_parameters.truncate must be true or false, found {truncate!r}; fix "
-                          f"config.json")
-    yarn = Yarn(factor=factor, original_max_position_embeddings=original,
-                beta_fast=number("beta_fast", 32.0) if merged.get("beta_fast") else 32.0,
-                beta_slow=number("beta_slow", 1.0) if merged.get("beta_slow") else 1.0,
-                attention_factor=attention_factor, truncate=truncate)
-    return theta, 1.0, yarn, _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
 
 
 def _sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
@@ -337,13 +215,6 @@ def parse_config(hf: dict, source: str = "config.json", generation: dict | None 
                           f"the config.json the model was saved with") from e
 
 
-def _bool(hf: dict, key: str, source: str) -> bool:
-    value = hf.get(key)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {key} must be true or false, found {value!r}; fix config.json")
-    return value
-
-
 def _rotary_dim(hf: dict, fam: Family, head_dim: int, source: str) -> int | None:
     """How many leading dimensions of a head are rotated (GLM-4.5's partial_rotary_factor); None = all."""
     if fam.partial_rotary_default is None:
@@ -432,7 +303,7 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
     if not 0 < top_k <= num_experts:
         raise ConfigError(f"{source}: num_experts_per_tok must be in 1..{experts_key} "
                           f"({num_experts}), found {top_k}")
-    theta, linear_factor, yarn, softmax_mult = _rope(hf, source)
+    theta, linear_factor, yarn, softmax_mult = rope_settings(hf, source)
     eos = _eos_ids(hf.get("eos_token_id"), source)
     if generation is not None and generation.get("eos_token_id") is not None:
         eos = tuple(dict.fromkeys(eos + _eos_ids(generation["eos_token_id"], "generation_config.json")))

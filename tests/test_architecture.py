@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "jmoe.errors": 0, "jmoe.memory": 0, "jmoe.jsonfile": 0, "jmoe.arguments": 0, "jmoe.compile_cache": 0,
     "jmoe.kernels": 0,
-    "jmoe.config": 1,
+    "jmoe.config": 1, "jmoe.config_values": 1, "jmoe.config_rope": 1,
     "jmoe.model": 2,
     "jmoe.checkpoint": 3, "jmoe.offload": 3, "jmoe.decode": 3,
     "jmoe.traces": 4, "jmoe.plan": 4,

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmoe.config import ModelConfig, Yarn
+from jmoe.config import ModelConfig
+from jmoe.config_rope import Yarn
 
 
 class RoPE(NamedTuple):
