@@ -59,7 +59,7 @@ def numpy_dequantize(q: QuantizedTensor) -> np.ndarray:
         codes = unpack_halves(values) - 8
         return codes * np.repeat(scales, q.group, axis=-2)
     if q.fmt == "fp8":
-        decoded = np.vectorize(e4m3_value)(values.view(np.uint8).astype(np.int64))
+        decoded = np.vectorize(e4m3_value)(values.astype(np.int64))
         scale = np.repeat(np.repeat(scales, 128, axis=-2), 128, axis=-1)[..., :k, :n]
         return decoded * scale
     decoded = np.vectorize(e2m1_value)(unpack_halves(values))
