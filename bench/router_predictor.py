@@ -27,7 +27,7 @@ from bench.common import write_result
 
 import jmoe
 from checkpoints.recipe.corpus import load_corpus
-from jmoe.eval import check_stream, pack_windows, padded_batch
+from jmoe.eval.metrics import check_stream, pack_windows, padded_batch
 from jmoe.offload.predictors import make_predictor
 from jmoe.traces.evaluation import precision_recall
 from jmoe.traces.router_guess import RouterGuesses, router_guesses

@@ -14,7 +14,7 @@ from jmoe.kernels.triton_grouped import moe_ffn_triton
 from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_ragged, moe_ffn_tiled
 
 
-def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu"):
     """What `auto` runs, chosen by the platform the program is lowered for.
 
     CUDA GPU: the Pallas grouped GEMM lowered to Triton kernels. It skips empty row tiles inside the
@@ -24,7 +24,7 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"
     CPU: the XLA tiled kernel (fastest measured at decode and prefill, bench/results/kernels_cpu.md;
     never interpret-mode Pallas, never XLA:CPU's dense ragged_dot).
     """
-    args = (x, slot_ids, weights, w_gate_up, w_down)
+    args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     return jax.lax.platform_dependent(*args, cuda=functools.partial(moe_ffn_pallas, activation=activation),
                                       default=functools.partial(moe_ffn_tiled, activation=activation))
 
@@ -42,7 +42,7 @@ BACKENDS = tuple(_IMPLS)
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def validate_inputs(x, slot_ids, weights, w_gate_up, w_down):
+def validate_inputs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None):
     """Raise ValueError saying what was expected and what was found."""
 
     def fail(msg):
@@ -84,14 +84,20 @@ def validate_inputs(x, slot_ids, weights, w_gate_up, w_down):
             fail(f"{name} must be float32, bfloat16 or a jmoe.kernels.QuantizedTensor, got {arr.dtype}")
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         fail(f"weights must be floating point, got {weights.dtype}")
+    for name, bias, shape in (("b_gate_up", b_gate_up, (s, two_f)), ("b_down", b_down, (s, d))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype not in _FLOAT_DTYPES):
+            fail(f"{name} must be None or float32/bfloat16 {list(shape)} (one bias row per slot), got "
+                 f"{bias.dtype} {list(bias.shape)}")
 
 
-def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activation="swiglu", out_dtype=None):
-    """y[t] = sum_j weights[t, j] * (act(x_t Wg, x_t Wu)) Wd for slot slot_ids[t, j].
+def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=None, backend="auto",
+            activation="swiglu", out_dtype=None):
+    """y[t] = sum_j weights[t, j] * (act(x_t Wg + bg, x_t Wu + bu) Wd + bd) for slot slot_ids[t, j].
 
     x [T, d]; slot_ids int32 [T, k] (-1 contributes nothing and is never read);
     weights [T, k]; w_gate_up [S, d, 2f] (gate then up); w_down [S, f, d], each a float array or a
-    QuantizedTensor (dequantized slot by slot or tile by tile inside the kernel, jmoe.kernels.quantized).
+    QuantizedTensor (dequantized slot by slot or tile by tile inside the kernel, jmoe.kernels.quantized);
+    optional biases b_gate_up [S, 2f] and b_down [S, d] (GPT-OSS).
     Returns [T, d] accumulated in float32 and cast to out_dtype (default x.dtype). Callers that add up
     several partial results ask for float32, so rounding happens once, after the sum.
     Inputs may be JAX or NumPy arrays (or nested lists); NumPy's float64 becomes float32 as in jnp.asarray.
@@ -99,7 +105,8 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     # A backend chosen by platform traces every branch, which NumPy inputs cannot enter: convert once.
     x, slot_ids, weights = (jnp.asarray(a) for a in (x, slot_ids, weights))
     w_gate_up, w_down = (jax.tree.map(jnp.asarray, w) if is_quantized(w) else jnp.asarray(w) for w in (w_gate_up, w_down))
-    validate_inputs(x, slot_ids, weights, w_gate_up, w_down)
+    b_gate_up, b_down = (None if b is None else jnp.asarray(b) for b in (b_gate_up, b_down))
+    validate_inputs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     num_slots = w_gate_up.shape[0]
     if not isinstance(slot_ids, jax.core.Tracer) and bool(((slot_ids < -1) | (slot_ids >= num_slots)).any()):
         raise ValueError(f"moe_ffn: slot_ids must be in [-1, {num_slots}) (-1 = none), found "
@@ -109,7 +116,7 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, backend="auto", activati
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
-    y = _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, activation=activation)  # float32
+    y = _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation=activation)  # f32
     return y.astype(out_dtype or x.dtype)
 
 
@@ -119,6 +126,8 @@ class ExpertWeights(NamedTuple):
 
     w_gate_up: jax.Array | QuantizedTensor  # [S, d, 2f]: gate then up on the last axis
     w_down: jax.Array | QuantizedTensor  # [S, f, d]
+    b_gate_up: jax.Array | None = None  # [S, 2f]: expert biases (GPT-OSS); None = none
+    b_down: jax.Array | None = None  # [S, d]
 
     @property
     def num_experts(self) -> int:
@@ -132,5 +141,5 @@ class ExpertKernel(NamedTuple):
     activation: str
 
     def __call__(self, x, slot_ids, weights, experts: ExpertWeights, out_dtype=None):
-        return moe_ffn(x, slot_ids, weights, experts.w_gate_up, experts.w_down, backend=self.backend,
-                       activation=self.activation, out_dtype=out_dtype)
+        return moe_ffn(x, slot_ids, weights, experts.w_gate_up, experts.w_down, b_gate_up=experts.b_gate_up,
+                       b_down=experts.b_down, backend=self.backend, activation=self.activation, out_dtype=out_dtype)

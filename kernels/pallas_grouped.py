@@ -83,8 +83,9 @@ def _weight_blocks(w_refs, fmt, group, slot, row, block_k, col, block_n):
     return [(row, low * scale(row)), (half + row, high * scale(half + row))]
 
 
-def _gate_up_kernel(tile_group_ref, x_ref, *refs, block_d, block_f, f, act, fmt, group):
+def _gate_up_kernel(tile_group_ref, x_ref, *refs, block_d, block_f, f, act, fmt, group, has_bias):
     *w_refs, h_ref = refs
+    b_ref = w_refs.pop() if has_bias else None
     tile, n = pl.program_id(0), pl.program_id(1)
     slot = tile_group_ref[tile]
 
@@ -108,11 +109,15 @@ def _gate_up_kernel(tile_group_ref, x_ref, *refs, block_d, block_f, f, act, fmt,
         zeros = jnp.zeros(h_ref.shape, jnp.float32)
         num_k = w_refs[0].shape[1] // block_d
         acc_gate, acc_up = jax.lax.fori_loop(0, num_k, step, (zeros, zeros))
+        if b_ref is not None:
+            acc_gate += b_ref[pl.ds(slot, 1), pl.ds(n * block_f, block_f)].astype(jnp.float32)
+            acc_up += b_ref[pl.ds(slot, 1), pl.ds(f + n * block_f, block_f)].astype(jnp.float32)
         h_ref[...] = act(acc_gate, acc_up).astype(h_ref.dtype)
 
 
-def _down_kernel(tile_group_ref, h_ref, row_weight_ref, *refs, block_f, block_d, fmt, group):
+def _down_kernel(tile_group_ref, h_ref, row_weight_ref, *refs, block_f, block_d, fmt, group, has_bias):
     *w_refs, y_ref = refs
+    b_ref = w_refs.pop() if has_bias else None
     tile, n = pl.program_id(0), pl.program_id(1)
     slot = tile_group_ref[tile]
 
@@ -130,14 +135,17 @@ def _down_kernel(tile_group_ref, h_ref, row_weight_ref, *refs, block_f, block_d,
 
         num_k = w_refs[0].shape[1] // block_f
         acc = jax.lax.fori_loop(0, num_k, step, jnp.zeros(y_ref.shape, jnp.float32))
+        if b_ref is not None:
+            acc += b_ref[pl.ds(slot, 1), pl.ds(n * block_d, block_d)].astype(jnp.float32)
         # Router weight after the down projection, as Hugging Face does.
         y_ref[...] = acc * row_weight_ref[...][:, None]
 
 
-def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu", blocks=None):
+def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
+                   blocks=None):
     """The grouped GEMM as Triton kernels where the program is lowered for a CUDA GPU (weights Triton cannot
     tile run the portable XLA kernel there instead), interpreted elsewhere."""
-    args = (x, slot_ids, weights, w_gate_up, w_down)
+    args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     if gpu_shapes_supported(w_gate_up, w_down):
         on_cuda = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, on_gpu=True)
     else:
@@ -147,7 +155,7 @@ def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
                                                        on_gpu=False))
 
 
-def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, *, activation, blocks, on_gpu: bool):
+def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *, activation, blocks, on_gpu: bool):
     act = get_activation(activation)
     num_tokens, top_k = slot_ids.shape
     num_slots, d, two_f = w_gate_up.shape
@@ -165,33 +173,36 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, *, activation, blocks
     num_tiles = num_rows // block_m
 
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt, group=group),
+        functools.partial(_gate_up_kernel, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt, group=group,
+                          has_bias=b_gate_up is not None),
         out_shape=jax.ShapeDtypeStruct((num_rows, f), x.dtype),
         grid=(num_tiles, f // block_f),
         in_specs=[
             pl.no_block_spec,  # tile_group: whole, read one scalar per program
             pl.BlockSpec((block_m, d), lambda i, n: (i, 0)),
-            *[pl.no_block_spec] * len(jax.tree.leaves(w_gate_up)),  # w_gate_up: whole, indexed by the tile's slot
+            # w_gate_up (and its bias): whole, indexed by the tile's slot
+            *[pl.no_block_spec] * len(jax.tree.leaves((w_gate_up, b_gate_up))),
         ],
         out_specs=pl.BlockSpec((block_m, block_f), lambda i, n: (i, n)),
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="moe_gate_up",
-    )(layout.tile_group, x_rows, *jax.tree.leaves(w_gate_up))
+    )(layout.tile_group, x_rows, *jax.tree.leaves((w_gate_up, b_gate_up)))
 
     y_rows = pl.pallas_call(
-        functools.partial(_down_kernel, block_f=k_block_f, block_d=block_d, fmt=fmt, group=group),
+        functools.partial(_down_kernel, block_f=k_block_f, block_d=block_d, fmt=fmt, group=group,
+                          has_bias=b_down is not None),
         out_shape=jax.ShapeDtypeStruct((num_rows, d), jnp.float32),
         grid=(num_tiles, d // block_d),
         in_specs=[
             pl.no_block_spec,
             pl.BlockSpec((block_m, f), lambda i, n: (i, 0)),
             pl.BlockSpec((block_m,), lambda i, n: (i,)),
-            *[pl.no_block_spec] * len(jax.tree.leaves(w_down)),  # w_down: whole, indexed by the tile's slot
+            *[pl.no_block_spec] * len(jax.tree.leaves((w_down, b_down))),  # w_down (+ bias): whole, by slot
         ],
         out_specs=pl.BlockSpec((block_m, block_d), lambda i, n: (i, n)),
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="moe_down",
-    )(layout.tile_group, h, layout.row_weight, *jax.tree.leaves(w_down))
+    )(layout.tile_group, h, layout.row_weight, *jax.tree.leaves((w_down, b_down)))
     return grouping.combine_rows(y_rows, layout, top_k)

@@ -9,7 +9,7 @@ rounded to the activation dtype:
 |---|---|---|---|
 | int8  | int8 [..., K, N], in [-127, 127] | [..., 1, N]: one per output column | max over the column of abs(W) / 127 |
 | int4  | uint8 [..., K/2, N], two per byte | [..., K/g, N]: one per group of g rows and column | group max abs(W) / 7 |
-| fp8   | float8_e4m3fn [..., K, N] | [..., ceil(K/128), ceil(N/128)]: per 128x128 block | block max abs(W) / 448 |
+| fp8   | float8_e4m3fn bits as uint8 [..., K, N] | [..., ceil(K/128), ceil(N/128)]: per 128x128 block | block max abs(W) / 448 |
 | mxfp4 | uint8 [..., K/2, N], e2m1 codes two per byte | uint8 e8m0 [..., K/32, N]: 2^(byte - 127) | 2^(floor(log2(max abs)) - 2) |
 
 Rounding: int8 and int4 round W / scale half to even and clip to +-127 / +-7 (int4 nibbles store q + 8);
@@ -17,7 +17,8 @@ fp8 and e2m1 round to the nearest representable value, ties to even, after clipp
 (the formats' largest finite values). A group, column or block that is all zero gets scale 1 (int8, int4,
 fp8) or 2^-127 (mxfp4) and zero codes. Two 4-bit codes share a byte as row r (low nibble) and row r + K/2
 (high nibble): a kernel then multiplies the low nibbles with the first half of a token's activations and
-the high nibbles with the second half, without interleaving rows. fp8 is DeepSeek-V3's layout (their
+the high nibbles with the second half, without interleaving rows. fp8 values are kept as their bytes (uint8),
+because XLA:CPU copies and scatters float8 arrays several times slower than bytes. fp8 is DeepSeek-V3's layout (their
 `weight_scale_inv` is this scale), mxfp4 the OCP microscaling format GPT-OSS ships (there the nibbles of a
 byte are neighbouring values; loading repacks them).
 """
@@ -132,8 +133,10 @@ def scale_rows(weight) -> int:
 
 def decode_codes(fmt: str, values) -> jax.Array:
     """float32 values before scaling. Packed formats: [.., K/2, N] bytes -> (low, high) halves."""
-    if fmt in ("int8", "fp8"):
+    if fmt == "int8":
         return values.astype(jnp.float32)
+    if fmt == "fp8":
+        return jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn).astype(jnp.float32)
     low, high = values & 15, values >> 4
     if fmt == "int4":
         return (low.astype(jnp.float32) - 8, high.astype(jnp.float32) - 8)
@@ -211,7 +214,8 @@ def quantize(w: np.ndarray, fmt: str, group: int | None = None) -> QuantizedTens
         blocks = padded.reshape(*lead, kb, FP8_BLOCK, nb, FP8_BLOCK)
         scale = _safe_scale(np.abs(blocks).max(axis=(-3, -1)), 448)
         scaled = blocks / scale[..., :, None, :, None]
-        values = np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).reshape(padded.shape)[..., :k, :n]
+        values = np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        values = values.reshape(padded.shape)[..., :k, :n]
     else:  # mxfp4
         grouped = w.reshape(*lead, k // group, group, n)
         amax = np.abs(grouped).max(axis=-2)
@@ -234,6 +238,6 @@ def quantized_shapes(fmt: str, group: int, shape: tuple[int, ...]) -> tuple[tupl
     if fmt == "int4":
         return (*lead, k // 2, n), np.dtype(np.uint8), (*lead, k // group, n), np.dtype(np.float32)
     if fmt == "fp8":
-        return ((*lead, k, n), np.dtype(ml_dtypes.float8_e4m3fn),
+        return ((*lead, k, n), np.dtype(np.uint8),
                 (*lead, math.ceil(k / FP8_BLOCK), math.ceil(n / FP8_BLOCK)), np.dtype(np.float32))
     return (*lead, k // 2, n), np.dtype(np.uint8), (*lead, k // group, n), np.dtype(np.uint8)

@@ -105,7 +105,9 @@ def _kernels():
     return gate_up_kernel, down_kernel
 
 
-def moe_ffn_triton(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+def moe_ffn_triton(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu"):
+    if b_gate_up is not None or b_down is not None:
+        raise ValueError("moe_ffn backend='triton' has no expert biases; use backend='pallas' or 'auto'")
     if is_quantized(w_gate_up):
         raise ValueError("moe_ffn backend='triton' takes plain float weights; quantized experts run on "
                          "backend='pallas' (its Triton lowering dequantizes inside the kernel) or 'auto'")

@@ -6,10 +6,11 @@ import jax.numpy as jnp
 
 from jmoe.kernels import grouping
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.bias import bias_rows
 from jmoe.kernels.quantized import materialize, rows_of
 
 
-def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu"):
     act = get_activation(activation)
     num_tokens, top_k = slot_ids.shape
     num_slots, _, two_f = w_gate_up.shape
@@ -30,18 +31,20 @@ def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
         w_gate_up, w_down,
         cpu=lambda a, b: (jnp.where(used[:, None, None], a, 0), jnp.where(used[:, None, None], b, 0)),
         default=lambda a, b: (a, b))
+    row_slot = jnp.minimum(key[order], num_slots - 1)  # rows past the groups are masked below
     gate_up = jax.lax.ragged_dot(
         x_sorted, w_gate_up, group_sizes, preferred_element_type=jnp.float32
-    )
+    ) + bias_rows(b_gate_up, row_slot)
     h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
     out_sorted = jax.lax.ragged_dot(h, w_down, group_sizes, preferred_element_type=jnp.float32)
+    out_sorted = out_sorted + bias_rows(b_down, row_slot)
     w_sorted = weights.reshape(-1).astype(jnp.float32)[order]
     out_sorted = jnp.where((key[order] < num_slots)[:, None], out_sorted * w_sorted[:, None], 0.0)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     return out.reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
-def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu"):
+def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu"):
     act = get_activation(activation)
     num_tokens, top_k = slot_ids.shape
     num_slots, _, two_f = w_gate_up.shape
@@ -59,9 +62,9 @@ def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     # this equals bf16 x bf16 -> f32 accumulation, which XLA:CPU cannot run as a batched dot.
     w_gu = rows_of(w_gate_up, safe, x.dtype).astype(jnp.float32)  # [U, d, 2f]
     w_d = rows_of(w_down, safe, x.dtype).astype(jnp.float32)  # [U, f, d]
-    gate_up = jnp.einsum("td,udn->tun", x.astype(jnp.float32), w_gu)
+    gate_up = jnp.einsum("td,udn->tun", x.astype(jnp.float32), w_gu) + bias_rows(b_gate_up, safe)
     h = act(gate_up[..., :f], gate_up[..., f:]).astype(x.dtype).astype(jnp.float32)
-    out = jnp.einsum("tuf,ufd->tud", h, w_d)
+    out = jnp.einsum("tuf,ufd->tud", h, w_d) + bias_rows(b_down, safe)
     # coef[t, u] = sum_j weights[t, j] * [slot_ids[t, j] == uniq[u]]
     match = (key.reshape(num_tokens, top_k, 1) == uniq[None, None, :]) & used[None, None, :]
     coef = jnp.sum(jnp.where(match, weights.astype(jnp.float32)[..., None], 0.0), axis=1)
@@ -71,7 +74,7 @@ def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, *, activation="swigl
     return jnp.einsum("tu,tud->td", coef, out)
 
 
-def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu",
+def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
                   block_m=None):
     """Sorted grouped GEMM without ragged_dot: the Pallas tile layout, one scan step per row
     tile. XLA:CPU lowers ragged_dot to a dense product over every slot; this reads only the
@@ -90,8 +93,10 @@ def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, *, activation="swiglu
 
     def compute(slot, xs, ws):
         gate_up = jnp.dot(xs, rows_of(w_gate_up, slot, x.dtype), preferred_element_type=jnp.float32)
+        gate_up = gate_up + bias_rows(b_gate_up, slot)
         h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
         out = jnp.dot(h, rows_of(w_down, slot, x.dtype), preferred_element_type=jnp.float32)
+        out = out + bias_rows(b_down, slot)
         return out * ws[:, None]
 
     def branched(slot, xs, ws):

@@ -47,7 +47,17 @@ def make_inputs(seed, num_tokens, top_k, num_slots, d, f, dtype, pattern="random
     return x, slot_ids, weights, w_gate_up, w_down
 
 
-def numpy_moe(x, slot_ids, weights, w_gate_up, w_down):
+def numpy_swiglu(gate, up):
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def numpy_clamped_swiglu(gate, up, limit=7.0, alpha=1.702):
+    """GPT-OSS's activation as transformers writes it (gate clamped above, up both ways)."""
+    gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return (up + 1) * gate / (1 + np.exp(-alpha * gate))
+
+
+def numpy_moe(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, act=numpy_swiglu):
     """Loop-by-loop float64 definition, to pin the reference itself."""
     x, w_gu, w_d = (np.asarray(a, np.float64) for a in (x, w_gate_up, w_down))
     f = w_d.shape[1]
@@ -57,9 +67,9 @@ def numpy_moe(x, slot_ids, weights, w_gate_up, w_down):
             s = int(slot_ids[t, j])
             if s < 0:
                 continue
-            gu = x[t] @ w_gu[s]
-            h = gu[:f] / (1 + np.exp(-gu[:f])) * gu[f:]
-            y[t] += float(weights[t, j]) * (h @ w_d[s])
+            gu = x[t] @ w_gu[s] + (0 if b_gate_up is None else np.asarray(b_gate_up[s], np.float64))
+            out = act(gu[:f], gu[f:]) @ w_d[s] + (0 if b_down is None else np.asarray(b_down[s], np.float64))
+            y[t] += float(weights[t, j]) * out
     return y
 
 
@@ -271,6 +281,32 @@ def test_unknown_backend_and_activation():
         moe_ffn(*_ok(), backend="cuda")
     with pytest.raises(ValueError, match="unknown activation 'gelu'.*swiglu"):
         moe_ffn(*_ok(), activation="gelu")
+    with pytest.raises(ValueError, match=r"unknown activation 'clamped_swiglu'.*clamped_swiglu:<limit>:<alpha>"):
+        moe_ffn(*_ok(), activation="clamped_swiglu")
+    with pytest.raises(ValueError, match="not numbers"):
+        moe_ffn(*_ok(), activation="clamped_swiglu:7:x")
+
+
+@pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pallas", "auto"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_expert_biases_and_the_clamped_swiglu_match_the_definition(backend, dtype):
+    """GPT-OSS experts: biases after both projections, before the router weight; large activations so the
+    clamps are exercised; -1 padding."""
+    x, slot_ids, weights, w_gate_up, w_down = make_inputs(5, 9, 2, 4, 16, 16, jnp.float32, "padded")
+    x = x * 8  # gate and up values beyond the limit of 7
+    rng = np.random.default_rng(6)
+    b_gate_up, b_down = rng.normal(size=(4, 32)).astype(np.float32), rng.normal(size=(4, 16)).astype(np.float32)
+    expected = numpy_moe(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, numpy_clamped_swiglu)
+    inputs = [jnp.asarray(a, dtype) for a in (x, w_gate_up, w_down, b_gate_up, b_down)]
+    y = moe_ffn(inputs[0], slot_ids, weights, inputs[1], inputs[2], b_gate_up=inputs[3], b_down=inputs[4],
+                backend=backend, activation="clamped_swiglu:7.0:1.702", out_dtype=jnp.float32)
+    assert_close(y, jnp.asarray(expected, jnp.float32), dtype)
+
+
+def test_bias_shapes_are_checked():
+    x, slot_ids, weights, w_gate_up, w_down = _ok()
+    with pytest.raises(ValueError, match=r"b_down must be None or float32/bfloat16 \[3, 8\]"):
+        moe_ffn(x, slot_ids, weights, w_gate_up, w_down, b_down=jnp.zeros((3, 6)))
 
 
 @pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pallas", "auto"])

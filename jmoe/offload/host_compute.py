@@ -38,8 +38,12 @@ def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, ac
         # where would broadcast its scalar 0 into a device-typed array.
         token_weight = jnp.sum(weights.astype(jnp.float32) * (ids == expert), axis=1, keepdims=True)
         gate_up = jnp.dot(x, expert_weight(host.w_gate_up, expert), preferred_element_type=jnp.float32)
+        if host.b_gate_up is not None:
+            gate_up = gate_up + expert_weight(host.b_gate_up, expert).astype(jnp.float32)
         h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
         y = jnp.dot(h, expert_weight(host.w_down, expert), preferred_element_type=jnp.float32)
+        if host.b_down is not None:
+            y = y + expert_weight(host.b_down, expert).astype(jnp.float32)
         return acc + token_weight * y
 
     return jax.lax.fori_loop(0, count, add_expert, to_host(jnp.zeros(x.shape, jnp.float32)))
