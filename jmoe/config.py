@@ -18,6 +18,7 @@ from jmoe.config_values import SIZE_LIMITS, boolean as _bool, positive_float as 
 from jmoe.errors import ConfigError, InputError
 from jmoe.jsonfile import read_json
 from jmoe.kernels import FORMATS, quantized
+from jmoe.kernels.activations import activation_name
 
 SUPPORTED_QUANT_METHODS = ("fp8",)
 MLA_NORM_EPS = 1e-6  # transformers builds DeepSeek's q_a / kv_a RMSNorms with their default eps, not rms_norm_eps
@@ -78,6 +79,9 @@ class ModelConfig:
     shared_expert_gate: bool = True  # the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)
     extra_layers: int = 0  # decoder layers past num_hidden_layers a checkpoint may carry (multi-token prediction)
     fp8_block: tuple[int, int] | None = None  # float8 weights with per-block inverse scales of this shape
+    router_bias: bool = False  # the router's logits have a bias (GPT-OSS)
+    expert_bias: bool = False  # every expert's projections have biases (GPT-OSS)
+    attention_sinks: bool = False  # a learned per-head logit joins every softmax and takes its share (GPT-OSS)
     # How routed experts are stored (a load option, not part of config.json): None = like every other
     # parameter; "float32" / "bfloat16"; or a jmoe.kernels.quantized format with its group size.
     expert_dtype: str | None = None
@@ -138,6 +142,12 @@ def _sliding_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
     return (window if window else None,) * num_layers
 
 
+def _clamped_swiglu(hf: dict, source: str) -> str:
+    """GPT-OSS's expert activation with its config's limit and gain."""
+    return activation_name("clamped_swiglu", limit=_positive_float(hf, "swiglu_limit", source, 7.0),
+                           alpha=_positive_float(hf, "swiglu_alpha", source, 1.702))
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """How one `model_type` spells its config and which architectural switches it uses."""
@@ -156,6 +166,11 @@ class Family:
     mla: bool = False
     partial_rotary_default: float | None = None  # rotate only part of each head (GLM-4.5); None: all of it
     defaults: tuple[tuple[str, Any], ...] = ()
+    # GPT-OSS: router and expert biases, attention sinks, and the activation's name (jmoe.kernels.activations)
+    router_bias: bool = False
+    expert_bias: bool = False
+    attention_sinks: bool = False
+    expert_activation: Callable[[dict, str], str] = lambda hf, source: "swiglu"
 
 
 FAMILIES: dict[str, Family] = {
@@ -189,6 +204,11 @@ FAMILIES: dict[str, Family] = {
         deepseek_moe=True, partial_rotary_default=0.5,
         defaults=(("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0), ("first_k_dense_replace", 1),
                   ("n_shared_experts", 1), ("norm_topk_prob", True))),
+    "gpt_oss": Family(
+        num_experts_keys=("num_local_experts", "num_experts"), expert_width_key="intermediate_size",
+        moe_layers=_all_moe, norm_topk_prob=lambda hf: True,  # a softmax over the top-k logits
+        router_bias=True, expert_bias=True, attention_sinks=True, expert_activation=_clamped_swiglu,
+        defaults=(("swiglu_limit", 7.0), ("swiglu_alpha", 1.702), ("attention_bias", True))),
 }
 # model_type -> the family whose architecture and checkpoint names it shares
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -361,6 +381,10 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
         rope_yarn=yarn,
         mla=mla,
         fp8_block=_fp8_block(hf, source),
+        router_bias=fam.router_bias,
+        expert_bias=fam.expert_bias,
+        attention_sinks=fam.attention_sinks,
+        expert_activation=fam.expert_activation(hf, source),
         **family_switches,
     )
 

@@ -53,9 +53,21 @@ FAMILY_CASES = {
         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
         intermediate_size=40, first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5)),
+    # transformers' own YaRN default (factor 32), sliding windows shorter than the prompts, sinks, biases
+    "gpt_oss_e4k2_window": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            sliding_window=4)),
+    "gpt_oss_e8k3_mqa_tied_yarn": ("gpt_oss", dict(
+        num_local_experts=8, num_experts_per_tok=3, intermediate_size=24, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, sliding_window=6, num_hidden_layers=3, tie_word_embeddings=True,
+        swiglu_limit=3.0, rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                               truncate=False, original_max_position_embeddings=64,
+                                               rope_theta=150000.0))),
 }
-# Routers whose selection bias transformers initialises to zero get random values, so the tests see it work.
+# Routers whose selection bias transformers initialises to zero get random values, so the tests see it work;
+# so do the expert biases and attention biases it initialises to zero.
 SCORE_BIAS_STD = 0.2
+BIAS_STD = 0.1
 
 
 def hf_config(model_type: str, **overrides):
@@ -79,6 +91,9 @@ def write_checkpoint(directory: Path, model_type: str, seed: int = 0, max_shard_
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, SCORE_BIAS_STD)
+        for name, param in model.named_parameters():
+            if (name.endswith("_bias") or name.endswith(".bias")) and not param.any():
+                param.normal_(0.0, BIAS_STD)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return model

@@ -11,7 +11,8 @@ from jmoe.offload.resident import ResidentEngine
 from jmoe.offload.policies import policy_names
 
 FAMILY_REPRESENTATIVES = ["mixtral_e4k2_gqa2", "qwen2_moe_shared_dense", "qwen3_moe_headdim_tied",
-                          "olmoe_e8k4_clip", "deepseek_v3_qlora_groups"]  # glm4_moe: tests/test_families.py
+                          "olmoe_e8k4_clip", "deepseek_v3_qlora_groups",
+                          "gpt_oss_e4k2_window"]  # glm4_moe: tests/test_families.py
 POLICIES = policy_names()
 PROMPTS = [list(np.random.RandomState(1).randint(0, VOCAB, 11)), list(np.random.RandomState(2).randint(0, VOCAB, 4))]
 LOGIT_IDS = np.random.RandomState(3).randint(0, VOCAB, (2, 9))

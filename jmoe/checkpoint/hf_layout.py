@@ -16,12 +16,14 @@ from jmoe.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class TensorTarget:
-    """Where one HF tensor lands: param[index] = tensor.T if transpose else tensor."""
+    """Where one HF tensor lands: param[index] = tensor.T if transpose else tensor (with `deinterleave`, the
+    last axis's (gate, up) pairs are first split into a gate half and an up half)."""
 
     param: ParamPath
     index: tuple  # ints and slices into the jmoe parameter; () = the whole parameter
     transpose: bool
     hf_shape: tuple[int, ...]
+    deinterleave: bool = False  # GPT-OSS stores gate and up columns alternating
 
 
 # Per family: the MoE block's module name and the expert projection names for (gate, up, down).
@@ -32,6 +34,7 @@ _MOE_NAMES = {
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "gpt_oss": ("mlp", None),  # stacked experts: _stacked_expert_targets
 }
 
 # Names a checkpoint may carry that jmoe deliberately does not load, with the reason.
@@ -105,6 +108,20 @@ def _mla_targets(cfg: ModelConfig, pre: str, attn: ParamPath) -> dict[str, Tenso
     return table
 
 
+def _stacked_expert_targets(cfg: ModelConfig, moe: str, mlp: ParamPath) -> dict[str, TensorTarget]:
+    """GPT-OSS: every expert of a layer in one tensor per projection ([E, in, out], gate and up alternating on
+    the last axis), with biases, and a router with a bias."""
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    experts = mlp + ("experts",)
+    table: dict[str, TensorTarget] = {}
+    _linear(table, f"{moe}.router", mlp + ("router",), d, e, True)
+    table[f"{moe}.experts.gate_up_proj"] = TensorTarget(experts + ("w_gate_up",), (), False, (e, d, 2 * f), True)
+    table[f"{moe}.experts.gate_up_proj_bias"] = TensorTarget(experts + ("b_gate_up",), (), False, (e, 2 * f), True)
+    table[f"{moe}.experts.down_proj"] = TensorTarget(experts + ("w_down",), (), False, (e, f, d))
+    table[f"{moe}.experts.down_proj_bias"] = TensorTarget(experts + ("b_down",), (), False, (e, d))
+    return table
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
     """Every tensor name a checkpoint of this config must contain, with its target and HF shape."""
     d = cfg.hidden_size
@@ -120,12 +137,17 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
         table[f"{pre}.input_layernorm.weight"] = TensorTarget(layer + ("input_norm", "scale"), (), False, (d,))
         table[f"{pre}.post_attention_layernorm.weight"] = TensorTarget(layer + ("post_norm", "scale"), (), False, (d,))
         table.update((_mla_targets if cfg.mla else _gqa_targets)(cfg, f"{pre}.self_attn", layer + ("attn",)))
+        if cfg.attention_sinks:
+            table[f"{pre}.self_attn.sinks"] = TensorTarget(layer + ("attn", "sinks"), (), False, (cfg.num_heads,))
         mlp = layer + ("mlp",)
         if not cfg.moe_layers[i]:
             table.update(_swiglu_targets(f"{pre}.mlp", ("gate_proj", "up_proj", "down_proj"), mlp, (),
                                          d, cfg.dense_intermediate_size))
             continue
         moe = f"{pre}.{moe_name}"
+        if expert_names is None:
+            table.update(_stacked_expert_targets(cfg, moe, mlp))
+            continue
         table[f"{moe}.gate.weight"] = TensorTarget(mlp + ("router", "kernel"), (), True, (cfg.num_experts, d))
         if cfg.router == "sigmoid_grouped":
             table[f"{moe}.gate.e_score_correction_bias"] = TensorTarget(mlp + ("router", "score_bias"), (), False,

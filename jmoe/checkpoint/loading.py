@@ -60,16 +60,20 @@ def check_tensor_names(model_dir: Path, tensors: dict[str, TensorInfo], expected
                                   f"numbers: re-export the checkpoint in a float dtype")
 
 
+def oriented(target: TensorTarget, data: np.ndarray) -> np.ndarray:
+    """An HF tensor in jmoe's orientation: transposed, and (gate, up) pairs split into halves."""
+    data = data.T if target.transpose else data
+    return np.concatenate([data[..., 0::2], data[..., 1::2]], axis=-1) if target.deinterleave else data
+
+
 def assemble_param(shape, dtype, pieces: list[tuple[TensorTarget, TensorInfo]]) -> np.ndarray:
-    """One jmoe parameter on the host, from its HF tensors (transposed and sliced into place)."""
+    """One jmoe parameter on the host, from its HF tensors (oriented and sliced into place)."""
     if len(pieces) == 1 and pieces[0][0].index == ():
         target, info = pieces[0]
-        data = read_tensor(info)
-        return np.ascontiguousarray((data.T if target.transpose else data).astype(dtype))
+        return np.ascontiguousarray(oriented(target, read_tensor(info)).astype(dtype))
     out = np.empty(shape, dtype)
     for target, info in pieces:
-        data = read_tensor(info)
-        out[target.index] = (data.T if target.transpose else data).astype(dtype)
+        out[target.index] = oriented(target, read_tensor(info)).astype(dtype)
     return out
 
 
@@ -116,7 +120,7 @@ def stored_params(model_dir: Path, cfg: ModelConfig, as_read: dict[ParamPath, ob
     host = assemble_param(as_read[path].shape, as_read[path].dtype, pieces[path])
     if check_finite:
         check_finite_param(model_dir, path, host)
-    if cfg.expert_dtype not in FORMATS or "experts" not in path:
+    if cfg.expert_dtype not in FORMATS or "experts" not in path or path[-1] not in ("w_gate_up", "w_down"):
         return {path: host}
     stored = quantize(host, cfg.expert_dtype, cfg.expert_group)
     return {path: stored.values, path[:-1] + (f"{path[-1]}_scale",): stored.scales}

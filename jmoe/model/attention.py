@@ -1,4 +1,4 @@
-"""Grouped-query attention over a KV cache, with the per-family q/k norms, biases and clipping."""
+"""Grouped-query attention over a KV cache, with the per-family q/k norms, biases, clipping and sinks."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class Attention(nnx.Module):
         norm_dims = {"none": None, "per_head": (hd, hd), "full": (h * hd, kvh * hd)}[cfg.qk_norm]
         self.q_norm = RMSNorm(norm_dims[0], eps=cfg.rms_norm_eps, dtype=dtype) if norm_dims else None
         self.k_norm = RMSNorm(norm_dims[1], eps=cfg.rms_norm_eps, dtype=dtype) if norm_dims else None
+        self.sinks = nnx.Param(jnp.zeros((h,), dtype)) if cfg.attention_sinks else None
 
     def __call__(self, x, rope: RoPE, k_cache, v_cache, write_index, mask):
         cfg = self.cfg
@@ -45,6 +46,12 @@ class Attention(nnx.Module):
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache.astype(q.dtype)).astype(jnp.float32)
         scores = scores * cfg.head_dim ** -0.5
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+        if self.sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:  # each head's sink logit joins the softmax as one more column, then is dropped
+            sink = self.sinks[...].astype(jnp.float32).reshape(1, cfg.num_kv_heads, groups, 1, 1)
+            sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+        probs = probs.astype(v_cache.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(b, t, -1).astype(x.dtype)
         return self.o(out), k_cache, v_cache

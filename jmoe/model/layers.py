@@ -65,7 +65,7 @@ class Experts(nnx.Module):
     (`w_gate_up_scale`); they start as zeros and are filled by loading, which quantizes them."""
 
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs, expert_dtype: str | None = None,
-                 group: int = 0):
+                 group: int = 0, bias: bool = False):
         self.format = expert_dtype if expert_dtype in FORMATS else None
         self.group = group
         for name, shape in (("w_gate_up", (e, d, 2 * f)), ("w_down", (e, f, d))):
@@ -75,10 +75,14 @@ class Experts(nnx.Module):
             values_shape, values_dtype, scales_shape, scales_dtype = quantized_shapes(self.format, group, shape)
             setattr(self, name, nnx.Param(jnp.zeros(values_shape, values_dtype)))
             setattr(self, f"{name}_scale", nnx.Param(jnp.zeros(scales_shape, scales_dtype)))
+        # Biases (GPT-OSS) stay in the model's dtype whatever the weights' storage.
+        self.b_gate_up = nnx.Param(jnp.zeros((e, 2 * f), dtype)) if bias else None
+        self.b_down = nnx.Param(jnp.zeros((e, d), dtype)) if bias else None
 
     def weights(self) -> ExpertWeights:
         # get_value, unlike [...], also works on an abstract model (shape structs), which jmoe.plan compiles.
+        biases = [None if b is None else b.get_value() for b in (self.b_gate_up, self.b_down)]
         if self.format is None:
-            return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value())
+            return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value(), *biases)
         return ExpertWeights(*(QuantizedTensor(getattr(self, name).get_value(), getattr(self, f"{name}_scale").get_value(),
-                                               self.format, self.group) for name in ("w_gate_up", "w_down")))
+                                               self.format, self.group) for name in ("w_gate_up", "w_down")), *biases)

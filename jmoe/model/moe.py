@@ -24,8 +24,9 @@ def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax
     router's choice, for every router: "sigmoid_grouped" returns the bias-corrected sigmoid scores with the
     experts of groups outside the best `topk_group` at -inf."""
     if cfg.router == "softmax":
-        (kernel,) = router
-        return jax.nn.softmax((x @ kernel).astype(jnp.float32), axis=-1)
+        kernel, *bias = router  # a bias (GPT-OSS) when the config has one
+        logits = x @ kernel + bias[0] if bias else x @ kernel
+        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     _, bias = router
     biased = _sigmoid_scores(router, x) + bias.astype(jnp.float32)
     grouped = biased.reshape(x.shape[0], cfg.n_group, -1)
@@ -62,19 +63,20 @@ class MoEBlock(nnx.Module):
         d = cfg.hidden_size
         self.cfg = cfg
         if cfg.router == "softmax":
-            self.router = Linear(d, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
+            self.router = Linear(d, cfg.num_experts, bias=cfg.router_bias, dtype=dtype, rngs=rngs)
         else:
             self.router = ScoreRouter(d, cfg.num_experts, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg.num_experts, d, cfg.expert_intermediate_size, dtype=dtype, rngs=rngs,
-                               expert_dtype=cfg.expert_dtype, group=cfg.expert_group)
+                               expert_dtype=cfg.expert_dtype, group=cfg.expert_group, bias=cfg.expert_bias)
         fs = cfg.shared_expert_intermediate_size
         self.shared_expert = DenseMLP(d, fs, dtype=dtype, rngs=rngs) if fs else None
         gated = fs and cfg.shared_expert_gate
         self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype, rngs=rngs) if gated else None
 
     def router_params(self) -> tuple[jax.Array, ...]:
-        if self.cfg.router == "softmax":
-            return (self.router.kernel.get_value(),)  # get_value: see Experts.weights
+        if self.cfg.router == "softmax":  # get_value: see Experts.weights
+            bias = () if self.router.bias is None else (self.router.bias.get_value(),)
+            return (self.router.kernel.get_value(), *bias)
         return (self.router.kernel.get_value(), self.router.score_bias.get_value())
 
     def route(self, x: jax.Array, token_valid: jax.Array,
