@@ -41,7 +41,7 @@ FAMILY_CASES = {
         n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=16,
         n_shared_experts=2, intermediate_size=40, first_k_dense_replace=1, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=6, attention_bias=True, routed_scaling_factor=2.5)),
+        qk_rope_head_dim=4, v_head_dim=8, attention_bias=True, routed_scaling_factor=2.5)),
     "deepseek_v3_yarn_plain_q": ("deepseek_v3", dict(
         n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=24,
         n_shared_experts=1, intermediate_size=32, first_k_dense_replace=0, num_attention_heads=2,
