@@ -20,7 +20,7 @@ from jmoe.jsonfile import read_json
 from jmoe.kernels import FORMATS, quantized
 from jmoe.kernels.activations import activation_name
 
-SUPPORTED_QUANT_METHODS = ("fp8",)
+SUPPORTED_QUANT_METHODS = ("fp8", "mxfp4")
 MLA_NORM_EPS = 1e-6  # transformers builds DeepSeek's q_a / kv_a RMSNorms with their default eps, not rms_norm_eps
 
 
@@ -79,6 +79,7 @@ class ModelConfig:
     shared_expert_gate: bool = True  # the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)
     extra_layers: int = 0  # decoder layers past num_hidden_layers a checkpoint may carry (multi-token prediction)
     fp8_block: tuple[int, int] | None = None  # float8 weights with per-block inverse scales of this shape
+    mxfp4_experts: bool = False  # the checkpoint's experts are MXFP4 blocks and scales (GPT-OSS)
     router_bias: bool = False  # the router's logits have a bias (GPT-OSS)
     expert_bias: bool = False  # every expert's projections have biases (GPT-OSS)
     attention_sinks: bool = False  # a learned per-head logit joins every softmax and takes its share (GPT-OSS)
@@ -281,7 +282,7 @@ def _grouped_router(hf: dict, num_experts: int, top_k: int, source: str) -> dict
                 routed_scaling_factor=_positive_float(hf, "routed_scaling_factor", source, 1.0))
 
 
-def _fp8_block(hf: dict, source: str) -> tuple[int, int] | None:
+def _quant_method(hf: dict, source: str) -> str | None:
     quant = hf.get("quantization_config")
     if quant is None:
         return None
@@ -290,8 +291,18 @@ def _fp8_block(hf: dict, source: str) -> tuple[int, int] | None:
     method = quant.get("quant_method")
     if method not in SUPPORTED_QUANT_METHODS:
         raise ConfigError(f"{source}: unsupported quantization_config.quant_method {method!r}; supported: "
-                          f"{', '.join(SUPPORTED_QUANT_METHODS)} (block-scaled float8 weights); use an unquantized "
-                          f"or fp8 checkpoint")
+                          f"{', '.join(SUPPORTED_QUANT_METHODS)} (block-scaled float8 weights, MXFP4 experts); use "
+                          f"an unquantized checkpoint or one of these")
+    if method == "mxfp4" and hf.get("model_type") != "gpt_oss":
+        raise ConfigError(f"{source}: quantization_config.quant_method 'mxfp4' is read for gpt_oss checkpoints only "
+                          f"(stacked expert blocks and scales), found model_type {hf.get('model_type')!r}")
+    return method
+
+
+def _fp8_block(hf: dict, source: str) -> tuple[int, int] | None:
+    if _quant_method(hf, source) != "fp8":
+        return None
+    quant = hf["quantization_config"]
     block = quant.get("weight_block_size", [128, 128])
     if not isinstance(block, list) or len(block) != 2:
         raise ConfigError(f"{source}: quantization_config.weight_block_size must be [rows, columns], found "
@@ -381,6 +392,7 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
         rope_yarn=yarn,
         mla=mla,
         fp8_block=_fp8_block(hf, source),
+        mxfp4_experts=_quant_method(hf, source) == "mxfp4",
         router_bias=fam.router_bias,
         expert_bias=fam.expert_bias,
         attention_sinks=fam.attention_sinks,
@@ -391,7 +403,10 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
 
 def with_expert_dtype(cfg: ModelConfig, expert_dtype: str | None, group_size: int | None = None) -> ModelConfig:
     """`cfg` with its routed experts stored as `expert_dtype` (None: like the other parameters; a float dtype;
-    or a quantized format, jmoe.kernels.quantized) and, for int4, `group_size` rows per scale (default 64)."""
+    or a quantized format, jmoe.kernels.quantized) and, for int4, `group_size` rows per scale (default 64).
+    An MXFP4 checkpoint's experts stay MXFP4 unless another storage is asked for."""
+    if expert_dtype is None and cfg.mxfp4_experts:
+        expert_dtype = "mxfp4"
     if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
         raise InputError(f"expert_dtype must be None or one of {', '.join(EXPERT_DTYPES)}, found {expert_dtype!r}; "
                          f"pass expert_dtype= / --expert-dtype with one of them")

@@ -17,6 +17,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jmoe.checkpoint.fp8 import attach_scales
+from jmoe.checkpoint.mxfp4 import attach_mxfp4
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors, is_ignorable
 from jmoe.model.params import ParamPath, abstract_model, abstract_params, flat_params, nest_params, param_key
 from jmoe.checkpoint.safetensors_files import TensorInfo, index_tensors, read_tensor
@@ -85,7 +86,8 @@ def param_pieces(model_dir: Path, cfg: ModelConfig, abstract: dict[ParamPath, ob
                  check_data: bool = True) -> dict[ParamPath, list[tuple[TensorTarget, TensorInfo]]]:
     """Check the checkpoint against the config; then, per parameter path, the HF tensors that fill it.
     `check_data=False` reads the file headers alone (see index_tensors)."""
-    tensors = attach_scales(model_dir, index_tensors(model_dir, check_data), cfg)
+    tensors = attach_mxfp4(model_dir, attach_scales(model_dir, index_tensors(model_dir, check_data), cfg),
+                           cfg.mxfp4_experts)
     expected = expected_tensors(cfg)
     check_tensor_names(model_dir, tensors, expected, cfg)
     pieces: dict[ParamPath, list] = defaultdict(list)

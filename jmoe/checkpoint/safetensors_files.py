@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from jmoe.checkpoint import mxfp4
 from jmoe.checkpoint.fp8 import dequantize
 from jmoe.errors import CheckpointError
 from jmoe.jsonfile import read_json
@@ -30,12 +31,21 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 class TensorInfo:
-    __slots__ = ("file", "dtype", "shape", "start", "end", "scale_inv", "block")
+    __slots__ = ("file", "dtype", "shape", "start", "end", "scale_inv", "block", "mx_blocks", "mx_scales")
 
     def __init__(self, file: Path, dtype: str, shape: tuple[int, ...], start: int, end: int):
         self.file, self.dtype, self.shape, self.start, self.end = file, dtype, shape, start, end
         self.scale_inv: TensorInfo | None = None  # a float8 weight's block scales (jmoe.checkpoint.fp8)
         self.block: tuple[int, int] | None = None
+        # An MXFP4 weight's codes and scales (jmoe.checkpoint.mxfp4): this entry reads as their dequantization.
+        self.mx_blocks: TensorInfo | None = None
+        self.mx_scales: TensorInfo | None = None
+
+
+def tensor_stored_bytes(info: TensorInfo) -> int:
+    """Bytes the checkpoint holds for a tensor: its data, or its quantized parts."""
+    parts = [info.mx_blocks, info.mx_scales] if info.mx_blocks is not None else [info, info.scale_inv]
+    return sum(part.end - part.start for part in parts if part is not None)
 
 
 def _read_header(path: Path, check_data: bool = True) -> tuple[dict, int]:
@@ -155,9 +165,11 @@ def stored_values(model_dir: Path) -> int:
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """The tensor's data as a NumPy array (a read-only view of the memory-mapped file); a float8 weight with
-    block scales comes back dequantized, in float32."""
+    block scales, or an MXFP4 weight, comes back dequantized, in float32."""
     if info.scale_inv is not None:
         return dequantize(_read(info), _read(info.scale_inv), info.block)
+    if info.mx_blocks is not None:
+        return mxfp4.dequantize(_read(info.mx_blocks), _read(info.mx_scales))
     return _read(info)
 
 

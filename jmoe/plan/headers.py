@@ -19,7 +19,7 @@ from jmoe.checkpoint.bounds import check_sizes_against_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read
 from jmoe.checkpoint.orbax_store import (check_params, converted_expert_dtype, is_orbax_checkpoint, read_manifest,
                                          stored_dtype)
-from jmoe.checkpoint.safetensors_files import stored_values
+from jmoe.checkpoint.safetensors_files import stored_values, tensor_stored_bytes
 from jmoe.config import ModelConfig, load_config, with_expert_dtype
 from jmoe.errors import ConfigError, InputError
 from jmoe.model.params import ParamPath, abstract_params
@@ -80,6 +80,5 @@ def read_headers(model_dir: str | Path, dtype=None, expert_dtype: str | None = N
     pieces = param_pieces(model_dir, config, params_as_read(config, dtype), check_data=False)
     infos = [info for path_pieces in pieces.values() for _, info in path_pieces]
     return CheckpointHeaders(model_dir, config, "safetensors", dtype, abstract, len(infos),
-                             sum(info.end - info.start + (info.scale_inv.end - info.scale_inv.start
-                                                          if info.scale_inv else 0) for info in infos),
-                             dict(Counter(i.dtype for i in infos)))
+                             sum(tensor_stored_bytes(info) for info in infos),
+                             dict(Counter("MXFP4" if i.mx_blocks is not None else i.dtype for i in infos)))
