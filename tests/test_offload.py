@@ -35,12 +35,14 @@ def resident(hf_checkpoints):
 @pytest.mark.parametrize("name", FAMILY_REPRESENTATIVES)
 def test_every_cache_size_and_policy_matches_resident(name, hf_checkpoints, resident):
     cfg, ref_logits, ref_tokens = resident[name]
-    for cache in cache_sizes(cfg):
+    # Every cache size, each with the next policy in turn (which experts a policy keeps only changes timing; the
+    # policies' own choices are tested in test_policies.py), so every policy meets several cache sizes.
+    for i, cache in enumerate(cache_sizes(cfg)):
         model = jmoe.load(hf_checkpoints[name][0], cache=cache, progress=False)
         if cache == cfg.num_experts:  # everything fits: the resident path, no manager
             assert isinstance(model.engine, ResidentEngine) and model.stats() == []
             continue
-        for policy in POLICIES:
+        for policy in (POLICIES[i % len(POLICIES)], POLICIES[(i + 1) % len(POLICIES)]):
             model.set_policy(policy)  # an empty cache: prompts stream through scratch, decode steps fill it
             np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0,
                                        err_msg=f"cache={cache} policy={policy}")
