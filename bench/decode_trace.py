@@ -1,13 +1,15 @@
 """Decode throughput against cache size and policy, with real routing (issue 6).
 
   python -m bench.decode_trace                  # both parts -> bench/results/decode_trace_cpu.md
-  python -m bench.decode_trace --part gptoss    # one part only (the results file then holds only it)
+  python -m bench.decode_trace --part gptoss    # one part only -> bench/results/decode_trace_gptoss_cpu.md
 
 Part "default": the shipped model in checkpoints/default with its own router, a code prompt.
-Part "gptoss": a GPT-OSS-20B-shaped random model (24 MoE layers, 32 experts, top-4, hidden and expert
-width scaled down; written as a `mixtral` checkpoint because jmoe has no GPT-OSS family) whose expert
-choice is forced from the held-out split of the vendored GPT-OSS-20B trace (bench/data), next to the
-same checkpoint in transformers (resident, its own routing).
+Part "gptoss": a GPT-OSS-20B-shaped random `gpt_oss` checkpoint (24 MoE layers, 32 experts, top-4, hidden and
+expert width scaled down) whose expert choice is forced from the held-out split of the vendored GPT-OSS-20B
+trace (bench/data), next to the same checkpoint in transformers (resident, its own routing).
+Part "deepseek": a DeepSeek-V3-shaped random `deepseek_v3` checkpoint (MLA, 256 experts, top-8 in 8 groups, a
+shared expert; 26 MoE layers after one dense one, as many as the trace has) driven by the Kimi-Linear-48B
+trace's held-out half, next to transformers the same way.
 
 Every (cache, policy) run starts from an empty cache and generates twice: an unmeasured generation (the
 prompt step and --tokens / --default-tokens decode steps: it compiles the step shapes, since the KV-cache
@@ -20,6 +22,7 @@ bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import jax
@@ -35,12 +38,31 @@ from jmoe.traces.load import frequency_table, load_trace, split_trace
 from jmoe.traces.replay import replay
 
 POLICIES = ("lru", "lfru", "static")
-GPTOSS_CACHES = (4, 6, 8, 12, 16, 32)
-# GPT-OSS-20B: hidden 2880, expert width 2880, 64 query / 8 KV heads, vocab 201k. Scaled down so that a
-# float32 copy (2.4 GB of experts) and its transformers twin fit this machine and a run takes seconds.
-GPTOSS_SHAPED = dict(model_type="mixtral", hidden_size=512, intermediate_size=512, num_hidden_layers=24,
-                     num_attention_heads=8, num_key_value_heads=2, num_local_experts=32, num_experts_per_tok=4,
-                     vocab_size=8192, max_position_embeddings=2048, eos_token_id=None)
+# GPT-OSS-20B: hidden 2880, expert width 2880, 64 query / 8 KV heads of 64, vocab 201k, windows of 128 in
+# alternate layers. Scaled down so that a float32 copy (2.4 GB of experts) and its transformers twin fit this
+# machine and a run takes seconds.
+GPTOSS_SHAPED = dict(model_type="gpt_oss", hidden_size=512, intermediate_size=512, num_hidden_layers=24,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=32,
+                     num_experts_per_tok=4, sliding_window=128, vocab_size=8192, max_position_embeddings=2048,
+                     eos_token_id=None)
+# DeepSeek-V3: hidden 7168, 256 experts of width 2048 in 8 groups (top-4 groups), top-8, 1 shared expert, MLA
+# (q_lora 1536, kv_lora 512, heads of 128 + 64 rope, values 128), 3 dense layers. Scaled down (1.3 GB of float32
+# experts); one dense layer and 26 MoE layers, as many as the Kimi-Linear trace records.
+DEEPSEEK_SHAPED = dict(model_type="deepseek_v3", hidden_size=256, moe_intermediate_size=64, intermediate_size=512,
+                       num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=256, num_experts_per_tok=8,
+                       n_group=8, topk_group=4, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4,
+                       q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                       routed_scaling_factor=2.5, vocab_size=8192, max_position_embeddings=2048, eos_token_id=None)
+# Per traced part: checkpoint, trace, caches, and what the model stands for.
+TRACED = {
+    "gptoss": dict(config=GPTOSS_SHAPED, trace="gptoss", caches=(4, 8, 16, 32), title="GPT-OSS-20B",
+                   trace_rows="the held-out GPT-OSS-20B trace rows (datasets not starting with mmlu, file order, "
+                              "from the first row)", static="expert counts over the mmlu* rows"),
+    "deepseek": dict(config=DEEPSEEK_SHAPED, trace="kimi", caches=(16, 64, 128, 256), title="DeepSeek-V3",
+                     trace_rows="the Kimi-Linear-48B trace's second half (its 256 experts, top-8, 26 MoE layers; "
+                                "the trace knows no expert groups, so forced choices may span any groups)",
+                     static="expert counts over the trace's first half"),
+}
 DEFAULT_PROMPT = "import os\n\n\nclass Cache:\n    def get(self, key, default=None):\n        return self._data.get("
 
 
@@ -92,11 +114,12 @@ def replay_hits(rows: np.ndarray, measured: int, experts: int, cache: int, polic
     return (hits(rows) - hits(rows[:-measured])) / (measured * rows.shape[1] * rows.shape[2])
 
 
-def part_gptoss(args, log) -> str:
+def part_traced(args, log, name: str) -> str:
     import jmoe
 
-    directory = write_random_checkpoint(args.workdir / "gptoss_shaped_mixtral", **GPTOSS_SHAPED)
-    trace = load_trace("gptoss")
+    spec = TRACED[name]
+    directory = write_random_checkpoint(args.workdir / f"{name}_shaped", **spec["config"])
+    trace = load_trace(spec["trace"])
     split = split_trace(trace)
     heldout, table = split["eval_ids"], frequency_table(split["tune_ids"], trace["num_experts"])
     layers, experts = heldout.shape[1], trace["num_experts"]
@@ -122,35 +145,33 @@ def part_gptoss(args, log) -> str:
 
     bandwidth = None
     rows = []
-    for cache in GPTOSS_CACHES:
+    for cache in spec["caches"]:
         if cache >= experts:
             rows.append(f"| {cache} (all resident) | - | {base.tps:.2f} | {base.step_s * 1e3:.1f} | 0.0 | "
                         f"{base.step_s * 1e3:.1f} | 1.00 | 100% | 100% |")
             continue
         model = jmoe.load(directory, cache=cache, progress=False)
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
-        for name in POLICIES:
-            model.set_policy(factories[name]())
+        for policy in POLICIES:
+            model.set_policy(factories[policy]())
             measure(model, [PROMPT], n, TraceRouting(warm_rows, p, cfg))
             run = measure(model, [PROMPT], n, TraceRouting(measured_rows, p, cfg))
-            expected = replay_hits(seen, n, experts, cache, factories[name])
-            rows.append(row(f"{cache} | {name}", run, base.step_s, bandwidth, f" {expected:.1%} |"))
+            expected = replay_hits(seen, n, experts, cache, factories[policy])
+            rows.append(row(f"{cache} | {policy}", run, base.step_s, bandwidth, f" {expected:.1%} |"))
             log(rows[-1])
         del model
     return (
-        f"## (b) GPT-OSS-20B-shaped random model, routing forced from the GPT-OSS-20B trace\n\n"
-        f"`mixtral`-family checkpoint (jmoe has no GPT-OSS family yet) with GPT-OSS-20B's expert layout: "
-        f"{cfg.num_layers} layers, all MoE, {experts} experts, top-{cfg.num_experts_per_tok}; scaled down to "
-        f"hidden {cfg.hidden_size}, expert width {cfg.expert_intermediate_size}, {cfg.num_heads} query / "
-        f"{cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size} (GPT-OSS-20B: hidden 2880, expert width 2880, "
-        f"64 / 8 heads, vocab 201k): {params / 1e6:.0f}M parameters, float32, one expert = "
-        f"{model_expert_mb(cfg):.2f} MB, random weights written by transformers.\n\n"
-        f"Routing: every MoE layer's expert ids are forced from the held-out GPT-OSS-20B trace rows "
-        f"(datasets not starting with mmlu, file order, from the first row): the {p}-token prompt takes one "
+        f"## {spec['title']}-shaped random `{cfg.family}` model, routing forced from a trace\n\n"
+        f"{cfg.num_layers} layers ({cfg.num_moe_layers} MoE), {experts} experts, top-{cfg.num_experts_per_tok}, "
+        f"hidden {cfg.hidden_size}, expert width {cfg.expert_intermediate_size}, {cfg.num_heads} query heads, "
+        f"vocab {cfg.vocab_size}: {params / 1e6:.0f}M parameters, float32, one expert = "
+        f"{model_expert_mb(cfg):.2f} MB, random weights written by transformers (`{name}` in `TRACED` of this "
+        f"script has every setting).\n\n"
+        f"Routing: every MoE layer's expert ids are forced from {spec['trace_rows']}: the {p}-token prompt takes one "
         f"row per token, each decode step the next row. Per (cache, policy): empty cache, an unmeasured "
         f"generation (prompt + {n} decode steps, rows 0-{len(warm_rows) - 1}) that compiles and warms the cache, "
         f"then the measured one: prompt + {n} decode steps, rows {len(warm_rows)}-{len(seen) - 1}. Static's table: "
-        f"expert counts over the mmlu* rows. Batch 1, greedy.\n\n"
+        f"{spec['static']}. Batch 1, greedy.\n\n"
         f"Bound per step = max(resident step time under the same forced routing ({base.step_s * 1e3:.1f} ms), "
         f"bytes moved per step / host-to-slot copy bandwidth ({bandwidth:.2f} GB/s, measured like "
         f"`bench/decode.py::copy_bandwidth_gbs`)). Hit rate: the engine's statistics over the measured decode "
@@ -210,7 +231,7 @@ def part_default(args, log) -> str:
         f"{len(prompt)}-token Python snippet; greedy; per (cache, policy): empty cache, an unmeasured "
         f"generation of up to {n} decode steps (compiles, warms the cache), then the same again, measured "
         f"(decode steps actually run, a stop at EOS included: {sorted(steps)}). Static pins the experts the "
-        f"first step (the warm-up prompt) used most (the engine's `policy=\"static\"`). Bound as in (b), resident step "
+        f"first step (the warm-up prompt) used most (the engine's `policy=\"static\"`). Bound as in the traced parts, resident step "
         f"{base.step_s * 1e3:.1f} ms, copy bandwidth {bandwidth:.2f} GB/s measured on this model's experts.\n\n"
         f"{TABLE_HEAD}\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
@@ -218,7 +239,7 @@ def part_default(args, log) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "default", "gptoss"], default="all")
+    parser.add_argument("--part", choices=["all", "default", *TRACED], default="all")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench"))
     parser.add_argument("--tokens", type=int, default=24,
                         help="GPT-OSS-shaped model: decode steps per run (measured, and again to warm up)")
@@ -229,11 +250,13 @@ def main(argv=None) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     # Each cache size compiles its own programs (about a minute each here); keep them for the next run.
     jax.config.update("jax_compilation_cache_dir", str(args.workdir / "jax_cache"))
-    sections, conditions = run_parts(args, {"default": part_default, "gptoss": part_gptoss})
+    parts = {"default": part_default, **{name: functools.partial(part_traced, name=name) for name in TRACED}}
+    sections, conditions = run_parts(args, parts)
     body = (f"Batch-1 greedy decode on CPU (JAX's 'device' and 'pinned_host' memory are both host RAM here, so "
             f"a host-to-slot copy is a memcpy). The machine is shared with other jobs: {conditions}. Single "
             f"runs, no repeats: read differences under ~10% as noise.\n\n" + "\n".join(sections))
-    print(write_result("decode_trace_cpu.md", "Decode throughput with real routing (CPU)", body))
+    name = "decode_trace_cpu.md" if args.part == "all" else f"decode_trace_{args.part}_cpu.md"
+    print(write_result(name, "Decode throughput with real routing (CPU)", body))
 
 
 if __name__ == "__main__":
