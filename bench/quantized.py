@@ -21,10 +21,9 @@ import numpy as np
 import jmoe
 from bench.common import run_parts, write_random_checkpoint, write_result
 from bench.decode import COMPARE_MODELS, PROMPT
-from bench.router_predictor import SCORED_FILES
-from checkpoints.recipe.corpus import load_corpus
+from bench.router_predictor import heldout_streams
 from jmoe.decode.sampling import SamplingParams
-from jmoe.eval.metrics import check_stream, evaluate, pack_windows, padded_batch
+from jmoe.eval.metrics import evaluate, pack_windows, padded_batch
 
 MODEL_DIR = "checkpoints/default"
 # (label, expert_dtype, int4 group size); None = the checkpoint's float32.
@@ -34,12 +33,6 @@ QUALITY_FORMATS = [("float32", None, None), ("bfloat16", "bfloat16", None), ("in
 SPEED_FORMATS = [("float32", None), ("int8", "int8"), ("int4", "int4"), ("fp8", "fp8"), ("mxfp4", "mxfp4")]
 CACHE = 4
 SEQ_LEN, BATCH = 256, 8
-
-
-def heldout_stream(model) -> np.ndarray:
-    texts = dict(zip(load_corpus().validation.names, load_corpus().validation.texts))
-    return check_stream(model.config, model.require_tokenizer().encode("".join(texts[n] for n in SCORED_FILES)),
-                        SEQ_LEN)
 
 
 def argmax_tokens(model, windows, lengths) -> np.ndarray:
@@ -53,11 +46,12 @@ def argmax_tokens(model, windows, lengths) -> np.ndarray:
 
 
 def part_quality(args, log) -> str:
-    rows, reference = [], None
+    rows, reference, stream = [], None, None
     for label, expert_dtype, group in QUALITY_FORMATS:
         log(f"quality {label}")
         model = jmoe.load(MODEL_DIR, expert_dtype=expert_dtype, expert_group_size=group, progress=False)
-        stream = heldout_stream(model)
+        if stream is None:  # the same tokens for every format
+            stream = heldout_streams(model, SEQ_LEN)[0]
         result = evaluate(model, stream, batch_size=BATCH, seq_len=SEQ_LEN)
         picks = argmax_tokens(model, *pack_windows(stream, SEQ_LEN))
         if reference is None:

@@ -35,6 +35,14 @@ def positive_finite(name: str, value) -> float:
     return float(value)
 
 
+def checked_expert_dtype(expert_dtype):
+    """`expert_dtype` if it is None or one of EXPERT_DTYPES, else InputError."""
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise InputError(f"expert_dtype must be None or one of {', '.join(EXPERT_DTYPES)}, found {expert_dtype!r}; "
+                         f"pass expert_dtype= / --expert-dtype with one of them")
+    return expert_dtype
+
+
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {', '.join(BACKENDS)}, found {backend!r}")

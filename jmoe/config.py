@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from jmoe.arguments import EXPERT_DTYPES
+from jmoe.arguments import checked_expert_dtype
 from jmoe.config_rope import Yarn, rope_settings
 from jmoe.config_values import SIZE_LIMITS, boolean as _bool, positive_float as _positive_float, size as _size
 from jmoe.errors import ConfigError, InputError
@@ -299,9 +299,8 @@ def _quant_method(hf: dict, source: str) -> str | None:
     return method
 
 
-def _fp8_block(hf: dict, source: str) -> tuple[int, int] | None:
-    if _quant_method(hf, source) != "fp8":
-        return None
+def _fp8_block(hf: dict, source: str) -> tuple[int, int]:
+    """quantization_config.weight_block_size of an fp8 checkpoint (default 128 x 128)."""
     quant = hf["quantization_config"]
     block = quant.get("weight_block_size", [128, 128])
     if not isinstance(block, list) or len(block) != 2:
@@ -361,6 +360,7 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
         family_switches["shared_expert_intermediate_size"] = _size(hf, "shared_expert_intermediate_size", source,
                                                                    0, low=0)
     qk_norm = fam.qk_norm(hf) if callable(fam.qk_norm) else fam.qk_norm
+    quant_method = _quant_method(hf, source)
     return ModelConfig(
         family=family,
         vocab_size=vocab,
@@ -391,8 +391,8 @@ def _parse_config(hf: dict, source: str, generation: dict | None) -> ModelConfig
         rotary_dim=_rotary_dim(hf, fam, head_dim, source),
         rope_yarn=yarn,
         mla=mla,
-        fp8_block=_fp8_block(hf, source),
-        mxfp4_experts=_quant_method(hf, source) == "mxfp4",
+        fp8_block=_fp8_block(hf, source) if quant_method == "fp8" else None,
+        mxfp4_experts=quant_method == "mxfp4",
         router_bias=fam.router_bias,
         expert_bias=fam.expert_bias,
         attention_sinks=fam.attention_sinks,
@@ -407,9 +407,7 @@ def with_expert_dtype(cfg: ModelConfig, expert_dtype: str | None, group_size: in
     An MXFP4 checkpoint's experts stay MXFP4 unless another storage is asked for."""
     if expert_dtype is None and cfg.mxfp4_experts:
         expert_dtype = "mxfp4"
-    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
-        raise InputError(f"expert_dtype must be None or one of {', '.join(EXPERT_DTYPES)}, found {expert_dtype!r}; "
-                         f"pass expert_dtype= / --expert-dtype with one of them")
+    checked_expert_dtype(expert_dtype)
     if group_size is not None and expert_dtype != "int4":
         raise InputError(f"expert_group_size applies to expert_dtype='int4' only (the other formats have fixed "
                          f"layouts), found expert_dtype={expert_dtype!r} with expert_group_size={group_size!r}")

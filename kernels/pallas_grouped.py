@@ -40,8 +40,6 @@ def contraction_block(weight, cap: int) -> int:
     weight, dividing the rows that share a scale (so a block never straddles two scale rows)."""
     extent = quantized.contraction_extent(weight)
     shared = quantized.scale_rows(weight)
-    if quantized.is_quantized(weight) and weight.fmt == "fp8":
-        shared = quantized.FP8_BLOCK
     return grouping.largest_pow2_divisor(math.gcd(extent, shared) if shared else extent, cap)
 
 

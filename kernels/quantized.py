@@ -37,7 +37,6 @@ DEFAULT_INT4_GROUP = 64  # measured against 32 and 128 on the default model: ben
 FP8_BLOCK = 128
 MXFP4_GROUP = 32
 _PACKED = ("int4", "mxfp4")  # two 4-bit codes per byte
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 _FIXED_GROUPS = {"int8": 0, "fp8": FP8_BLOCK, "mxfp4": MXFP4_GROUP}
@@ -123,7 +122,8 @@ def contraction_extent(weight) -> int:
 
 
 def scale_rows(weight) -> int:
-    """Rows of K that share one scale row (the whole K for int8, 0 for a plain weight)."""
+    """Rows of K that share one scale row (the whole K for int8, a block of 128 for fp8, 0 for a plain
+    weight)."""
     if not is_quantized(weight):
         return 0
     return weight.shape[-2] if weight.fmt == "int8" else weight.group

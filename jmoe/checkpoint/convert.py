@@ -173,16 +173,17 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, e
     cfg = with_expert_dtype(cfg, expert_dtype, expert_group_size)
     _check_output(hf_dir, out_dir, overwrite)
     check_sizes_against_tensors(hf_dir, cfg, stored_values(hf_dir))
-    abstract = abstract_params(cfg, dtype)
-    pieces = param_pieces(hf_dir, cfg, params_as_read(cfg, dtype))  # checks every tensor name and shape first
+    abstract, as_read = abstract_params(cfg, dtype), params_as_read(cfg, dtype)
+    pieces = param_pieces(hf_dir, cfg, as_read)  # checks every tensor name and shape before any work
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out_dir.parent, out_dir.name)
     with _termination_raises():
-        _convert_into(hf_dir, out_dir, cfg, dtype, abstract, pieces, progress)
+        _convert_into(hf_dir, out_dir, cfg, dtype, abstract, as_read, pieces, progress)
     return out_dir
 
 
-def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, progress: bool) -> None:
+def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, as_read, pieces, progress: bool) -> None:
+    """Write the checkpoint: `as_read` are the parameters as read (params_as_read), `abstract` as stored."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TMP_INFIX}", dir=out_dir.parent))
     try:
         umask = os.umask(0)
@@ -198,7 +199,6 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, pieces, pro
         # (bench/results/convert.md); loading fast is the point of converting.
         save_context.array.saving.use_compression = False
         checksums = {}  # param key -> CRC-32 of the stored bytes (restore verifies them)
-        as_read = params_as_read(cfg, dtype)
         with save_context, tqdm(total=len(as_read), desc="converting", unit="param", disable=not progress) as bar:
             for group, paths in param_groups(as_read).items():
                 bar.set_postfix_str(param_key(group) or "embeddings")

@@ -17,6 +17,7 @@ from jax.experimental.compute_on import compute_on
 
 from jmoe.kernels import ExpertWeights
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.bias import bias_rows
 from jmoe.kernels.quantized import materialize
 from jmoe.memory import to_device, to_host
 
@@ -38,12 +39,10 @@ def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, ac
         # where would broadcast its scalar 0 into a device-typed array.
         token_weight = jnp.sum(weights.astype(jnp.float32) * (ids == expert), axis=1, keepdims=True)
         gate_up = jnp.dot(x, expert_weight(host.w_gate_up, expert), preferred_element_type=jnp.float32)
-        if host.b_gate_up is not None:
-            gate_up = gate_up + expert_weight(host.b_gate_up, expert).astype(jnp.float32)
+        gate_up = gate_up + bias_rows(host.b_gate_up, expert)
         h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
         y = jnp.dot(h, expert_weight(host.w_down, expert), preferred_element_type=jnp.float32)
-        if host.b_down is not None:
-            y = y + expert_weight(host.b_down, expert).astype(jnp.float32)
+        y = y + bias_rows(host.b_down, expert)
         return acc + token_weight * y
 
     return jax.lax.fori_loop(0, count, add_expert, to_host(jnp.zeros(x.shape, jnp.float32)))

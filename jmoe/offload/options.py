@@ -7,7 +7,7 @@ import dataclasses
 import re
 from typing import Sequence
 
-from jmoe.arguments import EXPERT_DTYPES, positive_finite, whole_number
+from jmoe.arguments import checked_expert_dtype, positive_finite, whole_number
 from jmoe.errors import InputError
 from jmoe.offload.layer_groups import LayerGroups, layer_groups_from
 from jmoe.offload.policies import CachePolicy, policy_factory
@@ -100,9 +100,7 @@ class OffloadOptions:
             raise InputError(f"policy must be a policy name or a jmoe.offload.policies.CachePolicy, found "
                              f"{type(self.policy).__name__}")
         self.layer_groups  # checks the group settings
-        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
-            raise InputError(f"expert_dtype must be None or one of {', '.join(EXPERT_DTYPES)}, found "
-                             f"{self.expert_dtype!r}")
+        checked_expert_dtype(self.expert_dtype)
         if self.expert_group_size is not None:
             whole_number("expert_group_size", self.expert_group_size, 2, "rows of an int4 weight sharing a scale")
 
