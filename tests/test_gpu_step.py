@@ -12,8 +12,8 @@ import pytest
 import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.offload.slots import LayerSlots, empty_slots, fetch_and_compute
-from jmoe.plan.hlo import control_flow
+from jmoe.offload.slots import LayerSlots, Scratch, empty_slots, fetch_and_compute
+from jmoe.plan.hlo import control_flow, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -49,6 +49,11 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # One demand-copy loop per offloaded layer (the trip count is the number of misses); nothing else.
     assert flow.data_dependent_loops == offloaded and flow.host_loops == 0
     assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
+    cfg, placement = plan.config, plan.placement
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    slot_arrays = {shape for slots in (*placement.caches, placement.scratch) if offloaded
+                   for shape in ((slots, d, 2 * f), (slots, f, d))}
+    assert not slot_arrays & set(copied_arrays(decode.hlo_text))  # slots are updated in place
     prefill = plan.programs["prefill"]
     assert prefill.error is None, prefill.error
     assert prefill.control_flow.conditionals == 0  # streamed chunks compute masked, never branch
@@ -65,6 +70,21 @@ def test_host_mode_decode_has_device_control_flow_only_on_the_host(hf_checkpoint
     flow = control_flow(decode)
     assert flow.conditionals == 0 and flow.data_dependent_loops == 0
     assert flow.host_loops >= model.config.num_moe_layers
+
+
+SLOT_UPDATES = [dict(backend="auto"), dict(backend="gather"), dict(prefetch=1), dict(miss_mode="host", backend="gather")]
+
+
+@pytest.mark.parametrize("options", SLOT_UPDATES, ids=[str(o) for o in SLOT_UPDATES])
+def test_decode_updates_slot_buffers_in_place(many_experts, options):
+    """The decode program reads the cache and scratch slots and then admits into them in place: it copies
+    none of them whole (each such copy would move every slot of every offloaded layer each step)."""
+    model = jmoe.load(many_experts, cache=2, progress=False, **options)
+    model.generate([[1, 2, 3], [4, 5, 6]], max_new_tokens=3)
+    (decode,) = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
+    state = model.engine.state
+    slot_arrays = {tuple(leaf.shape) for leaf in jax.tree.leaves((state.buffers, state.scratch))}
+    assert slot_arrays and not slot_arrays & set(copied_arrays(decode))
 
 
 @pytest.mark.parametrize("miss_mode", ["fetch", "host"])
@@ -96,7 +116,7 @@ def test_bfloat16_results_do_not_depend_on_which_experts_are_cached():
         slots = LayerSlots(jax.tree.map(lambda a: a[jnp.asarray(cached)], host),
                            jnp.full((e,), -1, jnp.int32).at[jnp.asarray(cached)].set(jnp.arange(len(cached))),
                            jnp.asarray(cached, jnp.int32))
-        y, *_ = fetch_and_compute(slots, empty_slots(host, e), jnp.full((3,), -1, jnp.int32), host, x, ids, weights,
+        y, *_ = fetch_and_compute(slots, Scratch(empty_slots(host, e)), jnp.full((3,), -1, jnp.int32), host, x, ids, weights,
                                   kernel=kernel)
         return y.astype(jnp.bfloat16)
 

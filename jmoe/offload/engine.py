@@ -31,7 +31,7 @@ from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-from jmoe.offload.slots import (LayerSlots, copy_fixed, device_copy, empty_slots, fetch_and_compute,
+from jmoe.offload.slots import (LayerSlots, Scratch, copy_fixed, device_copy, empty_slots, fetch_and_compute,
                                 host_compute_misses, prefetch, prefetch_by_score, put_slot, stream_and_compute)
 
 
@@ -127,7 +127,7 @@ class OffloadEngine(ResidentEngine):
         copied = [jnp.int32(0)] * lo  # experts copied ahead of each layer (plan, prefetch)
         evicted = [jnp.int32(0)] * lo
         counts = [None] * lo
-        scratch = [state.scratch]  # threaded through the layers: each uses it in turn
+        scratch = [Scratch(state.scratch)]  # threaded through the layers: each uses it in turn
         if decode and self.plan_width:
             # The manager's planned admissions, copied as the step starts: they overlap the attention and
             # the layers before theirs.
@@ -189,7 +189,7 @@ class OffloadEngine(ResidentEngine):
                 return state
             step_counts = jnp.stack([jnp.stack([c.hits, c.misses, c.copied + ahead, c.evicted + out])
                                      for c, ahead, out in zip(counts, copied, evicted)])
-            return state._replace(buffers=tuple(s.buffers for s in layer_slots), scratch=scratch[0],
+            return state._replace(buffers=tuple(s.buffers for s in layer_slots), scratch=scratch[0].buffers,
                                   slot_of_expert=jnp.stack([s.slot_of_expert for s in layer_slots]),
                                   expert_in_slot=tuple(s.expert_in_slot for s in layer_slots), counts=step_counts)
 

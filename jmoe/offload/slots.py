@@ -34,6 +34,15 @@ class LayerSlots(NamedTuple):
     expert_in_slot: jax.Array  # int32 [S]: expert held by each cache slot, -1 = empty
 
 
+class Scratch(NamedTuple):
+    """The M scratch slots all offloaded layers share, one after another."""
+
+    buffers: ExpertWeights  # [M, ...] per leaf, on the device
+    # None, or a scalar computed after the last read of `buffers` (the previous layer's admission): the next
+    # copies into them wait for it, so XLA updates them in place instead of copying them first.
+    free: jax.Array | None = None
+
+
 class StepCounts(NamedTuple):
     hits: jax.Array  # int32: (token, choice) pairs served from a cache slot filled before the layer started
     misses: jax.Array  # int32: the other pairs (stalls)
@@ -92,6 +101,21 @@ def admit(slots: LayerSlots, experts, destinations, sources: ExpertWeights) -> t
     return LayerSlots(buffers, slot_of_expert, expert_in_slot), jnp.sum(evicted >= 0, dtype=jnp.int32)
 
 
+def ordered_after(indices, value):
+    """`indices` (int, each > INT_MIN) unchanged, but computed from `value` (any array): an in-place update indexed by
+    them runs after every read that fed `value`. Without a data dependence XLA cannot order a read of a
+    donated buffer before its update and copies the whole buffer first (an optimization barrier does not
+    survive to XLA:CPU's copy insertion). The max with INT_MIN or INT_MIN + 1 cannot be folded away."""
+    low = jnp.iinfo(indices.dtype).min + (jnp.sum(value) > 0).astype(indices.dtype)
+    return jnp.maximum(indices, low)
+
+
+def written_marker(buffers: ExpertWeights) -> jax.Array:
+    """A float32 scalar computed from one element of every leaf of `buffers`: whatever is ordered after it
+    (`ordered_after`) runs after the writes that produced them."""
+    return sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(buffers))
+
+
 def copy_fixed(slots: LayerSlots, host: ExpertWeights, experts, destinations) -> tuple[LayerSlots, jax.Array]:
     """Copy experts[j] (int32 [n], n known when tracing) from host memory into cache slot destinations[j]:
     n unrolled copies, no loop. A destination of -1 admits nothing (a static number of copies cannot be
@@ -110,39 +134,41 @@ def usable_victims(slots: LayerSlots, victim_order, protected) -> jax.Array:
     return jnp.where(usable, victim_order, -1)[jnp.argsort(~usable, stable=True)]
 
 
-def fetch_and_compute(slots: LayerSlots, scratch: ExpertWeights, victim_order, host: ExpertWeights, x, ids,
-                      weights, *, kernel: ExpertKernel) -> tuple[jax.Array, LayerSlots, ExpertWeights, StepCounts]:
+def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: ExpertWeights, x, ids,
+                      weights, *, kernel: ExpertKernel) -> tuple[jax.Array, LayerSlots, Scratch, StepCounts]:
     """Decode path, miss mode "fetch": the missed experts (lowest ids first, up to M) are copied into the
     shared scratch slots by one loop, computed from there, and then admitted into victim cache slots by a
     device-to-device scatter, never over an expert this step needs. A batch that misses more than M
     experts computes the rest on the host. Returns (float32 y [T, d], slots, scratch, counts)."""
-    num_experts, num_scratch = slots.slot_of_expert.shape[0], scratch.num_experts
+    num_experts, num_scratch = slots.slot_of_expert.shape[0], scratch.buffers.num_experts
     needed = needed_experts(ids, num_experts)
     hits = count_hits(slots.slot_of_expert, ids)
     missing = needed & (slots.slot_of_expert < 0)
     n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), num_scratch)
     miss_ids = jnp.nonzero(missing, size=num_scratch, fill_value=0)[0].astype(jnp.int32)
-    scratch = copy_loop(scratch, host, miss_ids, n_miss)
+    copies = n_miss if scratch.free is None else ordered_after(n_miss, scratch.free)
+    buffers = copy_loop(scratch.buffers, host, miss_ids, copies)
     # Scratch slot of each expert: its rank among the misses, while it is among the first M.
     rank = jnp.where(missing, jnp.cumsum(missing) - 1, -1)
     scratch_slot = jnp.where(rank < num_scratch, rank, -1)
-    y = kernel(x, slot_ids_of(scratch_slot, ids), weights, scratch, out_dtype=jnp.float32)
+    y = kernel(x, slot_ids_of(scratch_slot, ids), weights, buffers, out_dtype=jnp.float32)
     if slots.expert_in_slot.shape[0]:
         y = y + kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
     if min(ids.size, num_experts) > num_scratch:  # this step's shape can miss more experts than M
         y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel)
     evicted = jnp.int32(0)
     if slots.expert_in_slot.shape[0]:
-        # Admit after the layer has read its slots (the barrier orders it), so the update is in place.
-        (y, buffers), scratch = jax.lax.optimization_barrier(((y, slots.buffers), scratch))
-        victims = usable_victims(slots._replace(buffers=buffers), victim_order, needed)
+        victims = usable_victims(slots, victim_order, needed)
         count = min(num_scratch, victims.shape[0])
         j = jnp.arange(count)
-        destinations = jnp.where(j < n_miss, victims[:count], -1)
-        sources = jax.tree.map(lambda s: s[:count], scratch)
-        slots, evicted = admit(slots._replace(buffers=buffers), miss_ids[:count], destinations, sources)
+        # Admit after the layer has read its slots, so that the update is in place.
+        destinations = ordered_after(jnp.where(j < n_miss, victims[:count], -1), y)
+        sources = jax.tree.map(lambda s: s[:count], buffers)
+        slots, evicted = admit(slots, miss_ids[:count], destinations, sources)
+    # The scratch slots' last reader: the admission, else the layer's compute.
+    free = written_marker(slots.buffers) if slots.expert_in_slot.shape[0] else jnp.sum(y)
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)
-    return y, slots, scratch, counts
+    return y, slots, Scratch(buffers, free), counts
 
 
 def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel) -> jax.Array:

@@ -1,7 +1,8 @@
 """What a compiled program would do on its device, read from the optimized HLO text: the control flow
 that makes a GPU return to the host inside a step (a `conditional` copies its predicate to the host; a
-`while` loop whose trip count the compiler does not know copies its condition back every iteration) and
-the Triton kernels the Pallas kernels lowered to."""
+`while` loop whose trip count the compiler does not know copies its condition back every iteration), the
+Triton kernels the Pallas kernels lowered to, and the arrays it copies whole (a donated buffer that is
+read and then updated in place without a data dependence between the two gets copied every step)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ _CONDITIONAL = re.compile(r"\sconditional\(")
 _KNOWN_TRIP_COUNT = '"known_trip_count":{"n":"'
 _HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on)
 _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+_COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,3 +43,8 @@ def control_flow(hlo_text: str) -> ControlFlow:
             data_dependent += 1
     conditionals = sum(1 for line in hlo_text.splitlines() if _CONDITIONAL.search(line))
     return ControlFlow(conditionals, known, data_dependent, on_host, hlo_text.count(_TRITON_CALL))
+
+
+def copied_arrays(hlo_text: str) -> list[tuple[int, ...]]:
+    """The dimensions of every array a `copy` (or asynchronous `copy-start`) instruction writes."""
+    return [tuple(int(n) for n in dims.split(",") if n) for dims in _COPY.findall(hlo_text)]
