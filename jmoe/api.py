@@ -102,7 +102,11 @@ class Model:
         """One jitted generation step; returns (next tokens as NumPy [B], the updated kv cache).
 
         forced_routing: None, or int [L_moe, B, T, k] expert ids replacing the routers' choice.
+        A step of several tokens per row is a prompt: it is written from cache column 0.
         """
+        if tokens.shape[1] > 1 and write_index != 0:
+            raise InputError(f"run_step: a step of {tokens.shape[1]} tokens per row is a prompt and must start at "
+                             f"cache column 0, got write_index={write_index}; feed later tokens one per step")
         arrays = None if sampling.greedy else sampling.arrays(tokens.shape[0])
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
         args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,

@@ -157,3 +157,23 @@ def test_persistent_compile_cache_serves_a_second_process(tmp_path):
     assert first_hits == 0 and any(tmp_path.iterdir())
     second_hits, _ = run()
     assert second_hits >= 2  # at least the prompt and decode steps came from the cache
+
+
+def test_a_prompt_step_reads_only_its_own_cache_columns_and_must_start_at_column_0(model):
+    """The prompt step's attention reads only the prompt's columns of a longer cache (visible_len): its
+    logits equal a full forward over the prompt alone; a prompt step written anywhere else is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from jmoe.decode.sampling import SamplingParams
+    from jmoe.errors import InputError
+    from jmoe.model import empty_kv_cache
+
+    rows = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    module = model.module()
+    cache = empty_kv_cache(model.config, 1, 32, model.kv_dtype)
+    pad = jnp.zeros((1,), jnp.int32)
+    visible = module(rows, cache, 0, pad, visible_len=8).logits
+    np.testing.assert_allclose(np.asarray(visible), np.asarray(model.logits(rows)), rtol=0, atol=1e-5)
+    with pytest.raises(InputError, match="must start at cache column 0, got write_index=4"):
+        model.run_step(rows, cache, 4, pad, jax.random.PRNGKey(0), 0, SamplingParams())

@@ -18,11 +18,11 @@ from jmoe.model import empty_kv_cache
 
 
 def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
-         forced_routing=None):
+         forced_routing=None, visible_len=None):
     model = nnx.merge(graphdef, engine.prepare_params(params))
     compute, finish = engine.bind(engine_state, model.moe_layer_views(), tokens_shape=tokens.shape)
     out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, last_only=last_only,
-                forced_routing=forced_routing, before_layer=engine.layer_hook(model))
+                forced_routing=forced_routing, before_layer=engine.layer_hook(model), visible_len=visible_len)
     return out, finish()
 
 
@@ -44,14 +44,16 @@ def make_step_fn(graphdef, engine, greedy: bool):
 
     Returns (next tokens int32 [B], bool [L] whether each decoder layer's output is finite, routing ids
     [L_moe, B, T, k], kv cache, engine state). Used for the
-    prompt (T = padded prompt length) and for every decode step (T = 1). `sampling` is None when `greedy`,
+    prompt (T = padded prompt length, written from cache column 0: its attention reads only its own T
+    columns) and for every decode step (T = 1). `sampling` is None when `greedy`,
     else the traced SamplingArrays (so every temperature / top_k / top_p shares the program);
     `forced_routing` is None, or int32 [L_moe, B, T, k] expert ids to use instead of the router's.
     """
 
     def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing):
         out, engine_state = _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len,
-                                 last_only=True, forced_routing=forced_routing)
+                                 last_only=True, forced_routing=forced_routing,
+                                 visible_len=tokens.shape[1] if tokens.shape[1] > 1 else None)
         logits = out.logits[:, -1]
         next_tokens = greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
         return (next_tokens, out.finite), out.routing, out.kv_cache, engine_state

@@ -41,17 +41,25 @@ class Attention(nnx.Module):
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
         groups = cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+        visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
+        keys = k_cache[:, :visible].astype(q.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, S, hd]
+        values = v_cache[:, :visible].transpose(0, 2, 1, 3)
+        # Each kv head's queries as the rows of one matrix (row = token * groups + group), so both products
+        # are plain batched matmuls: XLA:CPU then moves no score-sized array between layouts (3x faster
+        # at 512 tokens than contracting [B, T, Hkv, G, hd] directly).
+        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 1, 3, 4)
+        q = q.reshape(b, cfg.num_kv_heads, t * groups, cfg.head_dim)
         # Scores in the activation dtype, softmax in float32 (as the reference implementations do).
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache.astype(q.dtype)).astype(jnp.float32)
+        scores = jnp.einsum("bkmd,bksd->bkms", q, keys).astype(jnp.float32).reshape(b, cfg.num_kv_heads, t, groups, visible)
         scores = scores * cfg.head_dim ** -0.5
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
         if self.sinks is None:
             probs = jax.nn.softmax(scores, axis=-1)
         else:  # each head's sink logit joins the softmax as one more column, then is dropped
-            sink = self.sinks[...].astype(jnp.float32).reshape(1, cfg.num_kv_heads, groups, 1, 1)
+            sink = self.sinks[...].astype(jnp.float32).reshape(1, cfg.num_kv_heads, 1, groups, 1)
             sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
             probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        probs = probs.astype(v_cache.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(b, t, -1).astype(x.dtype)
+        probs = probs.astype(v_cache.dtype).reshape(b, cfg.num_kv_heads, t * groups, visible)
+        out = jnp.einsum("bkms,bksd->bkmd", probs, values).reshape(b, cfg.num_kv_heads, t, groups, cfg.head_dim)
+        out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, -1).astype(x.dtype)
         return self.o(out), k_cache, v_cache

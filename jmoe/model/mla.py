@@ -55,7 +55,9 @@ class MLAttention(nnx.Module):
         latent_cache = jax.lax.dynamic_update_slice(latent_cache, latent.astype(latent_cache.dtype),
                                                     (0, write_index, 0, 0))
         rope_cache = jax.lax.dynamic_update_slice(rope_cache, k_rope.astype(rope_cache.dtype), (0, write_index, 0, 0))
-        c, kr = latent_cache[:, :, 0].astype(x.dtype), rope_cache[:, :, 0].astype(x.dtype)  # [B, S, r], [B, S, dr]
+        visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
+        c = latent_cache[:, :visible, 0].astype(x.dtype)  # [B, S, r]
+        kr = rope_cache[:, :visible, 0].astype(x.dtype)  # [B, S, dr]
         w_kv = self.kv_b.kernel[...].reshape(r, cfg.num_heads, dn + m.v_head_dim)
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
         rope_scores = jnp.einsum("bthd,bsd->bhts", q_rope, kr)

@@ -67,7 +67,7 @@ class MoETransformer(nnx.Module):
     def __call__(self, tokens: jax.Array, kv_cache: tuple, write_index, pad_len: jax.Array, *,
                  expert_compute: ExpertCompute | None = None, backend: str = "reference",
                  last_only: bool = False, forced_routing: jax.Array | None = None,
-                 before_layer: BeforeLayer | None = None) -> ForwardOut:
+                 before_layer: BeforeLayer | None = None, visible_len: int | None = None) -> ForwardOut:
         """Run `tokens` [B, T] whose first row entries sit at cache column `write_index`.
 
         Row b is left-padded by `pad_len[b]` columns: those cache columns are never attended to and its
@@ -76,10 +76,12 @@ class MoETransformer(nnx.Module):
         weights with kernel `backend`); routing is returned for the cache manager.
         `forced_routing` int32 [L_moe, B, T, k] (benchmarks) replaces every MoE layer's expert choice.
         `before_layer` runs as each decoder layer starts (the offload engine fetches layer weights with it).
+        `visible_len` (static): no query sees a cache column past it, so attention reads only those columns
+        (a prompt written from column 0 passes its length); None = the whole cache.
         """
         cfg = self.cfg
         b, t = tokens.shape
-        s = kv_cache[0][0].shape[1]
+        s = kv_cache[0][0].shape[1] if visible_len is None else visible_len
         q_cols = write_index + jnp.arange(t)
         cols = jnp.arange(s)
         positions = jnp.maximum(q_cols[None, :] - pad_len[:, None], 0)
