@@ -74,40 +74,63 @@ def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_do
     return jnp.einsum("tu,tud->td", coef, out)
 
 
+def _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, dtype):
+    """ffn(slot, xs [m, d], ws [m]) -> float32 [m, d]: rows of one slot's expert FFN, each times its router
+    weight; the slot's weights are read (and dequantized) once for the m rows."""
+    act = get_activation(activation)
+    f = w_down.shape[1]
+
+    def ffn(slot, xs, ws):
+        gate_up = jnp.dot(xs, rows_of(w_gate_up, slot, dtype), preferred_element_type=jnp.float32)
+        gate_up = gate_up + bias_rows(b_gate_up, slot)
+        h = act(gate_up[:, :f], gate_up[:, f:]).astype(dtype)
+        out = jnp.dot(h, rows_of(w_down, slot, dtype), preferred_element_type=jnp.float32)
+        return (out + bias_rows(b_down, slot)) * ws[:, None]
+
+    return ffn
+
+
+def _unless_empty(ffn, slot, xs, ws):
+    """ffn(slot, xs, ws), or zeros for slot -1. On CPU an empty slot is skipped with a branch; lowered for a
+    GPU it is computed on slot 0 and masked instead, because a branch there makes the host wait for the
+    predicate."""
+
+    def branched(slot, xs, ws):
+        return jax.lax.cond(slot >= 0, ffn, lambda *_: jnp.zeros(xs.shape, jnp.float32), slot, xs, ws)
+
+    def masked(slot, xs, ws):
+        # Select, not multiply: slot 0's weights may hold anything (NaN included).
+        return jnp.where(slot >= 0, ffn(jnp.maximum(slot, 0), xs, ws), 0.0)
+
+    return jax.lax.platform_dependent(slot, xs, ws, cpu=branched, default=masked)
+
+
 def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
                   block_m=None):
     """Sorted grouped GEMM without ragged_dot: the Pallas tile layout, one scan step per row
     tile. XLA:CPU lowers ragged_dot to a dense product over every slot; this reads only the
-    slots that own a tile. On CPU an empty tile is skipped with a branch; lowered for a GPU it is
-    computed on slot 0 and masked instead, because a branch there makes the host wait for the
-    predicate."""
-    act = get_activation(activation)
+    slots that own a tile (an empty tile: `_unless_empty`)."""
     num_tokens, top_k = slot_ids.shape
-    num_slots, d, two_f = w_gate_up.shape
-    f = two_f // 2
+    num_slots, d, _ = w_gate_up.shape
     if block_m is None:
-        block_m = grouping.choose_block_m(num_tokens * top_k, num_slots, min_block=8)
+        block_m = grouping.choose_xla_block_m(num_tokens * top_k, num_slots)
     layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
     x_tiles = grouping.gather_rows(x, layout).reshape(-1, block_m, d)
     w_tiles = layout.row_weight.reshape(-1, block_m)
+    ffn = _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, x.dtype)
+    y_rows = jax.lax.map(lambda tile: _unless_empty(ffn, *tile), (layout.tile_group, x_tiles, w_tiles))
+    return grouping.combine_rows(y_rows.reshape(-1, d), layout, top_k)
 
-    def compute(slot, xs, ws):
-        gate_up = jnp.dot(xs, rows_of(w_gate_up, slot, x.dtype), preferred_element_type=jnp.float32)
-        gate_up = gate_up + bias_rows(b_gate_up, slot)
-        h = act(gate_up[:, :f], gate_up[:, f:]).astype(x.dtype)
-        out = jnp.dot(h, rows_of(w_down, slot, x.dtype), preferred_element_type=jnp.float32)
-        out = out + bias_rows(b_down, slot)
-        return out * ws[:, None]
 
-    def branched(slot, xs, ws):
-        return jax.lax.cond(slot >= 0, compute, lambda *_: jnp.zeros((block_m, d), jnp.float32), slot, xs, ws)
+def moe_ffn_pairs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu"):
+    """Decode: one expert FFN per (token, j) pair, unrolled, as matrix-vector products on the slot; no sort
+    and no loop, so a step of few tokens pays for nothing but the slots it reads (a pair of slot -1:
+    `_unless_empty`)."""
+    num_tokens, top_k = slot_ids.shape
+    ffn = _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, x.dtype)
+    weights = weights.astype(jnp.float32)
 
-    def masked(slot, xs, ws):
-        # Select, not multiply: slot 0's weights may hold anything (NaN included) for an empty tile.
-        return jnp.where(slot >= 0, compute(jnp.maximum(slot, 0), xs, ws), 0.0)
+    def pair(t, j):
+        return _unless_empty(ffn, slot_ids[t, j], x[t:t + 1], weights[t, j:j + 1])
 
-    def tile_ffn(args):
-        return jax.lax.platform_dependent(*args, cpu=branched, default=masked)
-
-    y_rows = jax.lax.map(tile_ffn, (layout.tile_group, x_tiles, w_tiles)).reshape(-1, d)
-    return grouping.combine_rows(y_rows, layout, top_k)
+    return jnp.concatenate([sum(pair(t, j) for j in range(top_k)) for t in range(num_tokens)])

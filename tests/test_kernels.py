@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jmoe.kernels import grouping, moe_ffn
-from jmoe.kernels.dispatch import moe_ffn_auto
+from jmoe.kernels.dispatch import cpu_backend, moe_ffn_auto
 from jmoe.kernels.pallas_grouped import choose_blocks
 from jmoe.kernels.triton_grouped import triton_launch
 
 ON_GPU = jax.default_backend() == "gpu"
-CPU_BACKENDS = ["gather", "xla", "xla_tiled", "auto"]
+CPU_BACKENDS = ["gather", "xla", "xla_tiled", "pairs", "auto"]
 # Tolerance relative to max |y_ref|: f32 differs from the reference only in summation order;
 # bf16 rounds h to bf16 before the down projection in both, but at different sums.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
@@ -81,7 +81,7 @@ def assert_close(y, y_ref, dtype):
 
 
 _JITTED = {b: jax.jit(functools.partial(moe_ffn, backend=b)) for b in
-           ["reference", "gather", "xla", "xla_tiled", "pallas", "triton", "auto"]}
+           ["reference", "gather", "xla", "xla_tiled", "pairs", "pallas", "triton", "auto"]}
 
 
 def run(backend, inputs):
@@ -149,7 +149,7 @@ def test_long_prefill_and_padding_rows(backend):
 
 @pytest.mark.parametrize(
     "backend",
-    ["reference", "gather", "xla_tiled", "pallas", "auto", "xla"],  # xla: zeroes unused slots on CPU (dense ragged_dot)
+    ["reference", "gather", "xla_tiled", "pairs", "pallas", "auto", "xla"],  # xla: zeroes unused slots on CPU (dense ragged_dot)
 )
 @pytest.mark.parametrize("num_tokens", [40])
 def test_unreferenced_and_padding_slots_are_never_read(backend, num_tokens):
@@ -171,11 +171,15 @@ def test_unreferenced_and_padding_slots_are_never_read(backend, num_tokens):
         assert not np.asarray(y)[0].any()
 
 
-def test_auto_runs_the_tiled_xla_kernel_on_cpu_never_interpreted_pallas():
-    inputs = make_inputs(0, 6, 2, 4, 16, 12, jnp.float32)
+@pytest.mark.parametrize("num_tokens,expected", [(2, "pairs"), (4, "pairs"), (6, "xla_tiled")])
+def test_auto_on_cpu_runs_pairs_for_few_pairs_else_the_tiled_kernel_never_interpreted_pallas(num_tokens, expected):
+    inputs = make_inputs(0, num_tokens, 2, 8, 16, 12, jnp.float32)  # 8 slots: pairs up to 4 tokens of 2
+    assert cpu_backend(num_tokens * 2, 8) == expected
     text = jax.jit(moe_ffn_auto).lower(*inputs).as_text()
     assert "pallas" not in text and "ragged_dot" not in text
-    assert_close(moe_ffn(*inputs, backend="auto"), moe_ffn(*inputs, backend="xla_tiled"), jnp.float32)
+    # The tiled kernel loops over its tiles; pairs has none.
+    assert ("while" in text) == (expected == "xla_tiled")
+    assert_close(moe_ffn(*inputs, backend="auto"), moe_ffn(*inputs, backend=expected), jnp.float32)
 
 
 _tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))
@@ -287,7 +291,7 @@ def test_unknown_backend_and_activation():
         moe_ffn(*_ok(), activation="clamped_swiglu:7:x")
 
 
-@pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pallas", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pairs", "pallas", "auto"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_expert_biases_and_the_clamped_swiglu_match_the_definition(backend, dtype):
     """GPT-OSS experts: biases after both projections, before the router weight; large activations so the
@@ -309,7 +313,7 @@ def test_bias_shapes_are_checked():
         moe_ffn(x, slot_ids, weights, w_gate_up, w_down, b_down=jnp.zeros((3, 6)))
 
 
-@pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pallas", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pairs", "pallas", "auto"])
 def test_out_of_range_slot_ids_and_nan_in_unused_slots(backend):
     x, slot_ids, weights, w_gate_up, w_down = make_inputs(3, 6, 2, 4, 16, 16, jnp.float32)
     slot_ids = jnp.asarray(np.array(slot_ids) % 3)  # slot 3 is never used ...

@@ -19,7 +19,7 @@ from jmoe.kernels import FORMATS, QuantizedTensor, moe_ffn, quantize
 from jmoe.kernels.quantized import quantized_shapes
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
-BACKENDS = ["reference", "gather", "xla", "xla_tiled", "auto", "pallas"]
+BACKENDS = ["reference", "gather", "xla", "xla_tiled", "pairs", "auto", "pallas"]
 PROMPTS = [list(np.random.RandomState(1).randint(0, VOCAB, 9)), list(np.random.RandomState(2).randint(0, VOCAB, 3))]
 
 
