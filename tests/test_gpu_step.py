@@ -51,9 +51,9 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
     cfg, placement = plan.config, plan.placement
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
-    slot_arrays = {shape for slots in (*placement.caches, placement.scratch) if offloaded
+    slot_arrays = {squeezed(shape) for slots in (*placement.caches, placement.scratch) if offloaded
                    for shape in ((slots, d, 2 * f), (slots, f, d))}
-    assert not slot_arrays & set(copied_arrays(decode.hlo_text))  # slots are updated in place
+    assert not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode.hlo_text)}  # updated in place
     prefill = plan.programs["prefill"]
     assert prefill.error is None, prefill.error
     assert prefill.control_flow.conditionals == 0  # streamed chunks compute masked, never branch
@@ -78,13 +78,19 @@ SLOT_UPDATES = [dict(backend="auto"), dict(backend="gather"), dict(prefetch=1), 
 @pytest.mark.parametrize("options", SLOT_UPDATES, ids=[str(o) for o in SLOT_UPDATES])
 def test_decode_updates_slot_buffers_in_place(many_experts, options):
     """The decode program reads the cache and scratch slots and then admits into them in place: it copies
-    none of them whole (each such copy would move every slot of every offloaded layer each step)."""
+    none of them whole, nor a slice of many slots (each such copy would move every slot of every offloaded
+    layer each step)."""
     model = jmoe.load(many_experts, cache=2, progress=False, **options)
     model.generate([[1, 2, 3], [4, 5, 6]], max_new_tokens=3)
     (decode,) = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
     state = model.engine.state
-    slot_arrays = {tuple(leaf.shape) for leaf in jax.tree.leaves((state.buffers, state.scratch))}
-    assert slot_arrays and not slot_arrays & set(copied_arrays(decode))
+    slot_arrays = {squeezed(leaf.shape) for leaf in jax.tree.leaves((state.buffers, state.scratch))}
+    assert slot_arrays and not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode)}
+
+
+def squeezed(dims) -> tuple[int, ...]:
+    """Dimensions without unit axes (a copied slice of k slots may keep a unit axis a slot buffer lacks)."""
+    return tuple(n for n in dims if n != 1)
 
 
 @pytest.mark.parametrize("miss_mode", ["fetch", "host"])

@@ -159,12 +159,13 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     evicted = jnp.int32(0)
     if slots.expert_in_slot.shape[0]:
         victims = usable_victims(slots, victim_order, needed)
-        count = min(num_scratch, victims.shape[0])
-        j = jnp.arange(count)
+        # Scratch slot j goes to victims[j]; the whole scratch buffer is the scatter's source (a slice of it
+        # would be copied first, every step), its slots past the misses or the victims dropped writes.
+        victims = jnp.pad(victims, (0, max(0, num_scratch - victims.shape[0])), constant_values=-1)[:num_scratch]
+        j = jnp.arange(num_scratch)
         # Admit after the layer has read its slots, so that the update is in place.
-        destinations = ordered_after(jnp.where(j < n_miss, victims[:count], -1), y)
-        sources = jax.tree.map(lambda s: s[:count], buffers)
-        slots, evicted = admit(slots, miss_ids[:count], destinations, sources)
+        destinations = ordered_after(jnp.where(j < n_miss, victims, -1), y)
+        slots, evicted = admit(slots, miss_ids, destinations, buffers)
     # The scratch slots' last reader: the admission, else the layer's compute.
     free = written_marker(slots.buffers) if slots.expert_in_slot.shape[0] else jnp.sum(y)
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)

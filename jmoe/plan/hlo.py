@@ -14,7 +14,8 @@ _CONDITIONAL = re.compile(r"\sconditional\(")
 _KNOWN_TRIP_COUNT = '"known_trip_count":{"n":"'
 _HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on)
 _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
-_COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")
+# A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
+_COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:copy|copy-start|fusion)\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,5 +47,7 @@ def control_flow(hlo_text: str) -> ControlFlow:
 
 
 def copied_arrays(hlo_text: str) -> list[tuple[int, ...]]:
-    """The dimensions of every array a `copy` (or asynchronous `copy-start`) instruction writes."""
-    return [tuple(int(n) for n in dims.split(",") if n) for dims in _COPY.findall(hlo_text)]
+    """The dimensions of every array a `copy` (or asynchronous `copy-start`) instruction writes, or a slice
+    fusion materialises."""
+    return [tuple(int(n) for n in dims.split(",") if n) for name, dims in _COPY.findall(hlo_text)
+            if "update" not in name]  # a dynamic-update-slice fusion writes in place
