@@ -140,6 +140,9 @@ def configurations(args) -> list[dict]:
     if "decode" in args.phases:
         specs += [{"label": f"jmoe decode ({backend})", "engine": "jmoe", "phase": "decode", "backend": backend}
                   for backend in args.backends]
+        specs += [{"label": f"jmoe decode (auto), cache {cache} of {COMPARE_MODELS['mixtral']['num_local_experts']}",
+                   "engine": "jmoe", "phase": "decode", "backend": "auto", "cache": cache}
+                  for cache in args.decode_caches]
         specs.append({"label": "transformers decode", "engine": "transformers", "phase": "decode"})
     if "prefill" in args.phases:
         specs += [{"label": "jmoe prefill, resident", "engine": "jmoe", "phase": "prefill", "backend": "auto"},
@@ -157,20 +160,23 @@ def report(specs, samples, start_load, loads, bandwidth, args, wall) -> str:
     def seconds(label):
         return [s for run in samples[label] for s in run["seconds"]]
 
+    def measured(phase):
+        """(label, all samples, median) of every configuration of `phase`, in the order run."""
+        for spec in specs:
+            if spec["phase"] == phase:
+                values = seconds(spec["label"])
+                yield spec["label"], values, statistics.median(values)
+
     lines = []
     if "decode" in args.phases:
         hf = statistics.median(seconds("transformers decode"))
-        lines += ["## Decode (batch 1, float32, every expert resident)", "",
+        lines += ["## Decode (batch 1, float32; every expert resident unless a cache is named)", "",
                   "| engine | ms per step (median) | min - max | tok/s | vs transformers | share of bound |",
                   "|---|---|---|---|---|---|"]
-        for spec in specs:
-            if spec["phase"] != "decode":
-                continue
-            values = seconds(spec["label"])
-            median = statistics.median(values)
-            per_token = samples[spec["label"]][0].get("bytes_per_token")
+        for label, values, median in measured("decode"):
+            per_token = samples[label][0].get("bytes_per_token")
             share = f"{per_token / (bandwidth * 1e9) / median:.0%}" if per_token else "-"
-            lines.append(f"| {spec['label']} | {median * 1e3:.2f} | {min(values) * 1e3:.2f} - {max(values) * 1e3:.2f} | "
+            lines.append(f"| {label} | {median * 1e3:.2f} | {min(values) * 1e3:.2f} - {max(values) * 1e3:.2f} | "
                          f"{1 / median:.1f} | {hf / median:.2f}x | {share} |")
         per_token = next(s[0]["bytes_per_token"] for label, s in samples.items() if "bytes_per_token" in s[0])
         lines += ["", f"Bound: {per_token / 1e6:.1f} MB of weights per token (dense matrices, top-k experts per "
@@ -183,12 +189,8 @@ def report(specs, samples, start_load, loads, bandwidth, args, wall) -> str:
         lines += [f"## Prefill ({args.prompt_len}-token prompt, batch 1, float32)", "",
                   "| engine | seconds (median) | min - max | prompt tok/s | vs transformers | vs jmoe resident |",
                   "|---|---|---|---|---|---|"]
-        for spec in specs:
-            if spec["phase"] != "prefill":
-                continue
-            values = seconds(spec["label"])
-            median = statistics.median(values)
-            lines.append(f"| {spec['label']} | {median:.3f} | {min(values):.3f} - {max(values):.3f} | "
+        for label, values, median in measured("prefill"):
+            lines.append(f"| {label} | {median:.3f} | {min(values):.3f} - {max(values):.3f} | "
                          f"{args.prompt_len / median:.0f} | {hf / median:.2f}x | {resident / median:.2f}x |")
         lines.append("")
     threads = next((s[0]["threads"] for s in samples.values() if "threads" in s[0]), "?")
@@ -226,6 +228,8 @@ def main(argv=None) -> None:
     parser.add_argument("--offload-cache", type=int, default=4,
                         help="prefill: experts per layer on the device in the offloaded run")
     parser.add_argument("--backends", default="auto", type=lambda s: s.split(","), help="jmoe kernels for decode")
+    parser.add_argument("--decode-caches", default=[], type=lambda s: [int(c) for c in s.split(",")],
+                        help="decode also offloaded with these experts per layer on the device (own routing)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench"))
     parser.add_argument("--out", default="compare_cpu.md")
     parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")

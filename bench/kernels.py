@@ -61,6 +61,8 @@ def backends_for(platform, num_tokens, top_k):
     # The reference gathers weights per (token, j): T*k slot copies, only viable at decode.
     if num_tokens * top_k <= 256:
         names.insert(0, "reference")
+    if num_tokens * top_k <= 128:  # one unrolled FFN per (token, j): decode-sized steps only
+        names.append("pairs")
     if platform == "gpu":
         names += ["pallas", "triton"]
     names.append("auto")
