@@ -5,6 +5,7 @@ of block_m, so every row tile belongs to exactly one slot: a kernel program read
 of one slot only, and tiles past the last group (tile_group == -1) read nothing. Pairs with
 slot id -1 get no row at all, so their slot is never read."""
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -79,10 +80,15 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
+def mean_group_rows(num_pairs: int, num_slots: int) -> float:
+    """Pairs per group when `num_pairs` spread over as many of `num_slots` as they can fill."""
+    return num_pairs / max(1, min(num_slots, num_pairs))
+
+
 def choose_block_m(num_pairs: int, num_slots: int, *, min_block: int, max_block: int = 128) -> int:
     """Rows per tile ~ the mean group size: decode (few pairs per slot) gets small tiles so
     padding does not multiply compute; prefill gets large tiles for weight reuse."""
-    mean_rows = max(1, -(-num_pairs // max(1, min(num_slots, num_pairs))))
+    mean_rows = max(1, math.ceil(mean_group_rows(num_pairs, num_slots)))
     b = 1
     while b < mean_rows:
         b *= 2
@@ -94,5 +100,5 @@ def choose_xla_block_m(num_pairs: int, num_slots: int) -> int:
     the typical group, mean + sqrt(mean) (about one binomial spread), so that most groups fill one tile and
     their slot is read once. Measured on CPU (Mixtral-like d=512, f=1024, 16 slots, 512 tokens, top-2, mean
     64 rows): 72 rows per tile 30 ms, 64 rows 42 ms (half the groups spill into a second tile)."""
-    mean = num_pairs / max(1, min(num_slots, num_pairs))
+    mean = mean_group_rows(num_pairs, num_slots)
     return min(128, max(8, -(-int(mean + mean ** 0.5) // 8) * 8))

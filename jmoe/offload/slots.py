@@ -38,8 +38,8 @@ class Scratch(NamedTuple):
     """The M scratch slots all offloaded layers share, one after another."""
 
     buffers: ExpertWeights  # [M, ...] per leaf, on the device
-    # None, or a scalar computed after the last read of `buffers` (the previous layer's admission): the next
-    # copies into them wait for it, so XLA updates them in place instead of copying them first.
+    # None, or an array computed after the last read of `buffers` (the previous layer's admission, or its
+    # compute): the next copies into them wait for it (ordered_after), so XLA updates them in place.
     free: jax.Array | None = None
 
 
@@ -167,7 +167,7 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
         destinations = ordered_after(jnp.where(j < n_miss, victims, -1), y)
         slots, evicted = admit(slots, miss_ids, destinations, buffers)
     # The scratch slots' last reader: the admission, else the layer's compute.
-    free = written_marker(slots.buffers) if slots.expert_in_slot.shape[0] else jnp.sum(y)
+    free = written_marker(slots.buffers) if slots.expert_in_slot.shape[0] else y
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)
     return y, slots, Scratch(buffers, free), counts
 
