@@ -12,7 +12,7 @@ import pytest
 import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.offload.slots import LayerSlots, Scratch, empty_slots, fetch_and_compute
+from jmoe.offload.slots import LayerSlots, Scratch, empty_slots, fetch_and_compute, stream_and_compute
 from jmoe.plan.hlo import control_flow, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
@@ -129,6 +129,44 @@ def test_bfloat16_results_do_not_depend_on_which_experts_are_cached():
     for cached in [(0, 1, 2), (int(ids[0, 0]), int(ids[1, 1]), int(ids[2, 2])), (5, 6, 7)]:
         np.testing.assert_array_equal(np.asarray(layer_with_cached(cached), np.float32),
                                       np.asarray(resident, np.float32), err_msg=f"cached {cached}")
+
+
+@pytest.mark.parametrize("chunk_size", [2, 3, 8])
+def test_gpu_prefill_streaming_is_exact(chunk_size):
+    """The GPU prefill path (CPU prefill reads experts in place instead): cached experts from their slots,
+    the other needed ones streamed through chunk buffers, including chunks that hold fewer experts than they
+    could and chunks past the last miss."""
+    rng = np.random.RandomState(1)
+    e, d, f, t, k = 8, 32, 16, 12, 2
+    host = ExpertWeights(jnp.asarray(rng.randn(e, d, 2 * f), jnp.float32), jnp.asarray(rng.randn(e, f, d), jnp.float32))
+    x = jnp.asarray(rng.randn(t, d), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(7, k, replace=False) for _ in range(t)]), jnp.int32)  # expert 7 unused
+    ids = ids.at[3].set(-1)  # a padding token
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), t), jnp.float32)
+    kernel = ExpertKernel("xla_tiled", "swiglu")
+    cached = jnp.asarray([4, 1], jnp.int32)
+    slots = LayerSlots(jax.tree.map(lambda a: a[cached], host),
+                       jnp.full((e,), -1, jnp.int32).at[cached].set(jnp.arange(2)), cached)
+    y = jax.jit(functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))(slots, host, x, ids, weights)
+    expected = ExpertKernel("reference", "swiglu")(x, ids, weights, host)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=2e-5, atol=2e-5)
+
+
+def test_cpu_prefill_reads_offloaded_experts_in_place(many_experts):
+    """On CPU the prompt step reads every expert from the host arrays: its program copies no layer's expert
+    arrays (XLA:CPU drops the device_put of a whole host array) and allocates no chunk buffers."""
+    model = jmoe.load(many_experts, cache=2, progress=False)
+    reference = jmoe.load(many_experts, progress=False)
+    prompt = list(np.random.RandomState(3).randint(0, VOCAB, 24))
+    assert model.generate(prompt, max_new_tokens=3) == reference.generate(prompt, max_new_tokens=3)
+    (prefill,) = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] > 1]
+    cfg, placement = model.config, model.placement_plan
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    layer_arrays = {(n, d, 2 * f) for n in (cfg.num_experts, placement.scratch)} | {
+        (n, f, d) for n in (cfg.num_experts, placement.scratch)}
+    assert not layer_arrays & {squeezed(dims) for dims in copied_arrays(prefill)}
+    assert not any(f"f32[{placement.scratch},{d},{2 * f}]" in line for line in prefill.splitlines()
+                   if "broadcast" in line)  # no zeroed chunk buffer
 
 
 def test_set_policy_releases_the_old_slot_buffers_before_allocating(hf_checkpoints, monkeypatch):

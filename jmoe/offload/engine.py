@@ -32,7 +32,7 @@ from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
 from jmoe.offload.slots import (LayerSlots, Scratch, copy_fixed, device_copy, empty_slots, fetch_and_compute,
-                                host_compute_misses, prefetch, prefetch_by_score, put_slot, stream_and_compute)
+                                host_compute_misses, prefetch, prefetch_by_score, prefill_experts, put_slot)
 
 
 class EngineState(NamedTuple):
@@ -180,8 +180,8 @@ class OffloadEngine(ResidentEngine):
                 y, layer_slots[i], scratch[0], counts[i] = fetch_and_compute(
                     layer_slots[i], scratch[0], victim_order[i], layer.experts, x, ids, weights, kernel=kernel)
             else:
-                y, counts[i] = stream_and_compute(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel,
-                                                  chunk_size=self.placement.scratch)
+                y, counts[i] = prefill_experts(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel,
+                                               chunk_size=self.placement.scratch)
             return y.astype(x.dtype)  # the one rounding of the float32 partial outputs
 
         def finish() -> EngineState:

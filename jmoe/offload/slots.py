@@ -18,6 +18,7 @@ float32 and summed before the one rounding to the activation dtype.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -230,11 +231,34 @@ def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: 
     return copy_fixed(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32))
 
 
+def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
+                    chunk_size: int) -> tuple[jax.Array, StepCounts]:
+    """Prefill path, chosen by the platform the step is lowered for: on a GPU the missing experts stream
+    through chunk buffers (`stream_and_compute`); on CPU, where host and device memory are the same RAM,
+    every expert is read where it lives (`experts_in_place`). The counts are the same on both: `copied` is
+    what a device copies in. Returns float32 y [T, d] and the counts."""
+    y = jax.lax.platform_dependent(
+        slots, host, x, ids, weights, cpu=functools.partial(experts_in_place, kernel=kernel),
+        default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
+    hits = count_hits(slots.slot_of_expert, ids)
+    n_miss = jnp.sum(needed_experts(ids, slots.slot_of_expert.shape[0]) & (slots.slot_of_expert < 0), dtype=jnp.int32)
+    return y, StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, jnp.int32(0))
+
+
+def experts_in_place(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel) -> jax.Array:
+    """CPU prefill: the whole layer's experts read from host memory in one kernel call, as if resident.
+    XLA:CPU compiles the device_put of a whole host array to nothing (tests/test_offload.py checks that the
+    program copies no expert array), so nothing is copied; cached experts are read from the host too (the
+    same values), which keeps one call with tiles sized for every expert. Returns float32 y [T, d]."""
+    del slots  # the cache holds copies of host experts; the host has every one
+    return kernel(x, ids, weights, to_device(host), out_dtype=jnp.float32)
+
+
 def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
-                       chunk_size: int) -> tuple[jax.Array, StepCounts]:
-    """Prefill path: cached experts from their slots, every other needed expert streamed from host memory in
-    chunks of `chunk_size`, each copied into a step-local buffer of its own and then computed. The chunks
-    are unrolled (at most E / chunk_size of them), so chunk c + 1's copy does not depend on chunk c's
+                       chunk_size: int) -> jax.Array:
+    """GPU prefill path: cached experts from their slots, every other needed expert streamed from host
+    memory in chunks of `chunk_size`, each copied into a step-local buffer of its own and then computed. The
+    chunks are unrolled (at most E / chunk_size of them), so chunk c + 1's copy does not depend on chunk c's
     compute and XLA can overlap them, with two chunk buffers alive at once (double buffering). Exact for
     any number of distinct experts; the cache is left unchanged. Returns float32 y [T, d]."""
     num_experts = slots.slot_of_expert.shape[0]
@@ -259,14 +283,10 @@ def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, 
         first = c * chunk_size
         count = jnp.clip(n_miss - first, 0, chunk_size)
         buffer = copy_loop(empty_slots(host, chunk_size), host, miss_ids[first:first + chunk_size], count)
-        # Chunks past the last missing expert copy nothing; on CPU they skip their compute, lowered for a
-        # GPU they compute nothing masked (every slot id is -1) rather than branch on the host.
-        y = y + jax.lax.platform_dependent(
-            buffer, first, cpu=lambda *a: jax.lax.cond(count > 0, compute, lambda *_: jnp.zeros_like(y), *a),
-            default=compute)
-    hits = count_hits(slots.slot_of_expert, ids)
-    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, jnp.int32(0))
-    return y, counts
+        # Chunks past the last missing expert copy nothing and compute nothing, masked (every slot id is -1)
+        # rather than branched on: a branch makes a GPU wait for the host.
+        y = y + compute(buffer, first)
+    return y
 
 
 def host_compute_misses(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *,
