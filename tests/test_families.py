@@ -102,14 +102,14 @@ def test_missing_q_lora_rank_is_named(hf_checkpoints):
 
 
 def test_glm4_moe_every_cache_size_matches_resident(hf_checkpoints):
-    """The offload invariance test_offload.py runs per family, with one policy (it is the same router as
-    DeepSeek-V3's, which runs them all)."""
+    """The offload invariance test_offload.py runs per family (pure streaming and a half-full cache), with one
+    policy (it is the same router as DeepSeek-V3's, which runs them all)."""
     directory = hf_checkpoints["glm4_moe_partial_qknorm"][0]
     base = jmoe.load(directory, progress=False)
     prompts = [list(np.random.RandomState(seed).randint(0, VOCAB, n)) for seed, n in ((1, 11), (2, 4))]
     ref_logits, ref_tokens = np.asarray(base.logits(IDS)), base.generate(prompts, max_new_tokens=8)
-    e, k = base.config.num_experts, base.config.num_experts_per_tok
-    for cache in sorted({0, k, e // 2, e - 1}):
+    e = base.config.num_experts
+    for cache in (0, e // 2):
         model = jmoe.load(directory, cache=cache, policy="lru", progress=False)
         np.testing.assert_allclose(np.asarray(model.logits(IDS)), ref_logits, atol=1e-5, rtol=0, err_msg=f"{cache}")
         assert model.generate(prompts, max_new_tokens=8) == ref_tokens, f"cache={cache}"
