@@ -94,6 +94,7 @@ def expert_ffn_programs():
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gemv-only", action="store_true", help="print the GEMV median ms and exit (child)")
+    parser.add_argument("--out", default="cpu_expert_reads.md", help="result file name under bench/results")
     args = parser.parse_args(argv)
     if args.gemv_only:
         print(gemv_ms())
@@ -134,7 +135,7 @@ def main(argv=None) -> None:
         "| one matrix-vector product on an expert's own array | ms (median) | GB/s |", "|---|---|---|",
         *(f"| {where} | {ms:.3f} | {gemv_bytes / ms / 1e6:.1f} |" for where, ms in gemv.items()), "",
         f"Streaming read bandwidth (a jitted sum over 1 GiB, every core): {bandwidth:.1f} GB/s.", ""])
-    path = write_result("cpu_expert_reads.md", "XLA:CPU expert weight reads at batch-1 decode", body)
+    path = write_result(args.out, "XLA:CPU expert weight reads at batch-1 decode", body)
     print(path.read_text())
 
 
