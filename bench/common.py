@@ -23,7 +23,8 @@ def machine() -> str:
         fields = {key.strip(): value.strip() for key, value in fields.items()}
         model = fields["Model name"]
         if "CPU family" in fields:
-            model += f" (family {fields['CPU family']} model {fields.get('Model', '?')} stepping {fields.get('Stepping', '?')})"
+            model += (f" (family {fields['CPU family']} model {fields.get('Model', '?')} "
+                      f"stepping {fields.get('Stepping', '?')})")
     except (KeyError, FileNotFoundError):
         model = platform.processor() or "unknown CPU"
     import os

@@ -1,5 +1,7 @@
 """The offload engine's invariants: offloading changes timing, never results."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -26,28 +28,22 @@ def cache_sizes(name, cfg):
     return [0, e // 2]
 
 
-class ResidentResults(dict):
-    """name -> (config, logits, tokens) of the resident model, computed on first use (each xdist worker only runs
-    some of the families)."""
-
-    def __init__(self, checkpoints):
-        super().__init__()
-        self.checkpoints = checkpoints
-
-    def __missing__(self, name):
-        model = jmoe.load(self.checkpoints[name][0], progress=False)
-        self[name] = (model.config, np.asarray(model.logits(LOGIT_IDS)), model.generate(PROMPTS, max_new_tokens=10))
-        return self[name]
-
-
 @pytest.fixture(scope="module")
 def resident(hf_checkpoints):
-    return ResidentResults(hf_checkpoints)
+    """resident(name) -> (config, logits, tokens) of the resident model, computed on first use (each xdist worker
+    runs only some of the families)."""
+
+    @functools.cache
+    def results(name):
+        model = jmoe.load(hf_checkpoints[name][0], progress=False)
+        return model.config, np.asarray(model.logits(LOGIT_IDS)), model.generate(PROMPTS, max_new_tokens=10)
+
+    return results
 
 
 @pytest.mark.parametrize("name", FAMILY_REPRESENTATIVES)
 def test_every_cache_size_and_policy_matches_resident(name, hf_checkpoints, resident):
-    cfg, ref_logits, ref_tokens = resident[name]
+    cfg, ref_logits, ref_tokens = resident(name)
     # Every cache size, each with the next policy in turn (which experts a policy keeps only changes timing; the
     # policies' own choices are tested in test_policies.py), so every policy meets several cache sizes.
     for i, cache in enumerate(cache_sizes(name, cfg)):
@@ -216,7 +212,7 @@ def test_forced_routing_drives_the_cache(olmoe_dir):
 
 def test_router_prefetch_keeps_results_and_respects_its_bound(olmoe_dir, resident):
     """Prefetch copies at most `prefetch` experts per layer ahead of need and never changes results."""
-    _, ref_logits, ref_tokens = resident["olmoe_e8k4_clip"]
+    _, ref_logits, ref_tokens = resident("olmoe_e8k4_clip")
     model = jmoe.load(olmoe_dir, cache=3, policy="lru", prefetch=2, progress=False)
     np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
     assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens
@@ -263,7 +259,7 @@ def test_offload_arguments_are_checked_even_when_everything_is_resident(olmoe_di
 @pytest.mark.parametrize("name", ["mixtral_e4k2_gqa2", "gpt_oss_e4k2_window", "olmoe_e8k4_clip"])
 def test_host_miss_mode_and_prefetch_match_resident(name, hf_checkpoints, resident):
     """Miss mode "host" (missed experts computed where their weights live), alone and with prefetch."""
-    cfg, ref_logits, ref_tokens = resident[name]
+    cfg, ref_logits, ref_tokens = resident(name)
     k = cfg.num_experts_per_tok
     for cache, prefetch in ((0, 0), (k, k)):  # no cache at all; a cache of k filled ahead by prefetch
         model = jmoe.load(hf_checkpoints[name][0], cache=cache, miss_mode="host", prefetch=prefetch, progress=False)
