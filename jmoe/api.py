@@ -45,6 +45,8 @@ class Model:
         self.engine = engine
         self.tokenizer = tokenizer
         self.source = source
+        for block in module.moe_blocks():
+            block.experts.hold_per_expert_arrays()
         engine.attach(module.moe_layer_views())
         self.graphdef, self.params = nnx.split(module)
         self.kv_dtype = module.embed[...].dtype

@@ -17,7 +17,7 @@ from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_pairs, moe_ffn_ragged, moe_
 # A CPU step with at most this many (token, choice) pairs, and no more than slots, runs `pairs`: measured
 # faster than `xla_tiled` while pairs rarely share a slot (d=512 f=1024 16 slots top-2: 0.95 vs 1.42 ms at
 # 1 token, 6.0 vs 7.0 at 8, 10.1 vs 7.5 at 16; 128 slots top-8: 2.2 vs 3.0 ms at 16 tokens, 5.8 vs 4.1 at
-# 32). The cap bounds the unrolled program for very wide models.
+# 32; measured with stacked weights, pairs unrolled, before the kernel became a loop of the same speed).
 MAX_CPU_PAIRS = 32
 
 
@@ -26,7 +26,8 @@ def cpu_backend(num_pairs: int, num_slots: int) -> str:
     return "pairs" if num_pairs <= min(num_slots, MAX_CPU_PAIRS) else "xla_tiled"
 
 
-def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu"):
+def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
+                 per_expert=None):
     """What `auto` runs, chosen by the platform the program is lowered for, then by shape.
 
     CUDA GPU: the Pallas grouped GEMM lowered to Triton kernels. It skips empty row tiles inside the
@@ -34,12 +35,12 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
     compiles for sm_80 to sm_90 (tested by compiling for an H100 target); shapes Triton cannot tile run
     the XLA tiled kernel, masked. Not yet measured on a GPU.
     CPU: `pairs` for steps of few (token, choice) pairs (decode), else the XLA tiled kernel (cpu_backend;
-    never interpret-mode Pallas, never XLA:CPU's dense ragged_dot).
+    never interpret-mode Pallas, never XLA:CPU's dense ragged_dot); both read `per_expert` arrays when given.
     """
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0])]
     return jax.lax.platform_dependent(*args, cuda=functools.partial(moe_ffn_pallas, activation=activation),
-                                      default=functools.partial(cpu, activation=activation))
+                                      default=functools.partial(cpu, activation=activation, per_expert=per_expert))
 
 
 _IMPLS = {
@@ -53,6 +54,9 @@ _IMPLS = {
     "triton": moe_ffn_triton,  # Triton via jax-triton, GPU only
 }
 BACKENDS = tuple(_IMPLS)
+# The backends that read `per_expert` arrays (on CPU); the others read the stacked weights, which hold the
+# same values.
+PER_EXPERT_BACKENDS = ("auto", "xla_tiled", "pairs")
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -104,14 +108,37 @@ def validate_inputs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_d
                  f"{bias.dtype} {list(bias.shape)}")
 
 
+def validate_per_expert(per_expert, stacked: "ExpertWeights") -> tuple:
+    """per_expert as a tuple of S ExpertWeights (JAX arrays) shaped like one expert of `stacked` each; else
+    ValueError saying what was expected and what was found."""
+
+    def layout(tree):
+        return jax.tree.structure(tree), [(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(tree)]
+
+    structure, leaves = layout(stacked)
+    one = structure, [((1, *shape[1:]), dtype) for shape, dtype in leaves]
+    parts = tuple(per_expert)
+    if len(parts) != stacked.num_experts:
+        raise ValueError(f"moe_ffn: per_expert must hold one ExpertWeights per slot ({stacked.num_experts}), got "
+                         f"{len(parts)}")
+    for index, part in enumerate(parts):
+        if not isinstance(part, ExpertWeights) or layout(part) != one:
+            raise ValueError(f"moe_ffn: per_expert[{index}] must be slot {index}'s weights with a leading axis of 1, "
+                             f"leaves {one[1]}, got {layout(part)[1]} in {type(part).__name__}")
+    return tuple(jax.tree.map(jnp.asarray, part) for part in parts)
+
+
 def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=None, backend="auto",
-            activation="swiglu", out_dtype=None):
+            activation="swiglu", out_dtype=None, per_expert=None):
     """y[t] = sum_j weights[t, j] * (act(x_t Wg + bg, x_t Wu + bu) Wd + bd) for slot slot_ids[t, j].
 
     x [T, d]; slot_ids int32 [T, k] (-1 contributes nothing and is never read);
     weights [T, k]; w_gate_up [S, d, 2f] (gate then up); w_down [S, f, d], each a float array or a
     QuantizedTensor (dequantized slot by slot or tile by tile inside the kernel, jmoe.kernels.quantized);
     optional biases b_gate_up [S, 2f] and b_down [S, d] (GPT-OSS).
+    per_expert: optional, the same S experts once more, one ExpertWeights with [1, ...] leaves each, e.g. views
+    of the stacked arrays' buffers (jmoe.kernels.per_expert_views); the CPU kernels `pairs` and `xla_tiled`
+    (so `auto`) read these in place, because XLA:CPU copies a slice of a stacked array before a dot reads it.
     Returns [T, d] accumulated in float32 and cast to out_dtype (default x.dtype). Callers that add up
     several partial results ask for float32, so rounding happens once, after the sum.
     Inputs may be JAX or NumPy arrays (or nested lists); NumPy's float64 becomes float32 as in jnp.asarray.
@@ -121,6 +148,8 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=N
     w_gate_up, w_down = (jax.tree.map(jnp.asarray, w) if is_quantized(w) else jnp.asarray(w) for w in (w_gate_up, w_down))
     b_gate_up, b_down = (None if b is None else jnp.asarray(b) for b in (b_gate_up, b_down))
     validate_inputs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
+    if per_expert is not None:
+        per_expert = validate_per_expert(per_expert, ExpertWeights(w_gate_up, w_down, b_gate_up, b_down))
     num_slots = w_gate_up.shape[0]
     if not isinstance(slot_ids, jax.core.Tracer) and bool(((slot_ids < -1) | (slot_ids >= num_slots)).any()):
         raise ValueError(f"moe_ffn: slot_ids must be in [-1, {num_slots}) (-1 = none), found "
@@ -130,18 +159,23 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=N
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
-    y = _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation=activation)  # f32
+    options = {"per_expert": per_expert} if backend in PER_EXPERT_BACKENDS else {}
+    y = _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation=activation,
+                        **options)  # f32
     return y.astype(out_dtype or x.dtype)
 
 
 class ExpertWeights(NamedTuple):
     """The stacked weights of S experts (or slots), a pytree whose every leaf has the expert axis first, so
-    that copying, slicing or updating one expert is the same operation on every leaf."""
+    that copying, slicing or updating one expert is the same operation on every leaf. `per_expert` (only for
+    experts read in place on a CPU, never for slots or host copies) holds the same experts one per array
+    (jmoe.kernels.per_expert_views)."""
 
     w_gate_up: jax.Array | QuantizedTensor  # [S, d, 2f]: gate then up on the last axis
     w_down: jax.Array | QuantizedTensor  # [S, f, d]
     b_gate_up: jax.Array | None = None  # [S, 2f]: expert biases (GPT-OSS); None = none
     b_down: jax.Array | None = None  # [S, d]
+    per_expert: tuple | None = None  # S ExpertWeights with [1, ...] leaves: views of the leaves above
 
     @property
     def num_experts(self) -> int:
@@ -156,4 +190,5 @@ class ExpertKernel(NamedTuple):
 
     def __call__(self, x, slot_ids, weights, experts: ExpertWeights, out_dtype=None):
         return moe_ffn(x, slot_ids, weights, experts.w_gate_up, experts.w_down, b_gate_up=experts.b_gate_up,
-                       b_down=experts.b_down, backend=self.backend, activation=self.activation, out_dtype=out_dtype)
+                       b_down=experts.b_down, backend=self.backend, activation=self.activation, out_dtype=out_dtype,
+                       per_expert=experts.per_expert)

@@ -16,7 +16,6 @@ from hypothesis import given, settings, strategies as st
 import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import FORMATS, QuantizedTensor, moe_ffn, quantize
-from jmoe.kernels.dispatch import MAX_CPU_PAIRS
 from jmoe.kernels.quantized import quantized_shapes
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
@@ -179,8 +178,6 @@ def test_every_backend_on_quantized_weights_matches_the_reference_on_dequantized
     scale = max(1.0, float(np.abs(expected).max()))
     tolerance = 2e-5 if dtype == jnp.float32 else 3e-2
     for backend in BACKENDS:
-        if backend == "pairs" and ids.size > MAX_CPU_PAIRS:  # unrolled per pair: only the sizes auto gives it
-            continue
         got = np.asarray(_JITTED[backend](x, ids, router, q_gate_up, q_down), np.float32)
         np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance * scale, err_msg=f"{backend} {fmt}")
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor
+from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor, per_expert_views
 from jmoe.kernels.quantized import quantized_shapes
 
 INIT_STD = 0.02
@@ -59,10 +59,16 @@ class DenseMLP(nnx.Module):
         return swiglu_mlp(x, self.w_gate_up[...], self.w_down[...])
 
 
+class PerExpertArrays(nnx.Variable):
+    """`ExpertWeights.per_expert`: the experts one per array, sharing the stacked parameters' memory
+    (jmoe.kernels.per_expert_views). Not a Param: nothing saves, places or counts it."""
+
+
 class Experts(nnx.Module):
     """The E experts of one MoE layer, stacked. Quantized experts (`expert_dtype` one of
     jmoe.kernels.FORMATS) hold each weight as two parameters, its values (`w_gate_up`) and scales
-    (`w_gate_up_scale`); they start as zeros and are filled by loading, which quantizes them."""
+    (`w_gate_up_scale`); they start as zeros and are filled by loading, which quantizes them. On a CPU,
+    `hold_per_expert_arrays` adds views of each expert, which the CPU kernels read without copying."""
 
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs, expert_dtype: str | None = None,
                  group: int = 0, bias: bool = False):
@@ -78,11 +84,22 @@ class Experts(nnx.Module):
         # Biases (GPT-OSS) stay in the model's dtype whatever the weights' storage.
         self.b_gate_up = nnx.Param(jnp.zeros((e, 2 * f), dtype)) if bias else None
         self.b_down = nnx.Param(jnp.zeros((e, d), dtype)) if bias else None
+        self.per_expert = nnx.data(None)  # set by hold_per_expert_arrays
 
     def weights(self) -> ExpertWeights:
         # get_value, unlike [...], also works on an abstract model (shape structs), which jmoe.plan compiles.
         biases = [None if b is None else b.get_value() for b in (self.b_gate_up, self.b_down)]
         if self.format is None:
-            return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value(), *biases)
-        return ExpertWeights(*(QuantizedTensor(getattr(self, name).get_value(), getattr(self, f"{name}_scale").get_value(),
-                                               self.format, self.group) for name in ("w_gate_up", "w_down")), *biases)
+            w_gate_up, w_down = self.w_gate_up.get_value(), self.w_down.get_value()
+        else:
+            w_gate_up, w_down = (QuantizedTensor(getattr(self, name).get_value(),
+                                                 getattr(self, f"{name}_scale").get_value(), self.format, self.group)
+                                 for name in ("w_gate_up", "w_down"))
+        per_expert = None if self.per_expert is None else self.per_expert.get_value()
+        return ExpertWeights(w_gate_up, w_down, *biases, per_expert=per_expert)
+
+    def hold_per_expert_arrays(self) -> None:
+        """Where the experts sit in a CPU device's memory and are large enough to gain from it, also hold them one
+        per array (views, no memory), so that the CPU kernels read each in place; elsewhere nothing changes."""
+        views = per_expert_views(self.weights()._replace(per_expert=None))
+        self.per_expert = None if views is None else PerExpertArrays(views)
