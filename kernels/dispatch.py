@@ -49,7 +49,7 @@ _IMPLS = {
     "gather": moe_ffn_gather,  # decode: each needed slot read once, small dense products
     "xla": moe_ffn_ragged,  # prefill: sort by slot + lax.ragged_dot
     "xla_tiled": moe_ffn_tiled,  # prefill: sorted row tiles, one scan step per tile
-    "pairs": moe_ffn_pairs,  # decode on CPU: one unrolled matrix-vector FFN per (token, choice)
+    "pairs": moe_ffn_pairs,  # decode on CPU: a loop of one matrix-vector FFN per (token, choice)
     "pallas": moe_ffn_pallas,  # Pallas grouped GEMM (Triton lowering on GPU)
     "triton": moe_ffn_triton,  # Triton via jax-triton, GPU only
 }
