@@ -1,22 +1,22 @@
-"""How fast XLA:CPU reads expert weights at batch-1 decode, and what storing experts as separate arrays would gain.
+"""How fast XLA:CPU reads expert weights at decode: stacked, and as the per-expert arrays jmoe holds on a CPU.
 
 The expert FFNs of one decode token on the 215M compare checkpoint's shapes (8 MoE layers of 16 experts, hidden
-512, width 1024, top-2, float32: 96 MB of expert weights per token), run three ways in one jitted program each:
-- stacked: `jmoe.kernels.moe_ffn(backend="pairs")` on stacked [E, ...] weights, what `auto` runs on CPU. XLA:CPU
-  copies every expert slice a dot reads before the dot.
-- split, unrolled / split, loop: the same FFNs over one array per expert, the expert chosen by `lax.switch` (no
-  copy), the (token, choice) pairs unrolled or in a `lax.map` loop: the storage alternative.
+512, width 1024, top-2, float32: 96 MB of expert weights per token), in one jitted program each:
+- stacked: the `pairs` kernel on stacked [E, ...] weights. XLA:CPU copies every expert slice a dot reads before
+  the dot.
+- per-expert arrays: the same kernel given `jmoe.kernels.per_expert_views` of those weights (what `auto` runs on
+  a CPU for resident experts): the expert is chosen by `lax.switch` and read in place.
 Each uses different experts at every call (cycling through random routings), so weights come from memory.
-Then one matrix-vector product [1, 512] x [512, 2048] on an expert's own array, with every core and pinned to
-one core (a child process), next to the streaming read bandwidth.
+Then `pairs` against `xla_tiled` on the per-expert arrays for growing decode batches (where `auto` switches,
+jmoe.kernels.dispatch.cpu_backend), and one matrix-vector product [1, 512] x [512, 2048] on an expert's own
+array, with every core and pinned to one core (a child process), next to the streaming read bandwidth.
 
-  JAX_PLATFORMS=cpu python -m bench.cpu_expert_reads      (about a minute; needs a quiet machine)
+  JAX_PLATFORMS=cpu python -m bench.cpu_expert_reads      (about three minutes; needs a quiet machine)
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import subprocess
 import sys
@@ -52,43 +52,41 @@ def gemv_ms() -> float:
     return timed_ms(jax.jit(jnp.dot), [(x, w) for w in arrays])[0]
 
 
-def expert_ffn_programs():
-    """{name: (jitted fn(x, ids, weights, w_gate_up, w_down), stacked: bool)} for the three ways."""
-    import jax
+def expert_layers(rng) -> list:
+    """8 layers of random stacked experts, each with its per-expert views."""
     import jax.numpy as jnp
 
-    from jmoe.kernels import moe_ffn
-    from jmoe.kernels.activations import get_activation
+    from jmoe.kernels import ExpertWeights, per_expert_views
 
-    act = get_activation("swiglu")
+    layers = []
+    for _ in range(LAYERS):
+        experts = ExpertWeights(jnp.asarray(rng.standard_normal((EXPERTS, HIDDEN, 2 * WIDTH)) * 0.02, jnp.float32),
+                                jnp.asarray(rng.standard_normal((EXPERTS, WIDTH, HIDDEN)) * 0.02, jnp.float32))
+        layers.append(experts._replace(per_expert=per_expert_views(experts)))
+    return layers
 
-    def stacked(x, ids, weights, w_gate_up, w_down):
-        for layer in range(LAYERS):
-            x = x + moe_ffn(x, ids[layer], weights, w_gate_up[layer], w_down[layer], backend="pairs")
+
+def expert_ffns(backend: str):
+    """jitted fn(x, ids [L, T, k], weights, layers) running the expert FFNs of every layer with `backend`."""
+    import jax
+
+    from jmoe.kernels import ExpertKernel
+
+    kernel = ExpertKernel(backend, "swiglu")
+
+    def run(x, ids, weights, layers):
+        for layer, experts in enumerate(layers):
+            x = x + kernel(x, ids[layer], weights, experts)
         return x
 
-    def switch_ffn(gate_up_parts, down_parts, expert, x, weight):
-        def one(i):
-            def ffn(x, weight):
-                gate_up = jnp.dot(x, gate_up_parts[i], preferred_element_type=jnp.float32)
-                return jnp.dot(act(gate_up[:, :WIDTH], gate_up[:, WIDTH:]), down_parts[i]) * weight
-            return ffn
+    return jax.jit(run)
 
-        return jax.lax.switch(expert, [one(i) for i in range(EXPERTS)], x, weight)
 
-    def split(x, ids, weights, w_gate_up, w_down, *, loop: bool):
-        for layer in range(LAYERS):
-            ffn = functools.partial(switch_ffn, w_gate_up[layer], w_down[layer])
-            if loop:
-                y = jax.lax.map(lambda pair: ffn(pair[0], x, pair[1]), (ids[layer, 0], weights[0])).sum(0)
-            else:
-                y = sum(ffn(ids[layer, 0, j], x, weights[0, j]) for j in range(TOP_K))
-            x = x + y
-        return x
+def routings(rng, num_tokens: int, count: int) -> list:
+    import jax.numpy as jnp
 
-    return {"stacked (pairs kernel, what auto runs)": (jax.jit(stacked), True),
-            "split, pairs unrolled": (jax.jit(functools.partial(split, loop=False)), False),
-            "split, pairs in a loop": (jax.jit(functools.partial(split, loop=True)), False)}
+    return [jnp.asarray(np.stack([[rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(num_tokens)]
+                                  for _ in range(LAYERS)]), jnp.int32) for _ in range(count)]
 
 
 def main(argv=None) -> None:
@@ -106,22 +104,27 @@ def main(argv=None) -> None:
 
     load = open("/proc/loadavg").read().split()[0]
     rng = np.random.default_rng(0)
-    gate_up = [jnp.asarray(rng.standard_normal((EXPERTS, HIDDEN, 2 * WIDTH)) * 0.02, jnp.float32) for _ in range(LAYERS)]
-    down = [jnp.asarray(rng.standard_normal((EXPERTS, WIDTH, HIDDEN)) * 0.02, jnp.float32) for _ in range(LAYERS)]
-    split_gate_up = [[w[e] for e in range(EXPERTS)] for w in gate_up]
-    split_down = [[w[e] for e in range(EXPERTS)] for w in down]
+    layers = expert_layers(rng)
+    stacked = [experts._replace(per_expert=None) for experts in layers]
     x = jnp.asarray(rng.standard_normal((1, HIDDEN)), jnp.float32)
     weights = jnp.asarray([[0.6, 0.4]], jnp.float32)
-    routings = [jnp.asarray(np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(LAYERS)])[:, None],
-                            jnp.int32) for _ in range(64)]
+    token_routings = routings(rng, 1, 64)
     expert_bytes = LAYERS * TOP_K * 3 * HIDDEN * WIDTH * 4
     rows, outputs = [], []
-    for name, (fn, is_stacked) in expert_ffn_programs().items():
-        w = (gate_up, down) if is_stacked else (split_gate_up, split_down)
-        ms, first = timed_ms(fn, [(x, ids, weights, *w) for ids in routings])
-        outputs.append(np.asarray(fn(x, routings[1], weights, *w)))
+    for name, experts in (("stacked (pairs)", stacked), ("per-expert arrays (pairs, what auto runs)", layers)):
+        fn = expert_ffns("pairs")
+        ms, first = timed_ms(fn, [(x, ids, weights, experts) for ids in token_routings])
+        outputs.append(np.asarray(fn(x, token_routings[1], weights, experts)))
         rows.append(f"| {name} | {ms:.2f} | {expert_bytes / ms / 1e6:.1f} | {first:.1f} |")
-    agree = max(float(np.abs(o - outputs[0]).max()) for o in outputs)
+    agree = float(np.abs(outputs[1] - outputs[0]).max())
+
+    batch_rows = []
+    for num_tokens in (8, 16, 24, 32):
+        batch_x = jnp.asarray(rng.standard_normal((num_tokens, HIDDEN)), jnp.float32)
+        batch_weights = jnp.tile(weights, (num_tokens, 1))
+        inputs = [(batch_x, ids, batch_weights, layers) for ids in routings(rng, num_tokens, 16)]
+        times = [timed_ms(expert_ffns(backend), inputs)[0] for backend in ("pairs", "xla_tiled")]
+        batch_rows.append(f"| {num_tokens} | {num_tokens * TOP_K / EXPERTS:g} | {times[0]:.1f} | {times[1]:.1f} |")
 
     one_core = subprocess.run([sys.executable, "-m", "bench.cpu_expert_reads", "--gemv-only"], check=True,
                               capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
@@ -131,7 +134,9 @@ def main(argv=None) -> None:
     body = "\n".join([
         f"1-minute load average at the start: {load}. Expert weights read per token: {expert_bytes / 1e6:.1f} MB.",
         "", "| expert FFNs of one token, 8 layers | ms (median) | GB/s of expert weights | first call s (compile) |",
-        "|---|---|---|---|", *rows, "", f"Largest difference between the three outputs: {agree:.2e}.", "",
+        "|---|---|---|---|", *rows, "", f"Largest difference between the two outputs: {agree:.2e}.", "",
+        "| tokens (per-expert arrays, 8 layers) | pairs per slot | pairs ms | xla_tiled ms |", "|---|---|---|---|",
+        *batch_rows, "",
         "| one matrix-vector product on an expert's own array | ms (median) | GB/s |", "|---|---|---|",
         *(f"| {where} | {ms:.3f} | {gemv_bytes / ms / 1e6:.1f} |" for where, ms in gemv.items()), "",
         f"Streaming read bandwidth (a jitted sum over 1 GiB, every core): {bandwidth:.1f} GB/s.", ""])

@@ -14,15 +14,22 @@ from jmoe.kernels.triton_grouped import moe_ffn_triton
 from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_pairs, moe_ffn_ragged, moe_ffn_tiled
 
 
-# A CPU step with at most this many (token, choice) pairs, and no more than slots, runs `pairs`: measured
-# faster than `xla_tiled` while pairs rarely share a slot (d=512 f=1024 16 slots top-2: 0.95 vs 1.42 ms at
-# 1 token, 6.0 vs 7.0 at 8, 10.1 vs 7.5 at 16; 128 slots top-8: 2.2 vs 3.0 ms at 16 tokens, 5.8 vs 4.1 at
-# 32; measured with stacked weights, pairs unrolled, before the kernel became a loop of the same speed).
+# A CPU step with at most this many (token, choice) pairs, and no more than slots, runs `pairs` on stacked
+# weights: measured faster than `xla_tiled` while pairs rarely share a slot (d=512 f=1024 16 slots top-2: 0.95
+# vs 1.42 ms at 1 token, 6.0 vs 7.0 at 8, 10.1 vs 7.5 at 16; 128 slots top-8: 2.2 vs 3.0 ms at 16 tokens, 5.8 vs
+# 4.1 at 32; measured with pairs unrolled, before the kernel became a loop of the same speed).
 MAX_CPU_PAIRS = 32
+# On per-expert arrays a pair reads its expert in place, so `pairs` stays ahead up to this many pairs per slot
+# (8 layers, d=512 f=1024, 16 experts, top-2, ms: 8 tokens 50 vs 115, 16 tokens 96 vs 148, 24 tokens 143 vs 166,
+# 32 tokens 191 vs 170; bench.cpu_expert_reads' shapes).
+PER_EXPERT_PAIRS_PER_SLOT = 3
 
 
-def cpu_backend(num_pairs: int, num_slots: int) -> str:
-    """The fastest measured CPU kernel for a step of `num_pairs` (token, choice) pairs over `num_slots`."""
+def cpu_backend(num_pairs: int, num_slots: int, per_expert: bool = False) -> str:
+    """The fastest measured CPU kernel for a step of `num_pairs` (token, choice) pairs over `num_slots`, on
+    stacked weights or on per-expert arrays."""
+    if per_expert:
+        return "pairs" if num_pairs <= PER_EXPERT_PAIRS_PER_SLOT * num_slots else "xla_tiled"
     return "pairs" if num_pairs <= min(num_slots, MAX_CPU_PAIRS) else "xla_tiled"
 
 
@@ -38,7 +45,7 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
     never interpret-mode Pallas, never XLA:CPU's dense ragged_dot); both read `per_expert` arrays when given.
     """
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
-    cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0])]
+    cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0], per_expert is not None)]
     return jax.lax.platform_dependent(*args, cuda=functools.partial(moe_ffn_pallas, activation=activation),
                                       default=functools.partial(cpu, activation=activation, per_expert=per_expert))
 

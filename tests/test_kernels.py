@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jmoe.kernels import grouping, moe_ffn
+from jmoe.kernels import ExpertWeights, grouping, moe_ffn
 from jmoe.kernels.dispatch import cpu_backend, moe_ffn_auto
 from jmoe.kernels.pallas_grouped import choose_blocks
 from jmoe.kernels.triton_grouped import triton_launch
@@ -180,6 +180,17 @@ def test_auto_on_cpu_runs_pairs_for_few_pairs_else_the_tiled_kernel_never_interp
     # The tiled kernel sorts the pairs into row tiles; pairs loops over them unsorted.
     assert ("sort" in text) == (expected == "xla_tiled")
     assert_close(moe_ffn(*inputs, backend="auto"), moe_ffn(*inputs, backend=expected), jnp.float32)
+
+
+def test_auto_on_cpu_keeps_pairs_longer_on_per_expert_arrays():
+    """24 tokens of 2 over 16 slots: stacked weights run the tiled kernel, per-expert arrays still `pairs`."""
+    x, ids, weights, w_gate_up, w_down = make_inputs(0, 24, 2, 16, 16, 12, jnp.float32)
+    experts = ExpertWeights(w_gate_up, w_down)
+    per_expert = tuple(jax.tree.map(lambda a: a[e:e + 1], experts) for e in range(16))
+    stacked = jax.jit(lambda *a: moe_ffn_auto(*a)).lower(x, ids, weights, w_gate_up, w_down).as_text()
+    apart = jax.jit(lambda *a: moe_ffn_auto(*a[:5], per_expert=a[5])).lower(
+        x, ids, weights, w_gate_up, w_down, per_expert).as_text()
+    assert "sort" in stacked and "sort" not in apart
 
 
 _tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))
