@@ -8,10 +8,11 @@ The expert FFNs of one decode token on the 215M compare checkpoint's shapes (8 M
   a CPU for resident experts): the expert is chosen by `lax.switch` and read in place.
 Each uses different experts at every call (cycling through random routings), so weights come from memory.
 Then `pairs` against `xla_tiled` on the per-expert arrays for growing decode batches (where `auto` switches,
-jmoe.kernels.dispatch.cpu_backend), and one matrix-vector product [1, 512] x [512, 2048] on an expert's own
+jmoe.kernels.dispatch.cpu_backend), stacked against per-expert arrays for several expert sizes (where
+jmoe.kernels.per_expert.MIN_EXPERT_BYTES comes from), and one matrix-vector product [1, 512] x [512, 2048] on an expert's own
 array, with every core and pinned to one core (a child process), next to the streaming read bandwidth.
 
-  JAX_PLATFORMS=cpu python -m bench.cpu_expert_reads      (about three minutes; needs a quiet machine)
+  JAX_PLATFORMS=cpu python -m bench.cpu_expert_reads      (about four minutes; needs a quiet machine)
 """
 
 from __future__ import annotations
@@ -52,18 +53,38 @@ def gemv_ms() -> float:
     return timed_ms(jax.jit(jnp.dot), [(x, w) for w in arrays])[0]
 
 
-def expert_layers(rng) -> list:
-    """8 layers of random stacked experts, each with its per-expert views."""
+def expert_layers(rng, hidden: int = HIDDEN, width: int = WIDTH, *, copies: bool = False) -> list:
+    """8 layers of random stacked experts, each with its per-expert views (or, with `copies`, per-expert copies:
+    the same layout at any size, where views are only made from MIN_EXPERT_BYTES on)."""
+    import jax
     import jax.numpy as jnp
 
     from jmoe.kernels import ExpertWeights, per_expert_views
 
     layers = []
     for _ in range(LAYERS):
-        experts = ExpertWeights(jnp.asarray(rng.standard_normal((EXPERTS, HIDDEN, 2 * WIDTH)) * 0.02, jnp.float32),
-                                jnp.asarray(rng.standard_normal((EXPERTS, WIDTH, HIDDEN)) * 0.02, jnp.float32))
-        layers.append(experts._replace(per_expert=per_expert_views(experts)))
+        experts = ExpertWeights(jnp.asarray(rng.standard_normal((EXPERTS, hidden, 2 * width)) * 0.02, jnp.float32),
+                                jnp.asarray(rng.standard_normal((EXPERTS, width, hidden)) * 0.02, jnp.float32))
+        per_expert = (tuple(jax.tree.map(lambda a: a[e:e + 1], experts) for e in range(EXPERTS)) if copies
+                      else per_expert_views(experts))
+        layers.append(experts._replace(per_expert=per_expert))
     return layers
+
+
+def size_rows(rng) -> list[str]:
+    """Stacked against per-expert arrays at batch 1 for several expert sizes (where MIN_EXPERT_BYTES comes from)."""
+    import jax.numpy as jnp
+
+    rows = []
+    for hidden, width in ((256, 512), (512, 512), (384, 768), (512, 1024)):
+        layers = expert_layers(rng, hidden, width, copies=True)
+        x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.float32)
+        inputs = [(x, ids, jnp.asarray([[0.6, 0.4]], jnp.float32)) for ids in routings(rng, 1, 32)]
+        times = [timed_ms(expert_ffns("pairs"), [(*args, experts) for args in inputs])[0]
+                 for experts in ([e._replace(per_expert=None) for e in layers], layers)]
+        mib = 3 * hidden * width * 4 / 2**20
+        rows.append(f"| {hidden} x {width} | {mib:.1f} | {times[0]:.2f} | {times[1]:.2f} |")
+    return rows
 
 
 def expert_ffns(backend: str):
@@ -126,6 +147,8 @@ def main(argv=None) -> None:
         times = [timed_ms(expert_ffns(backend), inputs)[0] for backend in ("pairs", "xla_tiled")]
         batch_rows.append(f"| {num_tokens} | {num_tokens * TOP_K / EXPERTS:g} | {times[0]:.1f} | {times[1]:.1f} |")
 
+    sizes = size_rows(rng)
+
     one_core = subprocess.run([sys.executable, "-m", "bench.cpu_expert_reads", "--gemv-only"], check=True,
                               capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     gemv_bytes = HIDDEN * 2 * WIDTH * 4
@@ -137,6 +160,8 @@ def main(argv=None) -> None:
         "|---|---|---|---|", *rows, "", f"Largest difference between the two outputs: {agree:.2e}.", "",
         "| tokens (per-expert arrays, 8 layers) | pairs per slot | pairs ms | xla_tiled ms |", "|---|---|---|---|",
         *batch_rows, "",
+        "| expert d x f (8 layers, batch 1) | MiB per expert | stacked ms | per-expert ms |", "|---|---|---|---|",
+        *sizes, "",
         "| one matrix-vector product on an expert's own array | ms (median) | GB/s |", "|---|---|---|",
         *(f"| {where} | {ms:.3f} | {gemv_bytes / ms / 1e6:.1f} |" for where, ms in gemv.items()), "",
         f"Streaming read bandwidth (a jitted sum over 1 GiB, every core): {bandwidth:.1f} GB/s.", ""])

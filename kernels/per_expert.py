@@ -2,8 +2,8 @@
 
 XLA:CPU copies every slice of a stacked [S, ...] array before a dot reads it, so at batch-1 decode each
 (token, expert) pair first copies the expert's weights, then reads the copy: on the 215M compare checkpoint's
-shapes the expert FFNs of one token (8 layers) take 18.1 ms stacked against 7.1 ms on one array per expert
-(bench/results/cpu_expert_reads_zen1.md). On a CPU, `jax.device_put` of a NumPy view of an array's buffer makes
+shapes the expert FFNs of one token (8 layers) take 16.5 ms stacked against 7.2 ms on one array per expert
+(bench/results/cpu_expert_reads_per_expert.md). On a CPU, `jax.device_put` of a NumPy view of an array's buffer makes
 an array without copying, so each expert can be its own array while the stacked one stays the parameter that
 placement, checkpoints and slots see. `pairs` and `xla_tiled` then choose the expert's FFN with lax.switch
 (jmoe.kernels.xla._unless_empty), whose every branch reads its own arrays in place.
@@ -16,10 +16,10 @@ import numpy as np
 
 from jmoe.kernels.dispatch import ExpertWeights
 
-# Experts smaller than this are read stacked: below it the copy stays in the cache and the views gain nothing
-# measurable, while every branch costs compile time (8 layers of 16 experts, decode: ~1 s -> ~4.5 s).
-# Measured at batch 1, 8 layers of 16 experts, float32 (ms per token, stacked vs per expert): 1.5 MiB
-# experts 2.8 vs 2.7, 3 MiB 5.2 vs 4.5, 3.4 MiB 10.7 vs 4.7, 6 MiB 16.4 vs 6.7.
+# Experts smaller than this are read stacked: below it the copy stays in the cache and the views gain little,
+# while every branch costs compile time (8 layers of 16 experts, decode: 1.0 s -> 4.7 s). Measured at batch 1,
+# 8 layers of 16 experts, float32, ms per token stacked vs per expert (bench/results/cpu_expert_reads_per_expert.md):
+# 1.5 MiB experts 2.75 vs 2.61, 3 MiB 10.36 vs 4.48, 3.4 MiB 12.35 vs 5.19, 6 MiB 16.27 vs 6.77.
 MIN_EXPERT_BYTES = 2 * 2**20
 # More experts than this per layer are read stacked: compile time grows with layers x experts.
 MAX_EXPERTS = 64
