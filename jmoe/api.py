@@ -67,8 +67,13 @@ class Model:
                 for (greedy, _, inputs), program in self._programs.items()]
 
     def module(self) -> MoETransformer:
-        """The Flax NNX module (for research code: inspect, fine-tune, call directly)."""
-        return nnx.merge(self.graphdef, self.params)
+        """The Flax NNX module (for research code: inspect, fine-tune, call directly). It reads its stacked expert
+        weights only: the per-expert views this Model's own steps read on a CPU share those weights' buffers, so
+        after a weight update they would hold the old values."""
+        module = nnx.merge(self.graphdef, self.params)
+        for block in module.moe_blocks():
+            block.experts.per_expert = None
+        return module
 
     @property
     def placement_plan(self) -> Placement:

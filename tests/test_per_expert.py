@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import jmoe
 from hf_models import VOCAB, write_checkpoint
@@ -112,7 +113,7 @@ def big_expert_checkpoint(tmp_path_factory):
 def test_a_resident_model_on_cpu_reads_experts_in_place_and_matches_transformers(big_expert_checkpoint):
     directory, hf = big_expert_checkpoint
     model = jmoe.load(directory, progress=False)
-    for block in model.module().moe_blocks():
+    for block in nnx.merge(model.graphdef, model.params).moe_blocks():  # what the Model's steps read
         stacked = block.experts.weights()
         assert stacked.per_expert is not None
         assert stacked.per_expert[3].w_down.unsafe_buffer_pointer() == (
@@ -127,4 +128,19 @@ def test_a_resident_model_on_cpu_reads_experts_in_place_and_matches_transformers
 
 def test_offloaded_experts_keep_stacked_arrays_only(big_expert_checkpoint):
     model = jmoe.load(big_expert_checkpoint[0], cache=2, progress=False)
-    assert all(block.experts.weights().per_expert is None for block in model.module().moe_blocks())
+    assert all(block.experts.weights().per_expert is None
+               for block in nnx.merge(model.graphdef, model.params).moe_blocks())
+
+
+def test_the_module_handed_to_research_code_reads_its_own_weights(big_expert_checkpoint):
+    """Model.module() has no per-expert views: they alias the stacked weights, so a weight update would leave them
+    stale; the module computes with whatever its stacked weights hold."""
+    model = jmoe.load(big_expert_checkpoint[0], progress=False)
+    module = model.module()
+    assert all(block.experts.weights().per_expert is None for block in module.moe_blocks())
+    experts = module.moe_blocks()[0].experts
+    experts.w_down.set_value(jnp.zeros_like(experts.w_down.get_value()))
+    x = jnp.asarray(np.random.RandomState(2).standard_normal((5, D)), jnp.float32)
+    routing = jnp.asarray([[0, 1]] * 5, jnp.int32)
+    y = ExpertKernel("auto", "swiglu")(x, routing, jnp.ones((5, 2)), experts.weights())
+    assert not np.asarray(y).any()  # zeroed down projections, read from the stacked weights
