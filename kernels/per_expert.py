@@ -37,12 +37,13 @@ def per_expert_views(experts: ExpertWeights) -> tuple[ExpertWeights, ...] | None
     if count > MAX_EXPERTS or sum(a.nbytes for a in leaves) // count < MIN_EXPERT_BYTES:
         return None
     hosts = [np.asarray(a) for a in leaves]  # the arrays' own buffers on a CPU, no copy
+    treedef = jax.tree.structure(stacked)
     rows = []
     for e in range(count):
         row = [jax.device_put(host[e:e + 1], a.sharding) for host, a in zip(hosts, leaves)]
         if any(view.unsafe_buffer_pointer() != host[e:e + 1].ctypes.data for view, host in zip(row, hosts)):
             return None  # JAX copied it: the views would cost their size again
-        rows.append(jax.tree.unflatten(jax.tree.structure(stacked), row))
+        rows.append(jax.tree.unflatten(treedef, row))
     return tuple(rows)
 
 

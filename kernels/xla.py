@@ -106,8 +106,8 @@ def _unless_empty(ffn, slot, xs, ws, apart=None):
     in place (XLA:CPU copies the slice of a stacked array before a dot reads it); lowered for a GPU it is
     computed on slot 0 and masked instead, because a branch there makes the host wait for the predicate."""
 
-    def zeros(*args):
-        return jnp.zeros(args[-2].shape, jnp.float32)
+    def zeros(*operands):  # (slot, xs, ws) from cond, (xs, ws) from switch
+        return jnp.zeros(operands[-2].shape, jnp.float32)
 
     def branched(slot, xs, ws):
         if apart is not None:

@@ -47,6 +47,11 @@ def make_inputs(seed, num_tokens, top_k, num_slots, d, f, dtype, pattern="random
     return x, slot_ids, weights, w_gate_up, w_down
 
 
+def per_expert_copies(experts: ExpertWeights) -> tuple[ExpertWeights, ...]:
+    """Each expert as its own [1, ...] arrays: the layout of jmoe.kernels.per_expert_views, as copies."""
+    return tuple(jax.tree.map(lambda a: jnp.asarray(a[e:e + 1]), experts) for e in range(experts.num_experts))
+
+
 def numpy_swiglu(gate, up):
     return gate / (1 + np.exp(-gate)) * up
 
@@ -185,8 +190,7 @@ def test_auto_on_cpu_runs_pairs_for_few_pairs_else_the_tiled_kernel_never_interp
 def test_auto_on_cpu_keeps_pairs_longer_on_per_expert_arrays():
     """24 tokens of 2 over 16 slots: stacked weights run the tiled kernel, per-expert arrays still `pairs`."""
     x, ids, weights, w_gate_up, w_down = make_inputs(0, 24, 2, 16, 16, 12, jnp.float32)
-    experts = ExpertWeights(w_gate_up, w_down)
-    per_expert = tuple(jax.tree.map(lambda a: a[e:e + 1], experts) for e in range(16))
+    per_expert = per_expert_copies(ExpertWeights(w_gate_up, w_down))
     stacked = jax.jit(lambda *a: moe_ffn_auto(*a)).lower(x, ids, weights, w_gate_up, w_down).as_text()
     apart = jax.jit(lambda *a: moe_ffn_auto(*a[:5], per_expert=a[5])).lower(
         x, ids, weights, w_gate_up, w_down, per_expert).as_text()

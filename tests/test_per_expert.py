@@ -13,15 +13,10 @@ from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights, moe_ffn, per_expert_views, quantize
 from jmoe.kernels import per_expert as per_expert_module
 from jmoe.memory import PINNED_HOST
-from test_kernels import assert_close, make_inputs, run
+from test_kernels import assert_close, make_inputs, per_expert_copies, run
 
 # 3 MiB per float32 expert: over MIN_EXPERT_BYTES (2 MiB).
 D, F = 256, 1024
-
-
-def split(experts: ExpertWeights) -> tuple[ExpertWeights, ...]:
-    """Each expert as its own [1, ...] arrays (copies; the views' layout)."""
-    return tuple(jax.tree.map(lambda a: jnp.asarray(a[e:e + 1]), experts) for e in range(experts.num_experts))
 
 
 def big_experts(count: int, dtype=jnp.float32, f: int = F) -> ExpertWeights:
@@ -79,13 +74,13 @@ def test_cpu_kernels_read_the_per_expert_arrays(backend, num_tokens):
     b_gate_up, b_down = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((6, 24), (6, 8)))
     clean = ExpertWeights(w_gate_up, w_down, b_gate_up, b_down)
     poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), clean)
-    y = ExpertKernel(backend, "swiglu")(x, ids, weights, poisoned._replace(per_expert=split(clean)))
+    y = ExpertKernel(backend, "swiglu")(x, ids, weights, poisoned._replace(per_expert=per_expert_copies(clean)))
     assert_close(y, ExpertKernel("reference", "swiglu")(x, ids, weights, clean), jnp.float32)
 
 
 def test_other_backends_read_the_stacked_weights_which_hold_the_same_values():
     inputs = make_inputs(6, 4, 2, 5, 8, 8, jnp.float32)
-    parts = split(ExpertWeights(*inputs[3:]))
+    parts = per_expert_copies(ExpertWeights(*inputs[3:]))
     for backend in ("reference", "gather", "xla", "pallas"):
         assert_close(moe_ffn(*inputs, backend=backend, per_expert=parts), run("reference", inputs), jnp.float32)
 
@@ -99,7 +94,7 @@ def test_other_backends_read_the_stacked_weights_which_hold_the_same_values():
 def test_bad_per_expert_arrays_are_refused_with_what_to_change(change, message):
     inputs = make_inputs(6, 2, 2, 5, 8, 8, jnp.float32)
     with pytest.raises(ValueError, match=message):
-        moe_ffn(*inputs, per_expert=change(split(ExpertWeights(*inputs[3:]))))
+        moe_ffn(*inputs, per_expert=change(per_expert_copies(ExpertWeights(*inputs[3:]))))
 
 
 @pytest.fixture(scope="module")

@@ -101,5 +101,5 @@ class Experts(nnx.Module):
     def hold_per_expert_arrays(self) -> None:
         """Where the experts sit in a CPU device's memory and are large enough to gain from it, also hold them one
         per array (views, no memory), so that the CPU kernels read each in place; elsewhere nothing changes."""
-        views = per_expert_views(self.weights()._replace(per_expert=None))
+        views = per_expert_views(self.weights())
         self.per_expert = None if views is None else PerExpertArrays(views)
