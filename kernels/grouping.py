@@ -28,17 +28,29 @@ def num_padded_rows(num_pairs: int, num_slots: int, block_m: int) -> int:
     return _round_up(num_pairs + min(num_slots, num_pairs) * (block_m - 1), block_m)
 
 
+class SortedPairs(NamedTuple):
+    key: jax.Array  # [T*k] int32: slot of each pair; num_slots for -1 pairs
+    order: jax.Array  # [T*k]: pair indices sorted by key (stable), the -1 pairs last
+    group_sizes: jax.Array  # [S] int32: pairs per slot
+    group_starts: jax.Array  # [S] int32: first sorted position of each slot's pairs
+
+
+def sort_pairs(slot_ids, num_slots: int) -> SortedPairs:
+    """The (token, j) pairs sorted by slot: slot s owns sorted positions [start_s, start_s + size_s); pairs of
+    slot -1 sort last, past every group, as a dummy group num_slots."""
+    flat = slot_ids.reshape(-1)
+    key = jnp.where(flat >= 0, flat, num_slots)
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_slots + 1)[:num_slots].astype(jnp.int32)
+    return SortedPairs(key, order, group_sizes, jnp.cumsum(group_sizes) - group_sizes)
+
+
 def tile_layout(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
     num_tokens, top_k = slot_ids.shape
     num_pairs = num_tokens * top_k
     num_rows = num_padded_rows(num_pairs, num_slots, block_m)
-    flat = slot_ids.reshape(-1)
-    # -1 sorts last as a dummy group num_slots that gets no rows.
-    key = jnp.where(flat >= 0, flat, num_slots)
-    order = jnp.argsort(key, stable=True)
+    key, order, group_sizes, group_starts = sort_pairs(slot_ids, num_slots)
     sorted_key = key[order]
-    group_sizes = jnp.bincount(key, length=num_slots + 1)[:num_slots]
-    group_starts = jnp.cumsum(group_sizes) - group_sizes
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
     padded_ends = jnp.cumsum(padded_sizes)
     padded_starts = padded_ends - padded_sizes

@@ -17,11 +17,8 @@ def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_do
     num_tokens, top_k = slot_ids.shape
     num_slots, _, two_f = w_gate_up.shape
     f = two_f // 2
-    flat = slot_ids.reshape(-1)
     # -1 pairs sort to the end, beyond sum(group_sizes): ragged_dot gives them no group.
-    key = jnp.where(flat >= 0, flat, num_slots)
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=num_slots + 1)[:num_slots].astype(jnp.int32)
+    key, order, group_sizes, _ = grouping.sort_pairs(slot_ids, num_slots)
     x_sorted = x[order // top_k]
     # lax.ragged_dot takes no scales: quantized weights are dequantized whole here, which is why `auto`
     # never picks this backend for them (xla_tiled dequantizes one slot per tile).
@@ -125,18 +122,73 @@ def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_dow
                   block_m=None, per_expert=None):
     """Sorted grouped GEMM without ragged_dot: the Pallas tile layout, one scan step per row
     tile. XLA:CPU lowers ragged_dot to a dense product over every slot; this reads only the
-    slots that own a tile (an empty tile: `_unless_empty`)."""
+    slots that own a tile (an empty tile: `_unless_empty`). With `per_expert` arrays on a CPU, each
+    expert's rows are computed in chunks instead (`_per_expert_chunks`)."""
     num_tokens, top_k = slot_ids.shape
     num_slots, d, _ = w_gate_up.shape
     if block_m is None:
         block_m = grouping.choose_xla_block_m(num_tokens * top_k, num_slots)
-    layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
-    x_tiles = grouping.gather_rows(x, layout).reshape(-1, block_m, d)
-    w_tiles = layout.row_weight.reshape(-1, block_m)
-    ffn = _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, x.dtype)
-    apart = _per_expert_ffns(per_expert, activation, x.dtype)
-    y_rows = jax.lax.map(lambda tile: _unless_empty(ffn, *tile, apart), (layout.tile_group, x_tiles, w_tiles))
-    return grouping.combine_rows(y_rows.reshape(-1, d), layout, top_k)
+
+    def tiles(x, slot_ids, weights):
+        layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
+        x_tiles = grouping.gather_rows(x, layout).reshape(-1, block_m, d)
+        w_tiles = layout.row_weight.reshape(-1, block_m)
+        ffn = _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, x.dtype)
+        y_rows = jax.lax.map(lambda tile: _unless_empty(ffn, *tile), (layout.tile_group, x_tiles, w_tiles))
+        return grouping.combine_rows(y_rows.reshape(-1, d), layout, top_k)
+
+    if per_expert is None:
+        return tiles(x, slot_ids, weights)
+    chunks = functools.partial(_per_expert_chunks, ffns=_per_expert_ffns(per_expert, activation, x.dtype),
+                               block_m=block_m)
+    return jax.lax.platform_dependent(x, slot_ids, weights, cpu=chunks, default=tiles)
+
+
+# The rows of `_per_expert_chunks`' small chunks: an 8-row product runs at a third of a 16-row one's speed (XLA:CPU,
+# [m, 512] x [512, 2048] on a Zen 4 core pair: 41 against 113 GFLOP/s), and every chunk size is one more copy of each
+# expert's FFN to compile.
+SMALL_CHUNK_ROWS = 16
+
+
+def chunk_sizes(block_m: int) -> tuple[int, ...]:
+    """Row counts of `_per_expert_chunks`' stages: block_m, then SMALL_CHUNK_ROWS where that is smaller."""
+    return (block_m, SMALL_CHUNK_ROWS) if block_m > SMALL_CHUNK_ROWS else (block_m,)
+
+
+def _per_expert_chunks(x, slot_ids, weights, *, ffns, block_m):
+    """CPU only, experts held one per array: each expert's run of the slot-sorted rows, computed in place on its own
+    array by chunks of block_m rows while at least 3/4 of one is left, then of SMALL_CHUNK_ROWS while any row is.
+    An expert computes fewer than max(block_m / 4, 16) rows it does not need, where padding its group to whole
+    tiles costs ~40% more rows at 512 tokens of top-2 over 16 experts (bench/results/compare_cpu_chunks.md). The
+    loops' trip counts follow the routing: cheap on a CPU, a host wait per iteration on a GPU (the other branch of
+    moe_ffn_tiled)."""
+    num_tokens, top_k = slot_ids.shape
+    num_pairs, d = slot_ids.size, x.shape[1]
+    sizes = chunk_sizes(block_m)
+    pairs = grouping.sort_pairs(slot_ids, len(ffns))
+    pad = sizes[0]  # a chunk may reach past the last group: zero rows there
+    x_sorted = jnp.concatenate([x[pairs.order // top_k], jnp.zeros((pad, d), x.dtype)])
+    w_sorted = jnp.concatenate([weights.reshape(-1).astype(jnp.float32)[pairs.order], jnp.zeros(pad, jnp.float32)])
+    y = jnp.zeros((num_pairs + pad, d), jnp.float32)
+    slice_rows = jax.lax.dynamic_slice_in_dim
+    for expert, ffn in enumerate(ffns):
+        end = pairs.group_starts[expert] + pairs.group_sizes[expert]
+
+        # A chunk's rows past the group are the next experts' (rewritten when their turn comes), or -1 pairs'
+        # and padding (dropped below).
+        def chunk(rows, start, y, ffn=ffn):
+            out = ffn(0, slice_rows(x_sorted, start, rows), slice_rows(w_sorted, start, rows))
+            return jax.lax.dynamic_update_slice_in_dim(y, out, start, 0)
+
+        start = pairs.group_starts[expert]
+        for stage, rows in enumerate(sizes):
+            least = 1 if stage == len(sizes) - 1 else rows - rows // 4
+            start, y = jax.lax.while_loop(lambda s, least=least, end=end: end - s[0] >= least,
+                                          lambda s, rows=rows, chunk=chunk: (s[0] + rows, chunk(rows, *s)), (start, y))
+    y_pairs = jnp.zeros((num_pairs, d), jnp.float32).at[pairs.order].set(y[:num_pairs])
+    # Select, not multiply: what a chunk left in a -1 pair's row may be anything (NaN included).
+    y_pairs = jnp.where((pairs.key < len(ffns))[:, None], y_pairs, 0.0)
+    return y_pairs.reshape(num_tokens, top_k, d).sum(axis=1)
 
 
 def moe_ffn_pairs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",

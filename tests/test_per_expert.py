@@ -1,6 +1,8 @@
 """Experts held one per array on a CPU: views that share the stacked parameters' memory, read in place by the CPU
 kernels, giving what the stacked weights give."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights, moe_ffn, per_expert_views, quantize
 from jmoe.kernels import per_expert as per_expert_module
+from jmoe.kernels import xla as xla_kernels
 from jmoe.memory import PINNED_HOST
 from test_kernels import assert_close, make_inputs, per_expert_copies, run
 
@@ -76,6 +79,27 @@ def test_cpu_kernels_read_the_per_expert_arrays(backend, num_tokens):
     poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), clean)
     y = ExpertKernel(backend, "swiglu")(x, ids, weights, poisoned._replace(per_expert=per_expert_copies(clean)))
     assert_close(y, ExpertKernel("reference", "swiglu")(x, ids, weights, clean), jnp.float32)
+
+
+def test_per_expert_chunks_cover_every_group_size_exactly_once():
+    """xla_tiled on per-expert arrays (CPU): each expert's sorted rows in chunks of 24, then 16 rows (block_m 24),
+    for groups of every size around the chunk boundaries (0 to 49 rows), -1 pairs, and a NaN token: chunks reaching
+    past a group compute rows of the next experts, which must end with their own values, and of -1 pairs (the last
+    group's 49 rows take 64), which must give nothing."""
+    assert xla_kernels.chunk_sizes(24) == (24, 16) and xla_kernels.chunk_sizes(16) == (16,)
+    sizes = [0, 1, 15, 16, 17, 18, 23, 24, 25, 34, 41, 42, 49]
+    ids = np.concatenate([np.full(n, e) for e, n in enumerate(sizes)] + [np.full(5, -1)]).astype(np.int32)
+    ids = np.random.default_rng(3).permutation(ids).reshape(-1, 2)
+    x, _, weights, w_gate_up, w_down = make_inputs(7, ids.shape[0], 2, len(sizes), 8, 12, jnp.float32)
+    nan_token = int(np.nonzero((ids == 10).any(axis=1) & (ids != -1).all(axis=1))[0][0])
+    x = x.at[nan_token].set(jnp.nan)
+    clean = ExpertWeights(w_gate_up, w_down)
+    poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), clean)
+    chunked = jax.jit(functools.partial(xla_kernels.moe_ffn_tiled, block_m=24, per_expert=per_expert_copies(clean)))
+    y = np.asarray(chunked(x, jnp.asarray(ids), weights, poisoned.w_gate_up, poisoned.w_down))
+    expected = np.asarray(run("reference", (x, jnp.asarray(ids), weights, w_gate_up, w_down)))
+    assert np.isnan(y[nan_token]).all() and not np.isnan(np.delete(y, nan_token, axis=0)).any()
+    np.testing.assert_allclose(np.delete(y, nan_token, axis=0), np.delete(expected, nan_token, axis=0), atol=1e-5)
 
 
 def test_other_backends_read_the_stacked_weights_which_hold_the_same_values():
