@@ -19,10 +19,10 @@ from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_pairs, moe_ffn_ragged, moe_
 # vs 1.42 ms at 1 token, 6.0 vs 7.0 at 8, 10.1 vs 7.5 at 16; 128 slots top-8: 2.2 vs 3.0 ms at 16 tokens, 5.8 vs
 # 4.1 at 32; measured with pairs unrolled, before the kernel became a loop of the same speed).
 MAX_CPU_PAIRS = 32
-# On per-expert arrays a pair reads its expert in place, so `pairs` stays ahead up to this many pairs per slot
-# (8 layers, d=512 f=1024, 16 experts, top-2, ms: 8 tokens 50 vs 115, 16 tokens 96 vs 148, 24 tokens 143 vs 166,
-# 32 tokens 191 vs 170; bench.cpu_expert_reads' shapes).
-PER_EXPERT_PAIRS_PER_SLOT = 3
+# On per-expert arrays `pairs` stays ahead up to this many pairs per slot, past which `xla_tiled` computes each
+# expert's rows in chunks (8 layers, d=512 f=1024, 16 experts, top-2, ms, Zen 4 pair: 8 tokens 31.6 vs 38.1,
+# 16 tokens 60.6 vs 53.5, 24 tokens 91.6 vs 57.8; bench/results/cpu_expert_reads_chunks.md).
+PER_EXPERT_PAIRS_PER_SLOT = 1
 
 
 def cpu_backend(num_pairs: int, num_slots: int, per_expert: bool = False) -> str:

@@ -187,14 +187,17 @@ def test_auto_on_cpu_runs_pairs_for_few_pairs_else_the_tiled_kernel_never_interp
     assert_close(moe_ffn(*inputs, backend="auto"), moe_ffn(*inputs, backend=expected), jnp.float32)
 
 
-def test_auto_on_cpu_keeps_pairs_longer_on_per_expert_arrays():
-    """24 tokens of 2 over 16 slots: stacked weights run the tiled kernel, per-expert arrays still `pairs`."""
-    x, ids, weights, w_gate_up, w_down = make_inputs(0, 24, 2, 16, 16, 12, jnp.float32)
-    per_expert = per_expert_copies(ExpertWeights(w_gate_up, w_down))
-    stacked = jax.jit(lambda *a: moe_ffn_auto(*a)).lower(x, ids, weights, w_gate_up, w_down).as_text()
-    apart = jax.jit(lambda *a: moe_ffn_auto(*a[:5], per_expert=a[5])).lower(
-        x, ids, weights, w_gate_up, w_down, per_expert).as_text()
-    assert "sort" in stacked and "sort" not in apart
+def test_auto_on_cpu_switches_to_expert_chunks_past_one_pair_per_slot_on_per_expert_arrays():
+    """On per-expert arrays, 8 tokens of 2 over 16 slots run `pairs` (no sort); 9 tokens run xla_tiled's per-expert
+    chunks, which sort the pairs by slot."""
+    def lowered(num_tokens):
+        x, ids, weights, w_gate_up, w_down = make_inputs(0, num_tokens, 2, 16, 16, 12, jnp.float32)
+        per_expert = per_expert_copies(ExpertWeights(w_gate_up, w_down))
+        return jax.jit(lambda *a: moe_ffn_auto(*a[:5], per_expert=a[5])).lower(
+            x, ids, weights, w_gate_up, w_down, per_expert).as_text()
+
+    assert "sort" not in lowered(8)
+    assert "sort" in lowered(9)
 
 
 _tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))
