@@ -6,6 +6,7 @@ import torch
 
 import jmoe
 from hf_models import FAMILY_CASES, VOCAB
+from jmoe.model import attention
 
 CASES = sorted(FAMILY_CASES)
 
@@ -49,3 +50,21 @@ def test_batch_of_different_lengths_equals_one_by_one(loaded):
     prompts = [list(rng.randint(0, VOCAB, n)) for n in (3, 17, 8)]
     batched = model.generate(prompts, max_new_tokens=10)
     assert batched == [model.generate(p, max_new_tokens=10)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_e4k2_window", "mixtral_e8k3_mqa_tied_window", "olmoe_e8k4_clip",
+                                  "qwen3_moe_headdim_tied"])  # sinks, sliding windows, clipping, q/k norms
+def test_prompts_attended_in_causal_query_blocks_match_transformers(name, hf_checkpoints, monkeypatch):
+    """Blocks of 4 queries (128 in use) over left-padded prompts of 13 and 9 tokens: each block reads only the keys
+    up to its last query, and the logits are transformers' still."""
+    monkeypatch.setattr(attention, "MIN_CAUSAL_BLOCK", 4)
+    assert attention.causal_block_bounds(13) == (4, 8, 13)
+    model = jmoe.load(hf_checkpoints[name][0], progress=False)  # its own compiled steps, traced with the blocks
+    rng = np.random.RandomState(5)
+    prompts = [list(rng.randint(0, VOCAB, n)) for n in (13, 9)]
+    for prompt in prompts:
+        ref = hf_checkpoints[name][1](torch.tensor([prompt])).logits.detach().numpy()
+        np.testing.assert_allclose(np.asarray(model.logits([prompt])), ref, atol=1e-4, rtol=0)
+        expected = hf_checkpoints[name][1].generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+        assert model.generate(prompt, max_new_tokens=6)[0] == expected[0, len(prompt):].tolist()
+    assert model.generate(prompts, max_new_tokens=6) == [model.generate(p, max_new_tokens=6)[0] for p in prompts]

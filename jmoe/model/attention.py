@@ -49,8 +49,25 @@ class Attention(nnx.Module):
         # at 512 tokens than contracting [B, T, Hkv, G, hd] directly).
         q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 1, 3, 4)
         q = q.reshape(b, cfg.num_kv_heads, t * groups, cfg.head_dim)
+        if t == visible:  # a prompt from column 0: query i sees columns <= i, so a block of queries needs no later one
+            bounds = causal_block_bounds(t)
+            out = jnp.concatenate([self._attend(q[:, :, lo * groups:hi * groups], keys[:, :, :hi], values[:, :, :hi],
+                                                mask[:, lo:hi, :hi]) for lo, hi in zip((0, *bounds), bounds)], axis=2)
+        else:
+            out = self._attend(q, keys, values, mask)
+        out = out.reshape(b, cfg.num_kv_heads, t, groups, cfg.head_dim)
+        out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, -1).astype(x.dtype)
+        return self.o(out), k_cache, v_cache
+
+    def _attend(self, q, keys, values, mask):
+        """q [B, Hkv, M*G, hd] (M queries, G query heads per kv head), keys/values [B, Hkv, S, hd], mask [B, M, S]
+        -> [B, Hkv, M*G, hd]."""
+        cfg = self.cfg
+        b, _, rows, _ = q.shape
+        groups, visible = cfg.num_heads // cfg.num_kv_heads, keys.shape[2]
         # Scores in the activation dtype, softmax in float32 (as the reference implementations do).
-        scores = jnp.einsum("bkmd,bksd->bkms", q, keys).astype(jnp.float32).reshape(b, cfg.num_kv_heads, t, groups, visible)
+        scores = jnp.einsum("bkmd,bksd->bkms", q, keys).astype(jnp.float32).reshape(
+            b, cfg.num_kv_heads, rows // groups, groups, visible)
         scores = scores * cfg.head_dim ** -0.5
         scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
         if self.sinks is None:
@@ -59,7 +76,18 @@ class Attention(nnx.Module):
             sink = self.sinks[...].astype(jnp.float32).reshape(1, cfg.num_kv_heads, 1, groups, 1)
             sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
             probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        probs = probs.astype(v_cache.dtype).reshape(b, cfg.num_kv_heads, t * groups, visible)
-        out = jnp.einsum("bkms,bksd->bkmd", probs, values).reshape(b, cfg.num_kv_heads, t, groups, cfg.head_dim)
-        out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, -1).astype(x.dtype)
-        return self.o(out), k_cache, v_cache
+        probs = probs.astype(values.dtype).reshape(b, cfg.num_kv_heads, rows, visible)
+        return jnp.einsum("bkms,bksd->bkmd", probs, values)
+
+
+# Prompt queries per causal block: a block reads only the keys up to its last query, which skips most of the
+# masked half of the scores (Mixtral-like 2 kv heads x 4 groups x 64, one layer's attention on a Zen 4 pair, ms:
+# 512 tokens 4.6 in one block, 3.0 in 2, 2.5 in 4; 1,024 tokens 47 / 28 / 22); below 128 the blocks gain nothing.
+MIN_CAUSAL_BLOCK = 128
+MAX_CAUSAL_BLOCKS = 4
+
+
+def causal_block_bounds(num_queries: int) -> tuple[int, ...]:
+    """The ends of the prompt's query blocks (the last is num_queries)."""
+    count = max(1, min(MAX_CAUSAL_BLOCKS, num_queries // MIN_CAUSAL_BLOCK))
+    return tuple(num_queries * (i + 1) // count for i in range(count))
