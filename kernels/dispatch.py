@@ -174,9 +174,9 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=N
 
 class ExpertWeights(NamedTuple):
     """The stacked weights of S experts (or slots), a pytree whose every leaf has the expert axis first, so
-    that copying, slicing or updating one expert is the same operation on every leaf. `per_expert` (only for
-    experts read in place on a CPU, never for slots or host copies) holds the same experts one per array
-    (jmoe.kernels.per_expert_views)."""
+    that copying, slicing or updating one expert is the same operation on every leaf (of the stacked arrays:
+    `per_expert`, only for experts read in place on a CPU, resident or offloaded, never for slots, holds the same
+    experts one per array, jmoe.kernels.per_expert_views)."""
 
     w_gate_up: jax.Array | QuantizedTensor  # [S, d, 2f]: gate then up on the last axis
     w_down: jax.Array | QuantizedTensor  # [S, f, d]

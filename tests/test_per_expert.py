@@ -16,6 +16,8 @@ from jmoe.kernels import ExpertKernel, ExpertWeights, moe_ffn, per_expert_views,
 from jmoe.kernels import per_expert as per_expert_module
 from jmoe.kernels import xla as xla_kernels
 from jmoe.memory import PINNED_HOST
+from jmoe.plan.hlo import copied_arrays
+from test_gpu_step import squeezed
 from test_kernels import assert_close, make_inputs, per_expert_copies, run
 
 # 3 MiB per float32 expert: over MIN_EXPERT_BYTES (2 MiB).
@@ -61,8 +63,6 @@ def test_no_views_where_they_would_cost_memory_or_gain_nothing(monkeypatch):
     small = ExpertWeights(jnp.ones((4, 8, 16)), jnp.ones((4, 8, 8)))
     assert per_expert_views(small) is None  # 768 bytes an expert: the copy stays in the cache
     big = big_experts(3)
-    host = jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(PINNED_HOST)), big)
-    assert per_expert_views(host) is None  # offloaded experts are read through slots, never in place
     monkeypatch.setattr(per_expert_module, "MAX_EXPERTS", 2)
     assert per_expert_views(big) is None  # compile time grows with layers x experts
 
@@ -145,10 +145,25 @@ def test_a_resident_model_on_cpu_reads_experts_in_place_and_matches_transformers
     assert model.generate(prompt, max_new_tokens=8)[0] == reference
 
 
-def test_offloaded_experts_keep_stacked_arrays_only(big_expert_checkpoint):
-    model = jmoe.load(big_expert_checkpoint[0], cache=2, progress=False)
-    assert all(block.experts.weights().per_expert is None
-               for block in nnx.merge(model.graphdef, model.params).moe_blocks())
+def test_offloaded_experts_are_read_in_place_by_the_prompt_step_and_slots_stay_stacked(big_expert_checkpoint):
+    """On a CPU an offloaded layer's experts in pinned host memory get views as well (the same RAM): the prompt step
+    reads each expert in place, copying no expert; the cache slots and the copies that fill them stay stacked."""
+    directory, hf = big_expert_checkpoint
+    model = jmoe.load(directory, cache=2, progress=False)
+    for block in nnx.merge(model.graphdef, model.params).moe_blocks():
+        host = block.experts.weights()
+        assert host.w_down.sharding.memory_kind == PINNED_HOST and host.per_expert is not None
+        view = host.per_expert[3].w_down
+        assert view.sharding.memory_kind == PINNED_HOST
+        assert view.unsafe_buffer_pointer() == host.w_down.unsafe_buffer_pointer() + 3 * view.nbytes
+    assert all(slots.per_expert is None for slots in (*model.engine.state.buffers, model.engine.state.scratch))
+    prompt = list(np.random.RandomState(1).randint(0, VOCAB, 40))
+    reference = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert model.generate(prompt, max_new_tokens=6)[0] == reference
+    (prefill,) = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] > 1]
+    d, f = model.config.hidden_size, model.config.expert_intermediate_size
+    # Read through the stacked host arrays instead, every row tile would first copy its expert's slice.
+    assert not {(d, 2 * f), (f, d)} & {squeezed(dims) for dims in copied_arrays(prefill)}
 
 
 def test_the_module_handed_to_research_code_reads_its_own_weights(big_expert_checkpoint):

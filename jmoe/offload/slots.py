@@ -52,13 +52,16 @@ class StepCounts(NamedTuple):
 
 
 def empty_slots(like: ExpertWeights, count: int) -> ExpertWeights:
-    """Zeroed device buffers of `count` slots shaped like the experts in `like` (abstract or real arrays)."""
-    return jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), like)
+    """Zeroed device buffers of `count` slots shaped like the experts in `like` (abstract or real arrays), stacked
+    only (slots hold no per-expert views)."""
+    return jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), like._replace(per_expert=None))
 
 
 def device_copy(host: ExpertWeights, expert) -> ExpertWeights:
-    """One expert's weights from pinned host memory into device memory: slice, then device_put, per leaf."""
-    return jax.tree.map(lambda a: to_device(jax.lax.dynamic_slice_in_dim(a, expert, 1, axis=0)), host)
+    """One expert's weights from pinned host memory into device memory: slice, then device_put, per leaf of the
+    stacked arrays (the host's per-expert views, if any, hold the same values)."""
+    return jax.tree.map(lambda a: to_device(jax.lax.dynamic_slice_in_dim(a, expert, 1, axis=0)),
+                        host._replace(per_expert=None))
 
 
 def put_slot(buffers: ExpertWeights, expert_weights: ExpertWeights, slot) -> ExpertWeights:
@@ -246,10 +249,11 @@ def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, 
 
 
 def experts_in_place(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel) -> jax.Array:
-    """CPU prefill: the whole layer's experts read from host memory in one kernel call, as if resident.
-    XLA:CPU compiles the device_put of a whole host array to nothing (tests/test_offload.py checks that the
-    program copies no expert array), so nothing is copied; cached experts are read from the host too (the
-    same values), which keeps one call with tiles sized for every expert. Returns float32 y [T, d]."""
+    """CPU prefill: the whole layer's experts read from host memory in one kernel call, as if resident, through
+    their per-expert views when the layer has them (jmoe.kernels.per_expert_views; the kernel then computes each
+    expert's rows in place). XLA:CPU compiles the device_put of a whole host array to nothing
+    (tests/test_gpu_step.py checks that the program copies no expert array), so nothing is copied; cached experts
+    are read from the host too (the same values), which keeps one call for every expert. Returns float32 y [T, d]."""
     del slots  # the cache holds copies of host experts; the host has every one
     return kernel(x, ids, weights, to_device(host), out_dtype=jnp.float32)
 
