@@ -81,7 +81,7 @@ def size_rows(rng) -> list[str]:
         x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.float32)
         inputs = [(x, ids, jnp.asarray([[0.6, 0.4]], jnp.float32)) for ids in routings(rng, 1, 32)]
         times = [timed_ms(expert_ffns("pairs"), [(*args, experts) for args in inputs])[0]
-                 for experts in ([e._replace(per_expert=None) for e in layers], layers)]
+                 for experts in ([e.stacked() for e in layers], layers)]
         mib = 3 * hidden * width * 4 / 2**20
         rows.append(f"| {hidden} x {width} | {mib:.1f} | {times[0]:.2f} | {times[1]:.2f} |")
     return rows
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     load = open("/proc/loadavg").read().split()[0]
     rng = np.random.default_rng(0)
     layers = expert_layers(rng)
-    stacked = [experts._replace(per_expert=None) for experts in layers]
+    stacked = [experts.stacked() for experts in layers]
     x = jnp.asarray(rng.standard_normal((1, HIDDEN)), jnp.float32)
     weights = jnp.asarray([[0.6, 0.4]], jnp.float32)
     token_routings = routings(rng, 1, 64)

@@ -188,6 +188,10 @@ class ExpertWeights(NamedTuple):
     def num_experts(self) -> int:
         return self.w_gate_up.shape[0]
 
+    def stacked(self) -> "ExpertWeights":
+        """The same experts without their per-expert views: what slicing, copying or zero-filling per leaf takes."""
+        return self._replace(per_expert=None)
+
 
 class ExpertKernel(NamedTuple):
     """A backend and an activation bound together: how one model computes its expert FFNs."""

@@ -34,7 +34,7 @@ def per_expert_views(experts: ExpertWeights) -> tuple[ExpertWeights, ...] | None
     """The experts one per array ([1, ...] leaves sharing the stacked leaves' memory, in the same memory kind), or
     None where that is not free or not worth it: leaves not in one CPU device's device or pinned-host memory,
     experts too small or too many, or a view that JAX would have to copy (a buffer not aligned for zero-copy)."""
-    stacked = experts._replace(per_expert=None)
+    stacked = experts.stacked()
     leaves = jax.tree.leaves(stacked)
     if not all(isinstance(a, jax.Array) and _in_one_cpu_memory(a) for a in leaves):
         return None

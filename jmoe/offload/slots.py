@@ -54,14 +54,13 @@ class StepCounts(NamedTuple):
 def empty_slots(like: ExpertWeights, count: int) -> ExpertWeights:
     """Zeroed device buffers of `count` slots shaped like the experts in `like` (abstract or real arrays), stacked
     only (slots hold no per-expert views)."""
-    return jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), like._replace(per_expert=None))
+    return jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), like.stacked())
 
 
 def device_copy(host: ExpertWeights, expert) -> ExpertWeights:
     """One expert's weights from pinned host memory into device memory: slice, then device_put, per leaf of the
     stacked arrays (the host's per-expert views, if any, hold the same values)."""
-    return jax.tree.map(lambda a: to_device(jax.lax.dynamic_slice_in_dim(a, expert, 1, axis=0)),
-                        host._replace(per_expert=None))
+    return jax.tree.map(lambda a: to_device(jax.lax.dynamic_slice_in_dim(a, expert, 1, axis=0)), host.stacked())
 
 
 def put_slot(buffers: ExpertWeights, expert_weights: ExpertWeights, slot) -> ExpertWeights:
