@@ -105,6 +105,21 @@ def load_average() -> float:
     return float(open("/proc/loadavg").read().split()[0])
 
 
+def quiet_start_load(tool: str, allow_load: bool) -> float:
+    """The 1-minute load average as a run begins; above MAX_QUIET_LOAD the run stops unless `allow_load`."""
+    start_load = load_average()
+    if start_load > MAX_QUIET_LOAD and not allow_load:
+        raise SystemExit(f"{tool}: the 1-minute load average is {start_load:.2f}, above {MAX_QUIET_LOAD}: wait for "
+                         "a quiet machine, or pass --allow-load to write a report marked as taken under load")
+    return start_load
+
+
+def load_warning(start_load: float) -> str:
+    """What heads a report begun under load (nothing on a quiet machine)."""
+    return "" if start_load <= MAX_QUIET_LOAD else (
+        f"**Taken under load (1-minute load average {start_load:.2f} when it began): not a result.**\n\n")
+
+
 def baseline_workspace(python: str) -> tuple[Path, dict]:
     """Where and how a baseline jmoe (another jmoe installed, not editable, in `python`'s environment) runs
     this script: a directory holding only a copy of bench/ (so that no jmoe source tree shadows the
@@ -212,9 +227,7 @@ def report(specs, samples, start_load, loads, bandwidth, args, wall) -> str:
               f"1-minute load average {start_load:.2f} when the run began; around each process "
               f"{min(loads):.2f} - {max(loads):.2f}, the run's own processes included (each keeps both cores "
               f"busy); whole run {wall:.0f} s.")
-    warning = "" if start_load <= MAX_QUIET_LOAD else (
-        f"**Taken under load (1-minute load average {start_load:.2f} when it began): not a result.**\n\n")
-    return warning + method + "\n\n" + "\n".join(lines)
+    return load_warning(start_load) + method + "\n\n" + "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -246,11 +259,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    start_load = load_average()
-    if start_load > MAX_QUIET_LOAD and not args.allow_load:
-        raise SystemExit(f"compare_cpu: the 1-minute load average is {start_load:.2f}, above "
-                         f"{MAX_QUIET_LOAD}: wait for a quiet machine, or pass --allow-load to write a report "
-                         "marked as taken under load")
+    start_load = quiet_start_load("compare_cpu", args.allow_load)
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.dir = write_random_checkpoint(args.workdir / "compare_mixtral", **COMPARE_MODELS["mixtral"])
     began = time.perf_counter()

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import write_random_checkpoint, write_result
-from bench.compare_cpu import MAX_QUIET_LOAD, load_average, prompt_ids
+from bench.compare_cpu import load_average, load_warning, prompt_ids, quiet_start_load
 from bench.decode import COMPARE_MODELS
 
 SPEC = COMPARE_MODELS["mixtral"]
@@ -200,9 +200,7 @@ def report(routing, samples, start_load, loads, args, wall) -> str:
         diff = np.abs(np.load(args.workdir / f"out_{way}.npy") - reference).max()
         rows.append(f"| {label} | {ms:.1f} | {min(seconds) * 1e3:.1f} - {max(seconds) * 1e3:.1f} | "
                     f"{flops / ms / 1e6:.0f} | {jmoe_ms / ms:.2f}x | {samples[way][0]['first']:.1f} | {diff:.1e} |")
-    warning = "" if start_load <= MAX_QUIET_LOAD else (
-        f"**Taken under load (1-minute load average {start_load:.2f} when it began): not a result.**\n\n")
-    return (warning +
+    return (load_warning(start_load) +
             f"Method: {args.rounds} rounds; in each, every way runs once in a fresh process; each process runs once "
             f"(compiling) and then times {args.repeats} calls; medians over all {args.rounds * args.repeats} samples. "
             f"{flops / 1e9:.1f} GFLOP per call (8 layers, {routing.shape[1]} tokens, top-{TOP_K}). jax "
@@ -228,10 +226,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    start_load = load_average()
-    if start_load > MAX_QUIET_LOAD and not args.allow_load:
-        raise SystemExit(f"cpu_prefill_experts: the 1-minute load average is {start_load:.2f}, above "
-                         f"{MAX_QUIET_LOAD}: wait for a quiet machine, or pass --allow-load")
+    start_load = quiet_start_load("cpu_prefill_experts", args.allow_load)
     args.workdir.mkdir(parents=True, exist_ok=True)
     directory = write_random_checkpoint(args.workdir / "compare_mixtral", **SPEC)
     routing = checkpoint_routing(directory, args.prompt_len)
