@@ -7,10 +7,11 @@ The expert FFNs of one decode token on the 215M compare checkpoint's shapes (8 M
 - per-expert arrays: the same kernel given `jmoe.kernels.per_expert_views` of those weights (what `auto` runs on
   a CPU for resident experts): the expert is chosen by `lax.switch` and read in place.
 Each uses different experts at every call (cycling through random routings), so weights come from memory.
-Then `pairs` against `xla_tiled` on the per-expert arrays for growing decode batches (where `auto` switches,
-jmoe.kernels.dispatch.cpu_backend), stacked against per-expert arrays for several expert sizes (where
-jmoe.kernels.per_expert.MIN_EXPERT_BYTES comes from), and one matrix-vector product [1, 512] x [512, 2048] on an expert's own
-array, with every core and pinned to one core (a child process), next to the streaming read bandwidth.
+Then `pairs` against `xla_tiled` on the per-expert arrays for growing decode batches and on stacked weights of 64
+and 128 small experts (where `auto` switches, jmoe.kernels.dispatch.cpu_backend), stacked against per-expert
+arrays for several expert sizes (where jmoe.kernels.per_expert.MIN_EXPERT_BYTES comes from), and one
+matrix-vector product [1, 512] x [512, 2048] on an expert's own array, with every core and pinned to one core (a
+child process), next to the streaming read bandwidth.
 
   JAX_PLATFORMS=cpu python -m bench.cpu_expert_reads      (about four minutes; needs a quiet machine)
 """
@@ -87,6 +88,31 @@ def size_rows(rng) -> list[str]:
     return rows
 
 
+def stacked_crossing_rows(rng) -> list[str]:
+    """`pairs` against `xla_tiled` on stacked weights of many small experts (one layer, top-8), at 0.5, 1 and 1.5
+    (token, choice) pairs per slot: where `auto` switches there (dispatch.CPU_PAIRS_PER_SLOT)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jmoe.kernels import moe_ffn
+
+    rows, top_k = [], 8
+    for slots, hidden, width in ((64, 256, 128), (128, 256, 96)):
+        w_gate_up = jnp.asarray(rng.standard_normal((slots, hidden, 2 * width)) * 0.02, jnp.float32)
+        w_down = jnp.asarray(rng.standard_normal((slots, width, hidden)) * 0.02, jnp.float32)
+        for per_slot in (0.5, 1, 1.5):
+            num_tokens = int(slots * per_slot) // top_k
+            x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.float32)
+            weights = jnp.full((num_tokens, top_k), 1 / top_k, jnp.float32)
+            inputs = [(x, jnp.asarray(np.stack([rng.choice(slots, top_k, replace=False) for _ in range(num_tokens)]),
+                                      jnp.int32), weights) for _ in range(16)]
+            times = [timed_ms(jax.jit(lambda x, ids, w, b=backend: moe_ffn(x, ids, w, w_gate_up, w_down, backend=b)),
+                              inputs)[0] for backend in ("pairs", "xla_tiled")]
+            rows.append(f"| {slots} | {hidden} x {width} | {num_tokens} | {per_slot:g} | {times[0]:.2f} | "
+                        f"{times[1]:.2f} |")
+    return rows
+
+
 def expert_ffns(backend: str):
     """jitted fn(x, ids [L, T, k], weights, layers) running the expert FFNs of every layer with `backend`."""
     import jax
@@ -148,6 +174,7 @@ def main(argv=None) -> None:
         batch_rows.append(f"| {num_tokens} | {num_tokens * TOP_K / EXPERTS:g} | {times[0]:.1f} | {times[1]:.1f} |")
 
     sizes = size_rows(rng)
+    crossing = stacked_crossing_rows(rng)
 
     one_core = subprocess.run([sys.executable, "-m", "bench.cpu_expert_reads", "--gemv-only"], check=True,
                               capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
@@ -162,6 +189,8 @@ def main(argv=None) -> None:
         *batch_rows, "",
         "| expert d x f (8 layers, batch 1) | MiB per expert | stacked ms | per-expert ms |", "|---|---|---|---|",
         *sizes, "",
+        "| slots (stacked, one layer, top-8) | expert d x f | tokens | pairs per slot | pairs ms | xla_tiled ms |",
+        "|---|---|---|---|---|---|", *crossing, "",
         "| one matrix-vector product on an expert's own array | ms (median) | GB/s |", "|---|---|---|",
         *(f"| {where} | {ms:.3f} | {gemv_bytes / ms / 1e6:.1f} |" for where, ms in gemv.items()), "",
         f"Streaming read bandwidth (a jitted sum over 1 GiB, every core): {bandwidth:.1f} GB/s.", ""])

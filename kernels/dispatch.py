@@ -14,23 +14,17 @@ from jmoe.kernels.triton_grouped import moe_ffn_triton
 from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_pairs, moe_ffn_ragged, moe_ffn_tiled
 
 
-# A CPU step with at most this many (token, choice) pairs, and no more than slots, runs `pairs` on stacked
-# weights: measured faster than `xla_tiled` while pairs rarely share a slot (d=512 f=1024 16 slots top-2: 0.95
-# vs 1.42 ms at 1 token, 6.0 vs 7.0 at 8, 10.1 vs 7.5 at 16; 128 slots top-8: 2.2 vs 3.0 ms at 16 tokens, 5.8 vs
-# 4.1 at 32; measured with pairs unrolled, before the kernel became a loop of the same speed).
-MAX_CPU_PAIRS = 32
-# On per-expert arrays `pairs` stays ahead up to this many pairs per slot, past which `xla_tiled` computes each
-# expert's rows in chunks (8 layers, d=512 f=1024, 16 experts, top-2, ms, Zen 4 pair: 8 tokens 31.6 vs 38.1,
-# 16 tokens 60.6 vs 53.5, 24 tokens 91.6 vs 57.8; bench/results/cpu_expert_reads_chunks.md).
-PER_EXPERT_PAIRS_PER_SLOT = 1
+# A CPU step runs `pairs` while it has at most this many (token, choice) pairs per slot, `xla_tiled` past it: the
+# same crossing on stacked weights and on per-expert arrays (ms, pairs vs xla_tiled, Zen 4 pair,
+# bench/results/cpu_expert_reads_zen4.md; stacked, one layer, top-8, 64 slots of 256 x 128: 1 pair per slot 1.30
+# vs 1.54, 1.5 1.91 vs 1.92; 128 slots of 256 x 96: 1 per slot 2.37 vs 2.70, 1.5 3.29 vs 3.13; per-expert arrays,
+# 8 layers of 16 slots of 512 x 1024, top-2: 1 per slot 30.9 vs 36.3, 2 per slot 60.5 vs 49.5).
+CPU_PAIRS_PER_SLOT = 1
 
 
-def cpu_backend(num_pairs: int, num_slots: int, per_expert: bool = False) -> str:
-    """The fastest measured CPU kernel for a step of `num_pairs` (token, choice) pairs over `num_slots`, on
-    stacked weights or on per-expert arrays."""
-    if per_expert:
-        return "pairs" if num_pairs <= PER_EXPERT_PAIRS_PER_SLOT * num_slots else "xla_tiled"
-    return "pairs" if num_pairs <= min(num_slots, MAX_CPU_PAIRS) else "xla_tiled"
+def cpu_backend(num_pairs: int, num_slots: int) -> str:
+    """The fastest measured CPU kernel for a step of `num_pairs` (token, choice) pairs over `num_slots`."""
+    return "pairs" if num_pairs <= CPU_PAIRS_PER_SLOT * num_slots else "xla_tiled"
 
 
 def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
@@ -45,7 +39,7 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
     never interpret-mode Pallas, never XLA:CPU's dense ragged_dot); both read `per_expert` arrays when given.
     """
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
-    cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0], per_expert is not None)]
+    cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0])]
     return jax.lax.platform_dependent(*args, cuda=functools.partial(moe_ffn_pallas, activation=activation),
                                       default=functools.partial(cpu, activation=activation, per_expert=per_expert))
 
