@@ -104,8 +104,8 @@ def stacked_crossing_rows(rng) -> list[str]:
             num_tokens = int(slots * per_slot) // top_k
             x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.float32)
             weights = jnp.full((num_tokens, top_k), 1 / top_k, jnp.float32)
-            inputs = [(x, jnp.asarray(np.stack([rng.choice(slots, top_k, replace=False) for _ in range(num_tokens)]),
-                                      jnp.int32), weights) for _ in range(16)]
+            inputs = [(x, ids[0], weights)
+                      for ids in routings(rng, num_tokens, 16, experts=slots, top_k=top_k, layers=1)]
             times = [timed_ms(jax.jit(lambda x, ids, w, b=backend: moe_ffn(x, ids, w, w_gate_up, w_down, backend=b)),
                               inputs)[0] for backend in ("pairs", "xla_tiled")]
             rows.append(f"| {slots} | {hidden} x {width} | {num_tokens} | {per_slot:g} | {times[0]:.2f} | "
@@ -129,11 +129,13 @@ def expert_ffns(backend: str):
     return jax.jit(run)
 
 
-def routings(rng, num_tokens: int, count: int) -> list:
+def routings(rng, num_tokens: int, count: int, *, experts: int = EXPERTS, top_k: int = TOP_K,
+             layers: int = LAYERS) -> list:
+    """`count` random routings, each [layers, num_tokens, top_k] of distinct experts per token."""
     import jax.numpy as jnp
 
-    return [jnp.asarray(np.stack([[rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(num_tokens)]
-                                  for _ in range(LAYERS)]), jnp.int32) for _ in range(count)]
+    return [jnp.asarray(np.stack([[rng.choice(experts, top_k, replace=False) for _ in range(num_tokens)]
+                                  for _ in range(layers)]), jnp.int32) for _ in range(count)]
 
 
 def main(argv=None) -> None:
