@@ -36,6 +36,15 @@ from jmoe.plan.headers import read_headers
 from jmoe.plan.planner import refuse_if_unfit
 
 
+def check_finite_layers(finite: np.ndarray, what: str) -> None:
+    """NonFiniteError naming the first decoder layer whose output had NaN or inf (finite: bool [L])."""
+    if not finite.all():
+        layer = int(np.argmin(finite))
+        raise NonFiniteError(f"{what}: decoder layer {layer} (of {len(finite)}) produced NaN or infinite values, so "
+                             f"every later token would be meaningless; the weights of that layer or those before "
+                             f"it are broken: check the checkpoint with jmoe.load(..., check_finite=True)")
+
+
 class Model:
     """A loaded MoE language model with its expert engine and (optionally) its tokenizer."""
 
@@ -84,8 +93,9 @@ class Model:
         """Per parameter: its memory kind and bytes."""
         return self.placement_plan.as_dict()
 
-    def _finish_step(self, engine_state, routing, extra=()):
-        """The one device-to-host read of a step: engine tables, routing and whatever the caller needs."""
+    def finish_step(self, engine_state, routing, extra=()):
+        """The one device-to-host read of a step: engine tables, routing and whatever the caller needs (its
+        host copy is returned); the engine's manager then plans the next step (jmoe.serve's steps use it too)."""
         tables, routing_host, extra_host = jax.device_get((self.engine.readback(engine_state), routing, extra))
         self.engine.after_step(engine_state, tables, routing_host)
         return extra_host
@@ -102,7 +112,7 @@ class Model:
             raise InputError(f"logits: all rows must have the same length, found lengths "
                              f"{sorted({len(r) for r in rows})}; pad them yourself or call once per row")
         logits, routing, state = self._logits_fn(self.params, self.engine.state, jnp.asarray(rows, jnp.int32))
-        return logits, self._finish_step(state, routing, routing)
+        return logits, self.finish_step(state, routing, routing)
 
     def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int, sampling: SamplingParams,
                  forced_routing: np.ndarray | None = None):
@@ -119,13 +129,8 @@ class Model:
         args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
                 jnp.int32(step), arrays, forced)
         outputs, routing, kv_cache, state = self._program(sampling.greedy, args)(*args)
-        next_tokens, finite = self._finish_step(state, routing, outputs)
-        if not finite.all():
-            layer = int(np.argmin(finite))
-            raise NonFiniteError(f"generation step {step}: decoder layer {layer} (of {len(finite)}) produced NaN or "
-                                 f"infinite values, so every later token would be meaningless; the weights of that "
-                                 f"layer or those before it are broken: check the checkpoint with "
-                                 f"jmoe.load(..., check_finite=True)")
+        next_tokens, finite = self.finish_step(state, routing, outputs)
+        check_finite_layers(finite, f"generation step {step}")
         return next_tokens, kv_cache
 
     def _program(self, greedy: bool, args) -> jax.stages.Compiled:

@@ -17,12 +17,15 @@ from jmoe.decode.sampling import greedy_tokens, sample
 from jmoe.model import empty_kv_cache
 
 
-def _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
-         forced_routing=None, visible_len=None):
+def forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
+            forced_routing=None, visible_len=None, valid_len=None):
+    """The model's forward inside a jitted program, its experts computed by `engine` (MoETransformer.__call__
+    says what each argument means); returns (ForwardOut, the engine's updated state)."""
     model = nnx.merge(graphdef, engine.prepare_params(params))
     compute, finish = engine.bind(engine_state, model.moe_layer_views(), tokens_shape=tokens.shape)
     out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, last_only=last_only,
-                forced_routing=forced_routing, before_layer=engine.layer_hook(model), visible_len=visible_len)
+                forced_routing=forced_routing, before_layer=engine.layer_hook(model), visible_len=visible_len,
+                valid_len=valid_len)
     return out, finish()
 
 
@@ -32,7 +35,7 @@ def make_logits_fn(graphdef, engine, kv_dtype):
     def logits_fn(params, engine_state, tokens):
         kv_cache = empty_kv_cache(engine.config, tokens.shape[0], tokens.shape[1], kv_dtype)
         pad_len = jnp.zeros((tokens.shape[0],), jnp.int32)
-        out, engine_state = _run(graphdef, params, engine, engine_state, tokens, kv_cache, 0, pad_len,
+        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, kv_cache, 0, pad_len,
                                  last_only=False)
         return out.logits, out.routing, engine_state
 
@@ -51,7 +54,7 @@ def make_step_fn(graphdef, engine, greedy: bool):
     """
 
     def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing):
-        out, engine_state = _run(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len,
+        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len,
                                  last_only=True, forced_routing=forced_routing,
                                  visible_len=tokens.shape[1] if tokens.shape[1] > 1 else None)
         logits = out.logits[:, -1]

@@ -11,6 +11,15 @@ from jmoe.model.layers import Linear, RMSNorm
 from jmoe.model.rope import RoPE, apply_rope
 
 
+def write_cache(cache: jax.Array, new: jax.Array, write_index) -> jax.Array:
+    """cache [B, S, ...] with new [B, T, ...] written from column `write_index`: a scalar (every row) or
+    int32 [B] (one column per row)."""
+    if jnp.ndim(write_index) == 0:
+        return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, write_index, 0, 0))
+    return jax.vmap(lambda row, new_row, col: jax.lax.dynamic_update_slice(row, new_row.astype(row.dtype),
+                                                                           (col, 0, 0)))(cache, new, write_index)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -38,8 +47,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
+        k_cache, v_cache = write_cache(k_cache, k, write_index), write_cache(v_cache, v, write_index)
         groups = cfg.num_heads // cfg.num_kv_heads
         visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
         keys = k_cache[:, :visible].astype(q.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, S, hd]

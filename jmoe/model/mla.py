@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import MLA_NORM_EPS, ModelConfig
+from jmoe.model.attention import write_cache
 from jmoe.model.layers import Linear, RMSNorm
 from jmoe.model.rope import RoPE, apply_rope, deinterleave
 
@@ -52,9 +53,8 @@ class MLAttention(nnx.Module):
         compressed = self.kv_a(x)
         latent = self.kv_a_norm(compressed[..., :r])[:, :, None, :]
         k_rope = self._rope(compressed[..., None, r:], rope)
-        latent_cache = jax.lax.dynamic_update_slice(latent_cache, latent.astype(latent_cache.dtype),
-                                                    (0, write_index, 0, 0))
-        rope_cache = jax.lax.dynamic_update_slice(rope_cache, k_rope.astype(rope_cache.dtype), (0, write_index, 0, 0))
+        latent_cache = write_cache(latent_cache, latent, write_index)
+        rope_cache = write_cache(rope_cache, k_rope, write_index)
         visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
         c = latent_cache[:, :visible, 0].astype(x.dtype)  # [B, S, r]
         kr = rope_cache[:, :visible, 0].astype(x.dtype)  # [B, S, dr]

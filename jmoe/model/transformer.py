@@ -67,11 +67,15 @@ class MoETransformer(nnx.Module):
     def __call__(self, tokens: jax.Array, kv_cache: tuple, write_index, pad_len: jax.Array, *,
                  expert_compute: ExpertCompute | None = None, backend: str = "reference",
                  last_only: bool = False, forced_routing: jax.Array | None = None,
-                 before_layer: BeforeLayer | None = None, visible_len: int | None = None) -> ForwardOut:
-        """Run `tokens` [B, T] whose first row entries sit at cache column `write_index`.
+                 before_layer: BeforeLayer | None = None, visible_len: int | None = None,
+                 valid_len: jax.Array | None = None) -> ForwardOut:
+        """Run `tokens` [B, T] whose first row entries sit at cache column `write_index`: one column for every
+        row (a scalar), or int32 [B], one per row (rows of a serving batch sit at different positions).
 
         Row b is left-padded by `pad_len[b]` columns: those cache columns are never attended to and its
-        token positions count from its first real token. `expert_compute` replaces the resident expert
+        token positions count from its first real token. `valid_len` int32 [B] (None = all T): only the first
+        valid_len[b] tokens of row b are real; the rest are right padding that routes to no expert, and
+        `last_only` then keeps each row's last real token. `expert_compute` replaces the resident expert
         computation (the offload engine passes its own; without one, experts run from the model's own
         weights with kernel `backend`); routing is returned for the cache manager.
         `forced_routing` int32 [L_moe, B, T, k] (benchmarks) replaces every MoE layer's expert choice.
@@ -82,17 +86,20 @@ class MoETransformer(nnx.Module):
         cfg = self.cfg
         b, t = tokens.shape
         s = kv_cache[0][0].shape[1] if visible_len is None else visible_len
-        q_cols = write_index + jnp.arange(t)
+        q_cols = jnp.reshape(write_index, (-1, 1)) + jnp.arange(t)  # [1 or B, T]
         cols = jnp.arange(s)
-        positions = jnp.maximum(q_cols[None, :] - pad_len[:, None], 0)
+        positions = jnp.maximum(q_cols - pad_len[:, None], 0)
         rope = rope_tables(positions, cfg)
-        base_mask = (cols[None, :] <= q_cols[:, None])[None] & (cols[None, :] >= pad_len[:, None])[:, None, :]
-        token_valid = (q_cols[None, :] >= pad_len[:, None]).reshape(-1)
+        base_mask = (cols <= q_cols[..., None]) & (cols >= pad_len[:, None, None])  # [B, T, S]
+        token_valid = q_cols >= pad_len[:, None]
+        if valid_len is not None:
+            token_valid = token_valid & (jnp.arange(t) < valid_len[:, None])
+        token_valid = jnp.broadcast_to(token_valid, (b, t)).reshape(-1)
 
         def mask_for(window):
             if window is None:
                 return base_mask
-            return base_mask & (q_cols[:, None] - cols[None, :] < window)[None]
+            return base_mask & (q_cols[..., None] - cols < window)
 
         x = jnp.take(self.embed[...], tokens, axis=0)
         new_cache, routing, finite = [], [], []
@@ -119,7 +126,8 @@ class MoETransformer(nnx.Module):
             x = x + y.reshape(b, t, -1)
             finite.append(jnp.isfinite(x).all())  # one reduction per layer, read back with the step
         if last_only:
-            x = x[:, -1:]
+            x = x[:, -1:] if valid_len is None else jnp.take_along_axis(
+                x, jnp.maximum(valid_len - 1, 0)[:, None, None], axis=1)
         x = self.final_norm(x)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x, head).astype(jnp.float32)

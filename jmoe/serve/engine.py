@@ -1,0 +1,410 @@
+"""Continuous batching over one loaded Model: requests join and leave a fixed batch of rows between steps.
+
+`ServingEngine(model, max_batch=8)` owns a KV cache of `max_batch` rows x `context` columns. A submitted
+request waits in a bounded queue, takes a free row, has its prompt prefilled in chunks (several new
+requests share one prefill step), then decodes one token per step beside whatever else is running, and
+leaves on EOS, a stop token or string, `max_tokens` or cancellation; its row is free for the next request
+at the following step. Every step goes through the model's expert engine, so the expert cache, policies,
+prefetch, miss modes, quantized experts and `Model.stats()` serve the batch as they serve `generate`: a
+decode step needs the union of its rows' experts and reads each once.
+
+Steps run on one background thread (`start`); `submit` and `cancel` may be called from any thread. Every
+program is compiled by `warm_up` (shapes are bucketed), so traffic never compiles: `compiled_programs`
+counts them.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Callable, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.api import Model, check_finite_layers
+from jmoe.decode.generation import check_token_ids
+from jmoe.decode.sampling import SamplingArrays
+from jmoe.model import empty_kv_cache
+from jmoe.serve.params import QueueFullError, RequestError, RequestParams
+from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_prefill_fn
+from jmoe.serve.text import StopText
+
+# Prompt tokens per prefill entry and step; shorter chunks are padded up to the next of these.
+CHUNK_BUCKETS = (16, 64, 256)
+# The fewest cache columns a decode step's attention reads (then powers of two up to the context).
+MIN_VISIBLE = 64
+
+
+class TokenEvent(NamedTuple):
+    """One generated token of a request, or (token None) the end of a request that produced no new token."""
+
+    token: int | None
+    text: str  # text to send now (held back while a stop string may still match; the stop itself never)
+    logprob: float | None  # the token's log-probability under the model, when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] | None  # (token id, log-probability), most likely first
+    finish_reason: str | None  # None while generating; then "stop", "length", "cancelled" or "error"
+
+
+class Request:
+    """A submitted request: read its tokens with `events()` (or the `on_event` callback given to submit)."""
+
+    def __init__(self, prompt: list[int], params: RequestParams, seed: int,
+                 on_event: Callable[[TokenEvent], None] | None, stop_text: StopText):
+        self.id = uuid.uuid4().hex
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.tokens: list[int] = []  # generated so far
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.submitted = time.monotonic()
+        self.first_token_at: float | None = None
+        self.token_times: list[float] = []
+        self._text = stop_text
+        self._on_event = on_event
+        self._queue: queue.Queue[TokenEvent] = queue.Queue()
+        self._cancelled = threading.Event()
+        self.row: int | None = None
+        self.prefilled = 0  # prompt tokens already in the row's cache
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """Stop generating: the row is freed at the next step and the last event says "cancelled"."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Events as they come, until the one with a finish_reason (queue.Empty after `timeout` seconds of
+        silence)."""
+        while True:
+            event = self._queue.get(timeout=timeout)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def _emit(self, event: TokenEvent) -> None:
+        self._queue.put(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+
+class ServingEngine:
+    """A fixed batch of decode rows over `model`; see the module docstring.
+
+    max_batch: rows decoded together; max_queue: requests that may wait for a row (submit raises
+    QueueFullError beyond it); context: cache columns per row (prompt + generated tokens), at most the
+    model's max_position_embeddings; observer: optional object with `step(kind, seconds, rows, routing)` and
+    `finished(request)` methods, called on the engine's thread (metrics, logs).
+    """
+
+    def __init__(self, model: Model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
+                 observer=None):
+        cfg = model.config
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise RequestError("max_batch", f"max_batch must be a whole number >= 1, found {max_batch!r}")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise RequestError("max_queue", f"max_queue must be a whole number >= 0, found {max_queue!r}")
+        context = min(4096, cfg.max_position_embeddings) if context is None else context
+        if not isinstance(context, int) or not 2 <= context <= cfg.max_position_embeddings:
+            raise RequestError("context", f"context must be a whole number in [2, {cfg.max_position_embeddings}] "
+                                          f"(the model's max_position_embeddings), found {context!r}")
+        self.model, self.config = model, cfg
+        self.max_batch, self.max_queue, self.context = max_batch, max_queue, context
+        self.observer = observer
+        self.eos = frozenset(cfg.eos_token_ids)
+        # Prefill chunks stay shorter than the context, so attention never takes its prompt-from-column-0 path.
+        self.chunks = tuple(c for c in CHUNK_BUCKETS if c < context) or (context // 2,)
+        self.entry_buckets = tuple(sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)}))
+        self.visible_buckets = tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context)
+                                             for i in range(context.bit_length() + 1)}))
+        self._prefill = make_prefill_fn(model.graphdef, model.engine)
+        self._decode = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
+        self._choose = {greedy: make_choose_fn(greedy) for greedy in (True, False)}
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self.kv_cache = empty_kv_cache(cfg, max_batch, context, model.kv_dtype)
+        self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
+        self._rows: list[Request | None] = [None] * max_batch
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._seeds = random.Random()
+        self.ready = False  # every program compiled
+        self.steps = {"prefill": 0, "decode": 0}
+        self.failure: BaseException | None = None  # what stopped the step loop, if anything did
+
+    # ---- from any thread ------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: RequestParams,
+               on_event: Callable[[TokenEvent], None] | None = None) -> Request:
+        """Queue a request; its events come through `Request.events()` and `on_event` (called on the
+        engine's thread: keep it short). Raises RequestError for a bad prompt or one that cannot fit the
+        context with max_tokens, QueueFullError when max_queue requests already wait."""
+        check_token_ids(self.config, [prompt], "prompt")
+        if len(prompt) + params.max_tokens > self.context:
+            raise RequestError("max_tokens", f"this server's context is {self.context} tokens, but the prompt has "
+                                             f"{len(prompt)} and max_tokens asks for {params.max_tokens} more; "
+                                             f"shorten the prompt or lower max_tokens")
+        if params.stop and self.model.tokenizer is None:
+            raise RequestError("stop", "stop strings need the model's tokenizer.json; use stop_token_ids")
+        with self._lock:
+            if self._stopping:
+                raise QueueFullError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue "
+                                     f"{self.max_queue}); retry later")
+            seed = self._seeds.getrandbits(32) if params.seed is None else params.seed
+            request = Request(list(prompt), params, seed, on_event, StopText(self.model.tokenizer, params.stop))
+            self._waiting.append(request)
+            self._lock.notify()
+        return request
+
+    def running(self) -> int:
+        return sum(r is not None for r in self._rows)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def compiled_programs(self) -> int:
+        return len(self._programs)
+
+    def start(self, warm_up: bool = True) -> None:
+        """Compile every program (unless `warm_up` is False: then shapes compile as they first occur), then
+        run steps on a background thread until `stop`."""
+        if warm_up:
+            self.warm_up()
+        self._thread = threading.Thread(target=self._loop, name="jmoe-serving", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with `drain`, finish every admitted and waiting request first, else cancel
+        them. Returns when the step thread has ended."""
+        with self._lock:
+            self._stopping = True
+            if not drain:
+                for request in [*self._waiting, *filter(None, self._rows)]:
+                    request.cancel()
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- compiling ------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile the prefill program for every (entries, chunk) bucket, the decode program for every visible
+        length and the token choice for every entry count, greedy and sampled."""
+        for entries in self.entry_buckets:
+            for chunk in self.chunks:
+                self._program(("prefill", entries, chunk), self._prefill,
+                              self._prefill_args(np.zeros((entries, chunk), np.int32), np.full(entries, self.max_batch),
+                                                 np.zeros(entries), np.zeros(entries)))
+            for greedy in (True, False):
+                self._program(("choose", greedy, entries), self._choose[greedy],
+                              self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries,
+                                                reset=True))
+        for visible in self.visible_buckets:
+            self._program(("decode", visible), self._decode[visible], self._decode_args())
+        self.ready = True
+
+    def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = fn.lower(*args).compile()
+        return program
+
+    # ---- the step loop (engine thread) ----------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    self._release_cancelled()
+                    self._admit()
+                    if not any(self._rows) and not self._waiting:
+                        if self._stopping:
+                            return
+                        self._lock.wait(timeout=0.5)
+                        continue
+                prefilling = [r for r in self._rows if r is not None and r.prefilled < len(r.prompt)]
+                if prefilling:
+                    self._prefill_step(prefilling)
+                if any(r is not None and r.prefilled == len(r.prompt) and r.tokens for r in self._rows):
+                    self._decode_step()
+        except BaseException as error:  # a broken step fails every request instead of hanging them
+            self.failure = error
+            with self._lock:
+                for request in [*self._waiting, *filter(None, self._rows)]:
+                    request.error = error
+                    self._finish(request, "error")
+                self._waiting.clear()
+                self._stopping = True
+            raise
+
+    def _release_cancelled(self) -> None:
+        for request in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(request)
+            self._finish(request, "cancelled")
+        for request in filter(None, self._rows):
+            if request.cancelled:
+                self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        for row, occupant in enumerate(self._rows):
+            if occupant is None and self._waiting:
+                request = self._waiting.popleft()
+                request.row = row
+                self._rows[row] = request
+
+    def _finish(self, request: Request, reason: str) -> None:
+        """End `request` with `reason`: free its row, send what text is held back, tell the observer."""
+        if request.done:
+            return
+        request.finish_reason = reason
+        if request.row is not None and self._rows[request.row] is request:
+            self._rows[request.row] = None
+        final_text = request._text.delta(request.tokens, final=True) if reason != "error" else ""
+        request._emit(TokenEvent(None, final_text, None, None, reason))
+        if self.observer is not None:
+            self.observer.finished(request)
+
+    def _prefill_step(self, prefilling: list[Request]) -> None:
+        batch = prefilling[:self.entry_buckets[-1]]
+        entries = next(b for b in self.entry_buckets if b >= len(batch))
+        remaining = max(len(r.prompt) - r.prefilled for r in batch)
+        chunk = next((c for c in self.chunks if c >= remaining), self.chunks[-1])
+        tokens = np.zeros((entries, chunk), np.int32)
+        rows = np.full(entries, self.max_batch, np.int32)
+        start = np.zeros(entries, np.int32)
+        valid = np.zeros(entries, np.int32)
+        for i, request in enumerate(batch):
+            piece = request.prompt[request.prefilled:request.prefilled + chunk]
+            tokens[i, :len(piece)] = piece
+            rows[i], start[i], valid[i] = request.row, request.prefilled, len(piece)
+        began = time.perf_counter()
+        args = self._prefill_args(tokens, rows, start, valid)
+        (logits, finite), routing, self.kv_cache, state = self._program(("prefill", entries, chunk), self._prefill,
+                                                                      args)(*args)
+        for request, n in zip(batch, valid):
+            request.prefilled += int(n)
+        finished = [(i, r) for i, r in enumerate(batch) if r.prefilled == len(r.prompt)]
+        # The first token of every entry whose prompt is complete, in the step's one device-to-host read.
+        choice = self._choose_tokens(logits, [r if r.prefilled == len(r.prompt) else None for r in batch],
+                                     entries, reset=True)
+        chosen, finite = self.model.finish_step(state, routing, (choice, finite))
+        check_finite_layers(finite, "prefill step")
+        self.steps["prefill"] += 1
+        self._observe("prefill", began, len(batch), routing)
+        for i, request in finished:
+            self._accept(request, chosen, i)
+
+    def _decode_step(self) -> None:
+        rows = [r if r is not None and r.prefilled == len(r.prompt) and r.tokens and not r.done else None
+                for r in self._rows]
+        tokens = np.array([r.tokens[-1] if r else 0 for r in rows], np.int32)
+        # A row's next write goes to its column; inactive rows write where their next real write will land.
+        positions = np.array([(len(r.prompt) + len(r.tokens) - 1) if r else (o.prefilled if o else 0)
+                              for r, o in zip(rows, self._rows)], np.int32)
+        active = np.array([r is not None for r in rows])
+        furthest = int(positions[active].max()) + 1
+        visible = next(v for v in self.visible_buckets if v >= furthest)
+        began = time.perf_counter()
+        args = self._decode_args(tokens, positions, active)
+        (logits, finite), routing, self.kv_cache, state = self._program(("decode", visible), self._decode[visible],
+                                                                      args)(*args)
+        choice = self._choose_tokens(logits, rows, self.max_batch, reset=False)
+        chosen, finite = self.model.finish_step(state, routing, (choice, finite))
+        check_finite_layers(finite, "decode step")
+        self.steps["decode"] += 1
+        self._observe("decode", began, int(active.sum()), routing)
+        for i, request in enumerate(rows):
+            if request is not None:
+                self._accept(request, chosen, i)
+
+    def _observe(self, kind: str, began: float, rows: int, routing) -> None:
+        if self.observer is not None:
+            self.observer.step(kind, time.perf_counter() - began, rows, routing)
+
+    def _choose_tokens(self, logits, requests: list[Request | None], entries: int, reset: bool):
+        greedy = all(r is None or r.params.greedy for r in requests)
+        args = self._choose_args(logits, requests, reset)
+        choice, self.counts = self._program(("choose", greedy, entries), self._choose[greedy], args)(*args)
+        return choice
+
+    def _accept(self, request: Request, chosen, entry: int) -> None:
+        """Hand `request` its new token (entry `entry` of the chosen tokens) and end it if a stop is met."""
+        tokens, token_logprobs, top_ids, top_logprobs = chosen
+        token = int(tokens[entry])
+        now = time.monotonic()
+        request.first_token_at = request.first_token_at or now
+        request.token_times.append(now)
+        request.tokens.append(token)
+        params = request.params
+        logprob = top = None
+        if params.logprobs is not None:
+            logprob = float(token_logprobs[entry])
+            top = tuple(zip(map(int, top_ids[entry, :params.logprobs]),
+                            map(float, top_logprobs[entry, :params.logprobs])))
+        text = request._text.delta(request.tokens)
+        reason = None
+        if request._text.stopped or token in params.stop_token_ids or (token in self.eos and not params.ignore_eos):
+            reason = "stop"
+        elif len(request.tokens) >= params.max_tokens:
+            reason = "length"
+        if reason is None:
+            request._emit(TokenEvent(token, text, logprob, top, None))
+            return
+        text += request._text.delta(request.tokens, final=True)
+        request.finish_reason = reason
+        self._rows[request.row] = None
+        request._emit(TokenEvent(token, text, logprob, top, reason))
+        if self.observer is not None:
+            self.observer.finished(request)
+
+    # ---- program arguments ----------------------------------------------------------------------------
+    def _prefill_args(self, tokens, rows, start, valid) -> tuple:
+        return (self.model.params, self.model.engine.state, self.kv_cache, jnp.asarray(tokens),
+                jnp.asarray(rows, jnp.int32), jnp.asarray(start, jnp.int32), jnp.asarray(valid, jnp.int32))
+
+    def _decode_args(self, tokens=None, positions=None, active=None) -> tuple:
+        b = self.max_batch
+        tokens = np.zeros(b, np.int32) if tokens is None else tokens
+        positions = np.zeros(b, np.int32) if positions is None else positions
+        active = np.zeros(b, bool) if active is None else active
+        return (self.model.params, self.model.engine.state, self.kv_cache, jnp.asarray(tokens),
+                jnp.asarray(positions), jnp.asarray(active))
+
+    def _choose_args(self, logits, requests: list[Request | None], reset: bool) -> tuple:
+        n = len(requests)
+        temperature, top_p, presence, frequency = (np.zeros(n, np.float32) for _ in range(4))
+        top_p[:] = 1.0
+        top_k, indices = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        seeds = np.zeros(n, np.uint32)
+        rows = np.full(n, self.max_batch, np.int32)
+        for i, request in enumerate(requests):
+            if request is None:
+                continue
+            p = request.params
+            temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+            seeds[i], indices[i], rows[i] = request.seed, len(request.tokens), request.row
+        sampling = SamplingArrays(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
+        return (logits, self.counts, jnp.asarray(rows), jnp.asarray(np.full(n, reset)), sampling,
+                jnp.asarray(presence), jnp.asarray(frequency), jnp.asarray(seeds), jnp.asarray(indices))

@@ -1,0 +1,92 @@
+"""The jitted programs of a serving batch: prefill chunks into chosen rows, one decode step over every row,
+and the choice of each row's next token.
+
+The batch has a fixed number of rows sharing one KV cache [rows, context, ...]; each row sits at its own
+cache column (`positions`), so the model is called with per-row write indices. Shapes are bucketed
+(`prefill_shapes`, `visible_buckets`) and every program is compiled by `ServingEngine.warm_up`, so no mix of
+prompt lengths, parameters or occupancy compiles anything later. Row index `rows` (the batch size) marks a
+padding entry: it gathers a clipped row, computes nothing that routes to an expert, and its writes are
+dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.decode.sampling import SamplingArrays, sample
+from jmoe.decode.steps import forward
+from jmoe.serve.params import MAX_TOP_LOGPROBS
+
+
+def _gather_rows(kv_cache, rows):
+    return jax.tree.map(lambda c: jnp.take(c, rows, axis=0, mode="clip"), kv_cache)
+
+
+def _scatter_rows(kv_cache, rows, new):
+    return jax.tree.map(lambda c, n: c.at[rows].set(n, mode="drop"), kv_cache, new)
+
+
+def make_prefill_fn(graphdef, engine):
+    """(params, engine state, kv cache, tokens int32 [P, T], rows int32 [P], start int32 [P], valid int32 [P])
+    -> (float32 logits [P, V] at each entry's last real token, bool [L] finite per layer), routing, kv cache,
+    engine state. Entry p writes its first valid[p] tokens into row rows[p] from column start[p]; the
+    columns after them may hold padding, which later writes of that row replace before anything reads them."""
+
+    def prefill(params, engine_state, kv_cache, tokens, rows, start, valid):
+        pad = jnp.zeros(tokens.shape[:1], jnp.int32)
+        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, _gather_rows(kv_cache, rows),
+                                    start, pad, last_only=True, valid_len=valid)
+        kv_cache = _scatter_rows(kv_cache, rows, out.kv_cache)
+        return (out.logits[:, 0], out.finite), out.routing, kv_cache, engine_state
+
+    return jax.jit(prefill, donate_argnums=(1, 2))
+
+
+def make_decode_fn(graphdef, engine, visible: int):
+    """(params, engine state, kv cache, tokens int32 [B], positions int32 [B], active bool [B]) -> (float32
+    logits [B, V], bool [L] finite), routing, kv cache, engine state: each row's token written at its own
+    column; inactive rows route nowhere (their write lands on a column their next real write replaces).
+    Attention reads the first `visible` columns (static; every active position is below it)."""
+
+    def decode(params, engine_state, kv_cache, tokens, positions, active):
+        pad = jnp.zeros(tokens.shape, jnp.int32)
+        out, engine_state = forward(graphdef, params, engine, engine_state, tokens[:, None], kv_cache, positions,
+                                    pad, last_only=True, visible_len=visible, valid_len=active.astype(jnp.int32))
+        return (out.logits[:, 0], out.finite), out.routing, out.kv_cache, engine_state
+
+    return jax.jit(decode, donate_argnums=(1, 2))
+
+
+def make_choose_fn(greedy: bool):
+    """The next token of P entries from their logits [P, V]: penalties from `counts` [B, V] (tokens each row
+    has generated; `reset` entries start from none), then argmax, or per-row temperature / top-k / top-p
+    sampling with the entry's own key (seed and token index), so a row's draw never depends on its
+    neighbours. Returns (tokens int32 [P], their log-probabilities, the top MAX_TOP_LOGPROBS ids and
+    log-probabilities, counts with each entry's token added). Log-probabilities are the model's own
+    (log-softmax of the raw logits, before penalties and temperature), as vLLM reports them. `greedy`
+    (static): every entry is greedy, and nothing is sorted."""
+
+    def choose(logits, counts, rows, reset, sampling: SamplingArrays, presence, frequency, seeds, indices):
+        row_counts = jnp.where(reset[:, None], 0, jnp.take(counts, rows, axis=0, mode="clip"))
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+        penalised = logits - frequency[:, None] * row_counts - presence[:, None] * (row_counts > 0)
+        tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+        if not greedy:
+            drawn = jax.vmap(_sample_one)(penalised, seeds, indices, sampling)
+            tokens = jnp.where(sampling.temperature > 0, drawn, tokens)
+        token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        row_counts = row_counts.at[jnp.arange(tokens.shape[0]), tokens].add(1)
+        counts = counts.at[rows].set(row_counts, mode="drop")
+        return (tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs), counts
+
+    return jax.jit(choose, donate_argnums=(1,))
+
+
+def _sample_one(logits, seed, index, sampling: SamplingArrays):
+    """One row's draw: its key is its seed folded with the index of the token it draws."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
+    params = jax.tree.map(lambda a: a[None], sampling)
+    params = params._replace(temperature=jnp.where(params.temperature > 0, params.temperature, 1.0))
+    return sample(logits[None], key, params)[0]
