@@ -232,22 +232,32 @@ class ServingEngine:
         return program
 
     # ---- the step loop (engine thread) ----------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling round: drop cancelled requests, give free rows to waiting ones, run a prefill step
+        if any prompt is unfinished and a decode step if any row is generating. False when there was
+        nothing to do. The background thread calls it in a loop; call it yourself only when not started."""
+        with self._lock:
+            self._release_cancelled()
+            self._admit()
+        prefilling = [r for r in self._rows if r is not None and r.prefilled < len(r.prompt)]
+        if prefilling:
+            self._prefill_step(prefilling)
+        generating = any(r is not None and r.prefilled == len(r.prompt) for r in self._rows)
+        if generating:
+            self._decode_step()
+        return bool(prefilling) or generating
+
     def _loop(self) -> None:
         try:
             while True:
+                if self.step():
+                    continue
                 with self._lock:
-                    self._release_cancelled()
-                    self._admit()
-                    if not any(self._rows) and not self._waiting:
-                        if self._stopping:
-                            return
-                        self._lock.wait(timeout=0.5)
+                    if self._waiting:
                         continue
-                prefilling = [r for r in self._rows if r is not None and r.prefilled < len(r.prompt)]
-                if prefilling:
-                    self._prefill_step(prefilling)
-                if any(r is not None and r.prefilled == len(r.prompt) and r.tokens for r in self._rows):
-                    self._decode_step()
+                    if self._stopping and not any(self._rows):
+                        return
+                    self._lock.wait(timeout=0.5)
         except BaseException as error:  # a broken step fails every request instead of hanging them
             self.failure = error
             with self._lock:
@@ -273,15 +283,18 @@ class ServingEngine:
                 request.row = row
                 self._rows[row] = request
 
-    def _finish(self, request: Request, reason: str) -> None:
-        """End `request` with `reason`: free its row, send what text is held back, tell the observer."""
+    def _finish(self, request: Request, reason: str, token: int | None = None, text: str = "",
+                logprob: float | None = None, top=None) -> None:
+        """End `request` with `reason` (its last token, if the end came with one): free its row, send the text
+        still held back, tell the observer."""
         if request.done:
             return
         request.finish_reason = reason
         if request.row is not None and self._rows[request.row] is request:
             self._rows[request.row] = None
-        final_text = request._text.delta(request.tokens, final=True) if reason != "error" else ""
-        request._emit(TokenEvent(None, final_text, None, None, reason))
+        if reason != "error":
+            text += request._text.delta(request.tokens, final=True)
+        request._emit(TokenEvent(token, text, logprob, top, reason))
         if self.observer is not None:
             self.observer.finished(request)
 
@@ -306,8 +319,8 @@ class ServingEngine:
             request.prefilled += int(n)
         finished = [(i, r) for i, r in enumerate(batch) if r.prefilled == len(r.prompt)]
         # The first token of every entry whose prompt is complete, in the step's one device-to-host read.
-        choice = self._choose_tokens(logits, [r if r.prefilled == len(r.prompt) else None for r in batch],
-                                     entries, reset=True)
+        complete = [r if r.prefilled == len(r.prompt) else None for r in batch]
+        choice = self._choose_tokens(logits, complete + [None] * (entries - len(batch)), reset=True)
         chosen, finite = self.model.finish_step(state, routing, (choice, finite))
         check_finite_layers(finite, "prefill step")
         self.steps["prefill"] += 1
@@ -316,8 +329,7 @@ class ServingEngine:
             self._accept(request, chosen, i)
 
     def _decode_step(self) -> None:
-        rows = [r if r is not None and r.prefilled == len(r.prompt) and r.tokens and not r.done else None
-                for r in self._rows]
+        rows = [r if r is not None and r.prefilled == len(r.prompt) else None for r in self._rows]
         tokens = np.array([r.tokens[-1] if r else 0 for r in rows], np.int32)
         # A row's next write goes to its column; inactive rows write where their next real write will land.
         positions = np.array([(len(r.prompt) + len(r.tokens) - 1) if r else (o.prefilled if o else 0)
@@ -329,7 +341,7 @@ class ServingEngine:
         args = self._decode_args(tokens, positions, active)
         (logits, finite), routing, self.kv_cache, state = self._program(("decode", visible), self._decode[visible],
                                                                       args)(*args)
-        choice = self._choose_tokens(logits, rows, self.max_batch, reset=False)
+        choice = self._choose_tokens(logits, rows, reset=False)
         chosen, finite = self.model.finish_step(state, routing, (choice, finite))
         check_finite_layers(finite, "decode step")
         self.steps["decode"] += 1
@@ -342,10 +354,11 @@ class ServingEngine:
         if self.observer is not None:
             self.observer.step(kind, time.perf_counter() - began, rows, routing)
 
-    def _choose_tokens(self, logits, requests: list[Request | None], entries: int, reset: bool):
+    def _choose_tokens(self, logits, requests: list[Request | None], reset: bool):
+        """The next token of each entry of `logits` [P, V] (requests: P entries, None = padding)."""
         greedy = all(r is None or r.params.greedy for r in requests)
         args = self._choose_args(logits, requests, reset)
-        choice, self.counts = self._program(("choose", greedy, entries), self._choose[greedy], args)(*args)
+        choice, self.counts = self._program(("choose", greedy, len(requests)), self._choose[greedy], args)(*args)
         return choice
 
     def _accept(self, request: Request, chosen, entry: int) -> None:
@@ -370,13 +383,8 @@ class ServingEngine:
             reason = "length"
         if reason is None:
             request._emit(TokenEvent(token, text, logprob, top, None))
-            return
-        text += request._text.delta(request.tokens, final=True)
-        request.finish_reason = reason
-        self._rows[request.row] = None
-        request._emit(TokenEvent(token, text, logprob, top, reason))
-        if self.observer is not None:
-            self.observer.finished(request)
+        else:
+            self._finish(request, reason, token, text, logprob, top)
 
     # ---- program arguments ----------------------------------------------------------------------------
     def _prefill_args(self, tokens, rows, start, valid) -> tuple:

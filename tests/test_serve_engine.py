@@ -1,0 +1,214 @@
+"""The continuous-batching engine (jmoe.serve.ServingEngine) without HTTP: exactness against Model.generate
+whatever the neighbours, at several cache sizes; seeded sampling independent of neighbours; penalties and
+logprobs against the model's own logits; stops, cancellation, limits; no compilation after warm-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jmoe
+from jmoe.serve import QueueFullError, RequestError, RequestParams, ServingEngine
+
+DEFAULT = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
+PROMPTS = ["def f(x):", "class Parser:\n    def __init__(self", "import os\n", "for i in range(10):\n    ",
+           "x = [", "# a comment about"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jmoe.load(DEFAULT, progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(model):
+    return [model.tokenizer.encode(p) for p in PROMPTS]
+
+
+def run_until_done(engine: ServingEngine, requests, joins=None):
+    """Step the engine by hand until every request is done; `joins` {step number: callable} submits more
+    requests at given steps (so they join mid-generation). Returns the number of steps."""
+    joins = dict(joins or {})
+    steps = 0
+    while not all(r.done for r in requests) or joins:
+        if steps in joins:
+            requests.extend(joins.pop(steps)())
+        engine.step()
+        steps += 1
+        assert steps < 2000
+    return steps
+
+
+def tokens_of(request) -> list[int]:
+    events = list(request.events(timeout=0))
+    assert events[-1].finish_reason is not None
+    return [e.token for e in events if e.token is not None]
+
+
+def greedy(n: int) -> RequestParams:
+    return RequestParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.mark.parametrize("cache", [None, 0, 4])
+def test_greedy_tokens_equal_generate_alone_and_with_neighbours_joining_and_leaving(cache, prompt_ids):
+    model = jmoe.load(DEFAULT, cache=cache, progress=False)
+    lengths = [12, 5, 9, 3, 12, 7]
+    expected = model.generate(prompt_ids, max_new_tokens=12)  # one batch: rows stop at EOS or 12 tokens
+    expected = [tokens[:n] for tokens, n in zip(expected, lengths)]
+    engine = ServingEngine(model, max_batch=2, context=64)
+    alone = engine.submit(prompt_ids[0], greedy(lengths[0]))
+    run_until_done(engine, [alone])
+    assert tokens_of(alone) == expected[0]
+    # Six requests over two rows: later ones wait for a row, and join while others are mid-generation.
+    requests = [engine.submit(ids, greedy(n)) for ids, n in zip(prompt_ids[:4], lengths[:4])]
+    late = lambda: [engine.submit(ids, greedy(n)) for ids, n in zip(prompt_ids[4:], lengths[4:])]
+    run_until_done(engine, requests, joins={4: late})
+    assert [tokens_of(r) for r in requests] == expected
+    assert all(r.finish_reason == "length" for r in requests)
+    if cache is not None:
+        assert sum(s["hits"] + s["misses"] for s in model.stats()) > 0
+
+
+def test_engine_serves_offload_options_exactly(prompt_ids):
+    """Host miss mode with router prefetch and int8 experts: the batch's tokens equal generate's."""
+    model = jmoe.load(DEFAULT, cache=4, miss_mode="host", prefetch=2, expert_dtype="int8", progress=False)
+    expected = [model.generate(ids, max_new_tokens=8)[0] for ids in prompt_ids[:3]]
+    engine = ServingEngine(model, max_batch=4, context=64)
+    requests = [engine.submit(ids, greedy(8)) for ids in prompt_ids[:3]]
+    run_until_done(engine, requests)
+    assert [tokens_of(r) for r in requests] == expected
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = ServingEngine(model, max_batch=4, context=128, max_queue=3)
+    engine.warm_up()
+    return engine
+
+
+def test_seeded_sampling_does_not_depend_on_neighbours(engine, prompt_ids):
+    params = RequestParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
+    alone = engine.submit(prompt_ids[1], params)
+    run_until_done(engine, [alone])
+    crowd = [engine.submit(prompt_ids[0], RequestParams(max_tokens=6, temperature=1.0, seed=7)),
+             engine.submit(prompt_ids[2], greedy(10))]
+    again = lambda: [engine.submit(prompt_ids[1], params)]
+    run_until_done(engine, crowd, joins={2: again})
+    assert tokens_of(crowd[2]) == alone.tokens and len(alone.tokens) == 10
+    other_seed = engine.submit(prompt_ids[1], RequestParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40,
+                                                            seed=4321))
+    run_until_done(engine, [other_seed])
+    assert tokens_of(other_seed) != alone.tokens
+
+
+def reference_choices(model, prompt, generated, presence=0.0, frequency=0.0):
+    """What each generated token should have been: argmax of the model's logits at its prefix minus the
+    penalties over the tokens generated before it; and the model's log-softmax there."""
+    logits = np.asarray(model.logits([prompt + generated])[0, len(prompt) - 1:-1], np.float64)
+    counts = np.zeros(logits.shape[-1])
+    choices, logprobs = [], []
+    for t, token in enumerate(generated):
+        penalised = logits[t] - frequency * counts - presence * (counts > 0)
+        choices.append(int(np.argmax(penalised)))
+        logprobs.append(logits[t] - np.log(np.exp(logits[t] - logits[t].max()).sum()) - logits[t].max())
+        counts[token] += 1
+    return choices, np.array(logprobs)
+
+
+def test_penalties_and_logprobs_follow_the_models_logits(engine, model, prompt_ids):
+    prompt = prompt_ids[2]  # greedy decoding of this prompt repeats itself, so penalties change the text
+    plain = engine.submit(prompt, RequestParams(max_tokens=12, temperature=0.0, logprobs=5))
+    penalised = engine.submit(prompt, RequestParams(max_tokens=12, temperature=0.0, frequency_penalty=1.5,
+                                                    presence_penalty=0.5))
+    run_until_done(engine, [plain, penalised])
+    plain_events = [e for e in plain.events(timeout=0) if e.token is not None]
+    assert plain.tokens != penalised.tokens
+    choices, _ = reference_choices(model, prompt, penalised.tokens, presence=0.5, frequency=1.5)
+    assert choices == penalised.tokens
+    choices, logprobs = reference_choices(model, prompt, plain.tokens)
+    assert choices == plain.tokens
+    for event, row in zip(plain_events, logprobs):
+        assert event.logprob == pytest.approx(row[event.token], abs=1e-4)
+        top = np.argsort(-row)[:5]
+        assert [t for t, _ in event.top_logprobs] == list(top)
+        assert [lp for _, lp in event.top_logprobs] == pytest.approx(list(row[top]), abs=1e-4)
+
+
+def test_stop_strings_stop_tokens_and_eos(engine, model, prompt_ids):
+    tokenizer = model.tokenizer
+    free = engine.submit(prompt_ids[0], greedy(16))
+    run_until_done(engine, [free])
+    text = tokenizer.decode(free.tokens)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip()
+    by_string = engine.submit(prompt_ids[0], RequestParams(max_tokens=16, temperature=0.0, stop=(stop,)))
+    by_token = engine.submit(prompt_ids[0], RequestParams(max_tokens=16, temperature=0.0,
+                                                          stop_token_ids=(free.tokens[3],)))
+    run_until_done(engine, [by_string, by_token])
+    events = list(by_string.events(timeout=0))
+    sent = "".join(e.text for e in events)
+    assert by_string.finish_reason == "stop" and sent == text[:text.index(stop)]
+    assert by_token.finish_reason == "stop" and by_token.tokens == free.tokens[:free.tokens.index(free.tokens[3]) + 1]
+
+
+def test_cancel_frees_the_row_and_ends_the_stream(engine, prompt_ids):
+    request = engine.submit(prompt_ids[0], greedy(100))
+    for _ in range(3):
+        engine.step()
+    assert engine.running() == 1
+    request.cancel()
+    engine.step()
+    assert engine.running() == 0
+    events = list(request.events(timeout=0))
+    assert events[-1].finish_reason == "cancelled" and 0 < len(request.tokens) < 100
+
+
+def test_bad_requests_and_a_full_queue(engine, prompt_ids):
+    with pytest.raises(RequestError, match="context is 128 tokens") as error:
+        engine.submit(prompt_ids[0], greedy(128))
+    assert error.value.param == "max_tokens"
+    with pytest.raises(jmoe.InputError, match="empty"):
+        engine.submit([], greedy(4))
+    with pytest.raises(jmoe.InputError, match="outside the vocabulary"):
+        engine.submit([5, 10**6], greedy(4))
+    with pytest.raises(RequestError, match="temperature must be a number in") as error:
+        RequestParams(max_tokens=4, temperature=-1)
+    assert error.value.param == "temperature"
+    waiting = [engine.submit(prompt_ids[0], greedy(2)) for _ in range(3)]
+    with pytest.raises(QueueFullError, match="max_queue 3"):
+        engine.submit(prompt_ids[0], greedy(2))
+    run_until_done(engine, waiting)
+
+
+def test_no_program_compiles_after_warm_up(engine, prompt_ids):
+    """Long prompts (chunked), every occupancy, greedy and sampled rows, logprobs and penalties: the warm
+    engine compiles nothing (counted by JAX's own compile events, not only the engine's table)."""
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiled.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    programs = engine.compiled_programs
+    long_prompt = (prompt_ids[1] * 40)[:100]
+    mixes = [[(prompt_ids[0], greedy(3))],
+             [(long_prompt, RequestParams(max_tokens=20, temperature=0.7, seed=3, logprobs=2)),
+              (prompt_ids[3], RequestParams(max_tokens=5, temperature=0.0, presence_penalty=1.0))],
+             [(ids, RequestParams(max_tokens=2 + i, temperature=0.5 * (i % 2), seed=i)) for i, ids in
+              enumerate(prompt_ids[:3])]]
+    for mix in mixes:
+        requests = [engine.submit(ids, params) for ids, params in mix]
+        run_until_done(engine, requests)
+    assert engine.compiled_programs == programs
+    assert compiled == []
+
+
+def test_background_thread_serves_concurrent_submissions_and_drains_on_stop(model, prompt_ids):
+    expected = [model.generate(ids, max_new_tokens=6)[0] for ids in prompt_ids[:4]]
+    engine = ServingEngine(model, max_batch=2, context=64)
+    engine.start(warm_up=False)
+    requests = [engine.submit(ids, greedy(6)) for ids in prompt_ids[:4]]
+    engine.stop(drain=True, timeout=120)
+    assert [tokens_of(r) for r in requests] == expected
+    with pytest.raises(QueueFullError, match="shutting down"):
+        engine.submit(prompt_ids[0], greedy(2))
