@@ -16,8 +16,10 @@ class TextTokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ConfigError(f"{path}: cannot read tokenizer ({e}); expected a Hugging Face tokenizer.json") from e
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens=False` leaves out what the tokenizer's post-processor would
+        add (a BOS, say): a chat template writes those itself."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
