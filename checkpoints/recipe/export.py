@@ -69,6 +69,16 @@ def hf_tensors(params: nnx.State, cfg: ModelConfig, dtype) -> dict[str, np.ndarr
     return out
 
 
+# A plain ChatML template, so `python -m jmoe.serve` answers chat requests (the model was not trained on chats).
+CHAT_TEMPLATE = """{%- for message in messages %}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
 def export(params: nnx.State, hf_config: dict, tokenizer_json: Path, out_dir: Path) -> None:
     cfg = parse_config(hf_config)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,3 +93,4 @@ def export(params: nnx.State, hf_config: dict, tokenizer_json: Path, out_dir: Pa
                         "bos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                         "model_max_length": hf_config["max_position_embeddings"]}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
