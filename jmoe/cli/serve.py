@@ -1,0 +1,92 @@
+"""Command line: `python -m jmoe.serve [--model DIR]`: an OpenAI-compatible HTTP server with continuous batching.
+
+The socket opens at once (GET /health); the model loads and compiles every program in the background, after
+which GET /ready answers 200. SIGTERM or Ctrl-C: new requests get 503, those in flight finish, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+try:
+    import uvicorn
+except ImportError as e:  # the serve extra is not installed
+    raise SystemExit(f"error: python -m jmoe.serve needs the serve extra ({e}); pip install -e '.[serve]'") from e
+
+from jmoe.cli.common import add_model_arg, add_offload_args, load_for_cli, offload_options, resolve_model_dir, run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jmoe.serve", description=__doc__.splitlines()[0])
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a batch row; more get 503 (default: %(default)s)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per request, prompt + completion (default: 4096 or the model's "
+                        "max_position_embeddings if smaller)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model directory's name)")
+    add_offload_args(p)
+    return p
+
+
+def make_engine_factory(args: argparse.Namespace, model_dir: Path):
+    """The function create_app calls in the background: load the model, build its (unstarted) engine."""
+    options = offload_options(args)  # checked now, before the socket opens
+
+    def make_engine(observer):
+        from jmoe.serve.engine import ServingEngine
+
+        model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache)
+        return ServingEngine(model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
+                             observer=observer)
+    return make_engine
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining on SIGTERM / SIGINT: new requests get 503 while those in flight finish, then
+    the process exits with status 0 (uvicorn's own handler would re-raise the signal at the end)."""
+
+    def __init__(self, config: uvicorn.Config, state):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame):
+        self.state.draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for the requests in flight
+        self.should_exit = True
+
+
+def serve(args: argparse.Namespace) -> int:
+    from jmoe.serve.http import create_app
+
+    model_dir = resolve_model_dir(args.model)
+    app = create_app(make_engine_factory(args, model_dir), args.served_model_name or model_dir.resolve().name,
+                     args.api_key)
+    state = app.state.server
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None), state)
+    # A model that fails to load stops the server; the error is reported below (exit status 2 for a JmoeError).
+    state.loaded.add_done_callback(lambda f: f.exception() is not None and setattr(server, "should_exit", True))
+    server.run()
+    if state.loaded.done() and state.loaded.exception() is not None:
+        raise state.loaded.exception()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    return run_cli(lambda: serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""The OpenAI-compatible server (`python -m jmoe.serve`), driven through the official openai client and raw
+HTTP: one real server process for the module (warm-up is paid once), plus in-process checks of the API key,
+the chat template against transformers and the generate command's defaults."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import jmoe
+from jmoe.cli.common import DEFAULT_MODEL_DIR
+
+CONTEXT, MAX_BATCH, MAX_QUEUE = 256, 4, 8
+READY_DEADLINE = 300  # seconds: load + warm-up on two busy cores
+PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self", "import os\n", "for i in range(10):",
+           "# Compute the mean\n", "x = [", "return self."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process: `python -m jmoe.serve` on a free port, its output in a log file."""
+
+    def __init__(self, log: Path, cache: Path):
+        self.port = free_port()
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.programs_after_warm_up: float | None = None
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "jmoe.serve", "--port", str(self.port), "--max-batch", str(MAX_BATCH),
+                 "--max-queue", str(MAX_QUEUE), "--context", str(CONTEXT), "--compile-cache", str(cache)],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+    def wait_ready(self) -> "Server":
+        end = time.monotonic() + READY_DEADLINE
+        while self.programs_after_warm_up is None:
+            assert self.process.poll() is None, f"the server exited ({self.process.returncode}):\n{self.log_tail()}"
+            try:
+                if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                    self.programs_after_warm_up = self.metric("jmoe:compiled_programs")
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, f"not ready after {READY_DEADLINE} s:\n{self.log_tail()}"
+            time.sleep(0.5)
+        return self
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def wait_idle(self, deadline: float = 30) -> None:
+        end = time.monotonic() + deadline
+        while self.metric("jmoe:num_requests_running") or self.metric("jmoe:num_requests_waiting"):
+            assert time.monotonic() < end, f"requests still running after {deadline} s:\n{self.log_tail()}"
+            time.sleep(0.1)
+
+    def complete(self, prompt, **kwargs):
+        extra = {name: kwargs.pop(name) for name in ("top_k", "ignore_eos") if name in kwargs}  # vLLM's, not OpenAI's
+        return self.client.completions.create(model="default", prompt=prompt, extra_body=extra, **kwargs)
+
+
+class Servers:
+    """The module's server, started at once (so the reference model loads meanwhile) and again only if a test
+    stopped it: pytest-xdist may run tests of this module on both workers, each with its own server, and the
+    SIGTERM test (last in the file) stops its worker's."""
+
+    def __init__(self, directory: Path, cache: Path):
+        self.directory, self.cache = directory, cache
+        self.all = [Server(directory / "server-0.log", cache)]
+
+    def current(self) -> Server:
+        if self.all[-1].process.poll() is not None and self.all[-1].programs_after_warm_up is not None:
+            self.all.append(Server(self.directory / f"server-{len(self.all)}.log", self.cache))
+        return self.all[-1].wait_ready()
+
+    def stop(self) -> None:
+        for server in self.all:
+            server.stop()
+            print(f"{server.log} (tail):\n{server.log_tail()}", file=sys.stderr)  # shown when a test failed
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, request):
+    cache = request.config.cache.mkdir("jmoe_serve_compile_cache")  # faster on the next run; not the user's
+    servers = Servers(tmp_path_factory.mktemp("serve"), cache)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The default model in this process, for tokens the server must reproduce."""
+    return jmoe.load(DEFAULT_MODEL_DIR, progress=False)
+
+
+@pytest.fixture
+def server(servers, reference):
+    return servers.current()
+
+
+def test_health_ready_models(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert [m.id for m in server.client.models.list().data] == ["default"]
+    assert server.programs_after_warm_up > 0
+
+
+def test_greedy_completion_equals_generate(server, reference):
+    prompt = PROMPTS[0]
+    ids = reference.tokenizer.encode(prompt)
+    expected = reference.generate(ids, 24)[0]
+    out = server.complete(prompt, max_tokens=24)
+    assert out.choices[0].text == reference.tokenizer.decode(expected)
+    assert out.choices[0].finish_reason == ("stop" if 0 in expected else "length")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(expected))
+    assert out.usage.total_tokens == len(ids) + len(expected)
+    by_ids = server.complete(ids, max_tokens=24)  # the same prompt as token ids
+    assert by_ids.choices[0].text == out.choices[0].text
+
+
+def test_streamed_completion_equals_whole(server):
+    whole = server.complete(PROMPTS[1], max_tokens=20)
+    chunks = list(server.complete(PROMPTS[1], max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+
+
+def test_chat_completion_streamed_and_not(server, reference):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    rendered = ("<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\nSort a list.<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    whole = server.client.chat.completions.create(model="default", messages=messages, max_completion_tokens=16)
+    assert whole.usage.prompt_tokens == len(reference.tokenizer.encode(rendered))
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(server.client.chat.completions.create(model="default", messages=messages, max_tokens=16,
+                                                        stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_n_choices_take_derived_seeds(server):
+    out = server.complete(PROMPTS[2], n=3, max_tokens=16, temperature=1.0, seed=7)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1, "three sampled choices should not all agree"
+    single = server.complete(PROMPTS[2], max_tokens=16, temperature=1.0, seed=7)
+    assert single.choices[0].text == out.choices[0].text  # choice j is seeded seed + j
+    assert out.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt is counted once
+    two_prompts = server.complete([PROMPTS[0], PROMPTS[1]], n=2, max_tokens=4)
+    assert [c.index for c in two_prompts.choices] == [0, 1, 2, 3]
+    assert two_prompts.choices[0].text == two_prompts.choices[1].text != two_prompts.choices[2].text
+
+
+def test_seeded_sampling_repeats_alone_and_beside_traffic(server):
+    def seeded():
+        return server.complete(PROMPTS[3], max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=123,
+                               presence_penalty=0.5, frequency_penalty=0.3).choices[0].text
+
+    first = seeded()
+    assert seeded() == first
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(server.complete, p, max_tokens=24, temperature=1.0) for p in PROMPTS[4:]]
+        busy = pool.submit(seeded)
+        assert busy.result() == first
+        [f.result() for f in others]
+
+
+def test_concurrent_requests_equal_their_solo_runs(server):
+    solo = [server.complete(p, max_tokens=12).choices[0].text for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # more than --max-batch: some wait for a row
+        together = list(pool.map(lambda p: server.complete(p, max_tokens=12).choices[0].text, PROMPTS))
+    assert together == solo
+
+
+def test_stop_strings_cut_the_text(server):
+    text = server.complete(PROMPTS[0], max_tokens=24, ignore_eos=True).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = server.complete(PROMPTS[0], max_tokens=24, ignore_eos=True, stop=stop).choices[0]
+    assert (cut.text, cut.finish_reason) == (text[:text.index(stop)], "stop")
+    listed = server.complete(PROMPTS[0], max_tokens=24, ignore_eos=True, stop=["@@never@@", stop])
+    assert listed.choices[0].text == cut.text
+    streamed = server.complete(PROMPTS[0], max_tokens=24, ignore_eos=True, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+
+
+def test_logprobs(server):
+    out = server.complete(PROMPTS[0], max_tokens=8, logprobs=3).choices[0].logprobs
+    assert len(out.tokens) == len(out.token_logprobs) == len(out.top_logprobs) == 8
+    for logprob, top in zip(out.token_logprobs, out.top_logprobs):
+        assert len(top) == 3 and logprob <= 0
+        assert logprob == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
+    chat = server.client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+def post(server, path, body, **kwargs):
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=60,
+                      **kwargs)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ('{"model": "default", "prompt": "x"', 400, None),  # malformed JSON
+    ({"model": "default", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),  # a string for a number
+    ({"model": "default", "prompt": 5}, 400, "prompt"),
+    ({"model": "default", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "default", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"model": "default", "prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"model": "default", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "default", "prompt": "x", "logit_bias": {}}, 400, "logit_bias"),  # unknown fields are rejected
+    ({"model": "default", "prompt": [5000]}, 400, "prompt"),  # outside the vocabulary
+    ({"model": "default", "prompt": "x " * 1000}, 400, "prompt"),  # longer than the context
+    ({"model": "default", "prompt": "def f(x):\n" * 100_000}, 400, "prompt"),  # 1 MB
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x"}, 400, "model"),
+])
+def test_bad_completion_requests(server, body, status, param):
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests(server):
+    too_many = post(server, "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                                                     "top_logprobs": 2})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "top_logprobs"
+    wrong_type = post(server, "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": 1}]})
+    assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "messages.0.content"
+    over = post(server, "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                                                 "max_completion_tokens": CONTEXT})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_completion_tokens"
+
+
+def open_streams(server, count: int, max_tokens: int = CONTEXT - 16) -> list[socket.socket]:
+    """`count` raw streaming requests, each read up to its status line (so the server has taken it)."""
+    body = json.dumps({"model": "default", "prompt": PROMPTS[0], "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    sockets = []
+    for _ in range(count):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        s.sendall(request)
+        sockets.append(s)
+    for s in sockets:
+        assert s.recv(12).startswith(b"HTTP/1.1")
+    return sockets
+
+
+def test_full_queue_is_503_with_retry_after(server):
+    sockets = []
+    try:
+        while server.metric("jmoe:num_requests_waiting") < MAX_QUEUE:  # a few may be refused before rows fill
+            assert len(sockets) < 3 * (MAX_BATCH + MAX_QUEUE), "the waiting queue never filled"
+            sockets += open_streams(server, 1)
+        response = post(server, "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 1})
+        assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+        assert response.json()["error"]["code"] == "queue_full"
+    finally:
+        for s in sockets:
+            s.close()
+    server.wait_idle()
+
+
+def test_disconnect_mid_stream_frees_the_row(server):
+    cancelled = server.metric('jmoe:requests_finished_total{finish_reason="cancelled"}')
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "default", "prompt": PROMPTS[0], "max_tokens": CONTEXT - 8, "ignore_eos": True,
+                            "stream": True}) as response:
+        next(response.iter_lines())
+    server.wait_idle()
+    assert server.metric('jmoe:requests_finished_total{finish_reason="cancelled"}') == cancelled + 1
+
+
+def test_hundred_dropped_requests(server):
+    sockets = open_streams(server, 100)
+    for s in sockets:
+        s.close()
+    server.wait_idle()
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.complete(PROMPTS[0], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_nothing_compiles_after_warm_up(server):
+    assert server.metric("jmoe:compiled_programs") == server.programs_after_warm_up
+    assert server.metric('jmoe:step_seconds_count{kind="decode"}') > 0
+    assert server.metric("jmoe:decode_distinct_experts_count") > 0
+    assert server.metric("jmoe:time_to_first_token_seconds_count") > 0
+
+
+def test_sigterm_drains_and_exits_0(server):
+    """Last: it stops the module's server."""
+    lines = []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "default", "prompt": PROMPTS[0], "max_tokens": 64, "ignore_eos": True,
+                            "stream": True}) as response:
+        stream = response.iter_lines()
+        lines.append(next(stream))
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:
+            late = post(server, "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 1}).status_code
+        except httpx.TransportError:
+            late = "refused"
+        lines.extend(stream)
+    assert late in (503, "refused")
+    lines = [line for line in lines if line]  # events are separated by blank lines
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.process.wait(60) == 0, server.log_tail()
+
+
+# ---- in-process ---------------------------------------------------------------------------------------
+def test_api_key_guards_v1_only():
+    from fastapi.testclient import TestClient
+
+    from jmoe.serve.http import create_app
+
+    gate = threading.Event()
+
+    def never_loads(observer):
+        gate.wait()
+        raise RuntimeError("this test loads no model")
+
+    app = create_app(never_loads, "m", api_key="secret")
+    try:
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200
+            assert client.get("/ready").status_code == 503
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+                response = client.get("/v1/models", headers=headers)
+                assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+            good = {"Authorization": "Bearer secret"}
+            assert client.get("/v1/models", headers=good).json()["data"][0]["id"] == "m"
+            loading = client.post("/v1/completions", headers=good, json={"model": "m", "prompt": "x"})
+            assert loading.status_code == 503 and loading.headers["Retry-After"] == "1"
+    finally:
+        gate.set()
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "déjà vu?"},
+     {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Again\n\nplease"}],
+]
+# A template using what transformers gives one: bos/eos tokens, raise_exception, loop controls, tojson.
+STRICT_TEMPLATE = (
+    "{{ bos_token }}{% set offset = 1 if messages[0]['role'] == 'system' else 0 %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% if (m['role'] == 'user') != ((loop.index0 - offset) % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}\n"
+    "  [{{ m['role'] }}] {{ m['content'] | tojson }}{{ eos_token if m['role'] == 'assistant' }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_chat_templates_render_as_transformers_does(tmp_path):
+    from transformers import AutoTokenizer
+
+    from jmoe.serve.chat import load_chat_template
+    from jmoe.serve.params import RequestError
+
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    (strict / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<s>", "eos_token": "</s>",
+                                                              "chat_template": STRICT_TEMPLATE}))
+    (strict / "tokenizer.json").write_bytes((DEFAULT_MODEL_DIR / "tokenizer.json").read_bytes())
+    for directory in (DEFAULT_MODEL_DIR, strict):
+        ours, theirs = load_chat_template(directory), AutoTokenizer.from_pretrained(directory)
+        for conversation in CONVERSATIONS:
+            expected = theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            assert ours.render(conversation) == expected
+    with pytest.raises(RequestError, match="roles must alternate"):
+        load_chat_template(strict).render([{"role": "assistant", "content": "first"}])
+
+
+def test_chat_without_a_template_is_a_clear_400(tmp_path):
+    from jmoe.serve.chat import load_chat_template
+    from jmoe.serve.openai_api import ChatBody, Served, chat_generation
+    from jmoe.serve.params import RequestError
+
+    assert load_chat_template(tmp_path) is None
+    body = ChatBody(model="m", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(RequestError, match="no chat template") as error:
+        chat_generation(body, Served(None, CONTEXT, 8, None, {}))
+    assert error.value.param == "messages"
+
