@@ -422,3 +422,14 @@ def test_chat_without_a_template_is_a_clear_400(tmp_path):
         chat_generation(body, Served(None, CONTEXT, 8, None, {}))
     assert error.value.param == "messages"
 
+
+def test_generate_cli_takes_generation_config_defaults(tmp_path):
+    from jmoe.cli.generate import build_parser, sampling_params
+    from jmoe.decode.sampling import SamplingParams
+
+    parse = build_parser().parse_args
+    assert sampling_params(parse([]), DEFAULT_MODEL_DIR) == SamplingParams(0.0, 0, 1.0)  # do_sample false
+    assert sampling_params(parse([]), tmp_path) == SamplingParams(0.0, 0, 1.0)  # no file: greedy
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.9}')
+    assert sampling_params(parse([]), tmp_path) == SamplingParams(0.6, 0, 0.9)
+    assert sampling_params(parse(["--temperature", "0", "--top-k", "5"]), tmp_path) == SamplingParams(0.0, 5, 0.9)

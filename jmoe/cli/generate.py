@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jmoe.cli.common import (add_model_arg, add_offload_args, load_for_cli, offload_options, resolve_model_dir,
                              run_cli)
 from jmoe.errors import JmoeError
+
+if TYPE_CHECKING:
+    from jmoe.decode.sampling import SamplingParams
 
 DEFAULT_PROMPT = "class Parser:\n    def __init__(self"
 
@@ -22,9 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arg(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    # Left out, they take generation_config.json's values (Hugging Face's convention), else greedy.
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation_config.json, else 0)")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json, else 1)")
     p.add_argument("--seed", type=int, default=0)
     add_offload_args(p)
     p.add_argument("--stats", action="store_true", help="print a per-layer expert cache table after generation")
@@ -34,15 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     from jmoe.decode.generation import checked_length_and_seed
-    from jmoe.decode.sampling import SamplingParams
     from jmoe.decode.streaming import stdout_streamer
 
     if not args.prompt:
         raise JmoeError("--prompt is empty; give some text to continue")
     options = offload_options(args)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     checked_length_and_seed(args.max_new_tokens, args.seed)  # before anything is loaded or printed
     model_dir = resolve_model_dir(args.model)
+    sampling = sampling_params(args, model_dir)
     model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache,
                          progress=not args.json)
     tokenizer = model.require_tokenizer()
@@ -67,6 +73,17 @@ def run(args: argparse.Namespace) -> dict:
                    "decode_tokens_per_second": decode_tps},
         "cache_stats": model.stats(),
     }
+
+
+def sampling_params(args: argparse.Namespace, model_dir: Path) -> SamplingParams:
+    """--temperature / --top-k / --top-p, each left out taking the checkpoint's generation_config.json value
+    (jmoe.serve.generation_defaults: do_sample false = greedy), else greedy, no top-k, no top-p."""
+    from jmoe.decode.sampling import SamplingParams
+    from jmoe.serve.params import generation_defaults
+
+    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **generation_defaults(model_dir)}
+    given = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
+    return SamplingParams(**{**defaults, **given})
 
 
 def format_stats(stats: list[dict]) -> str:
