@@ -9,6 +9,7 @@ every layer >= k) is then scored on the held-out split, next to uniform C and to
 same programme run on the held-out curves: the most any split could gain).
 
     python -m bench.cache_split [--traces gptoss,olmoe,kimi] [--policies lru,lfru]
+    python -m bench.cache_split --smoke    # every trace, lfru, the first 32 tokens of each split, no result file
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import time
 
 import numpy as np
 
-from bench.common import write_result
+from bench.common import add_smoke_argument, smoke_run, write_result
 from bench.replay import REPORT_CACHES
 from jmoe.traces.load import load_trace, split_trace
 from jmoe.traces.replay import build_policy, replay
+
+SMOKE_TOKENS = 32  # tokens of each split a smoke run replays
 
 
 def layer_curves(ids: np.ndarray, num_experts: int, policy_name: str, split: dict, log) -> np.ndarray:
@@ -62,7 +65,8 @@ def mean_hit(curves: np.ndarray, caches: np.ndarray) -> float:
     return float(np.mean(curves[np.arange(len(caches)), caches]))
 
 
-def run(traces: list[str], policies: list[str], log) -> str:
+def run(traces: list[str], policies: list[str], log, tokens: int | None = None) -> str:
+    """The table; `tokens`: replay only the first tokens of each split (a smoke run)."""
     lines = ["| trace | policy | uniform C | held-out hit %, uniform | held-out hit %, split chosen on tuning | "
              "gain (points) | held-out optimum split (upper bound) | chosen caches per layer |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -73,8 +77,8 @@ def run(traces: list[str], policies: list[str], log) -> str:
         top_k = split["eval_ids"].shape[2]
         for policy in policies:
             log(f"{name} {policy}")
-            tune = layer_curves(split["tune_ids"], num_experts, policy, split, log)
-            held_out = layer_curves(split["eval_ids"], num_experts, policy, split, log)
+            tune = layer_curves(split["tune_ids"][:tokens], num_experts, policy, split, log)
+            held_out = layer_curves(split["eval_ids"][:tokens], num_experts, policy, split, log)
             for cache in REPORT_CACHES[name]:
                 if cache < top_k:
                     continue
@@ -93,21 +97,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", default="gptoss,olmoe,kimi")
     parser.add_argument("--policies", default="lru,lfru")
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    with smoke_run(args):
+        if args.smoke:
+            args.policies = "lfru"
+        report(args, SMOKE_TOKENS if args.smoke else None)
+    return 0
+
+
+def report(args, tokens: int | None) -> None:
     began = time.perf_counter()
 
     def log(message):
         print(f"[{time.perf_counter() - began:6.0f} s] {message}", file=sys.stderr, flush=True)
 
     load_before = open("/proc/loadavg").read().split()[:3]
-    table = run(args.traces.split(","), args.policies.split(","), log)
+    table = run(args.traces.split(","), args.policies.split(","), log, tokens)
     load_after = open("/proc/loadavg").read().split()[:3]
     body = (f"Conditions: load average {' '.join(load_before)} before, {' '.join(load_after)} after; "
             f"{time.perf_counter() - began:.0f} s. Splits as in replay.md (GPT-OSS: tuning = mmlu* sequences, "
             f"held out = the rest; OLMoE, Kimi: first half / second half of one prompt). Same total slots in "
             f"every row of a uniform C: L x C.\n\n{table}\n")
     print(write_result("cache_split.md", "Per-layer cache splits against a uniform cache (replay)", body))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,17 +1,59 @@
-"""Shared benchmark helpers: random HF checkpoints, machine description, bandwidth, result files."""
+"""Shared benchmark helpers: random HF checkpoints, machine description, bandwidth, result files, smoke runs."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+_results_dir = RESULTS  # where write_result writes: a smoke run points it at its temporary directory
+# The sizes of a smoke run's random checkpoints: every width small, two layers. A spec keeps its other keys
+# (family, number of experts, top-k, vocabulary), so a smoke run has the real run's routing shapes.
+SMOKE_SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, q_lora_rank=32, kv_lora_rank=16,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
+def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true",
+                        help="the same code paths at the smallest sizes, in a temporary work directory, writing "
+                             "no result under bench/results (tests/test_bench_smoke.py runs it)")
+
+
+@contextlib.contextmanager
+def smoke_run(args: argparse.Namespace):
+    """Around a benchmark's run. With `args.smoke`: yields a fresh temporary directory (removed afterwards), set
+    as `args.workdir`, where write_result then writes instead of bench/results. Otherwise yields None and
+    changes nothing."""
+    global _results_dir
+    if not args.smoke:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="jmoe_smoke_") as directory:
+        args.workdir = Path(directory)
+        _results_dir = args.workdir / "results"
+        try:
+            yield args.workdir
+        finally:
+            _results_dir = RESULTS
+
+
+def smoke_spec(spec: dict, **overrides) -> dict:
+    """A transformers config spec at smoke size: each of its size keys from SMOKE_SIZES (as many key-value heads
+    as query heads where the spec has that, as MLA needs), then `overrides`."""
+    sizes = {key: value for key, value in SMOKE_SIZES.items() if key in spec}
+    if spec.get("num_key_value_heads") == spec.get("num_attention_heads"):
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    return {**spec, **sizes, **overrides}
 
 
 def machine() -> str:
@@ -45,6 +87,14 @@ def write_random_checkpoint(directory: Path, model_type: str, seed: int = 0, **o
     return directory
 
 
+def per_expert_copies(experts):
+    """One array per expert, copies of the stacked leaves of `experts` (a jmoe.kernels.ExpertWeights): the layout
+    of jmoe.kernels.per_expert_views at any expert size (views are made from MIN_EXPERT_BYTES per expert on)."""
+    import jax
+
+    return tuple(jax.tree.map(lambda a: a[e:e + 1], experts.stacked()) for e in range(experts.num_experts))
+
+
 def median_seconds(fn, repeats: int = 5) -> float:
     fn()  # warm
     times = []
@@ -55,12 +105,12 @@ def median_seconds(fn, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
-def read_bandwidth_gbs(megabytes: int = 1024) -> float:
-    """Streaming read bandwidth of this machine as JAX sees it (a jitted sum over a large array)."""
+def read_bandwidth_gbs(smoke: bool = False) -> float:
+    """Streaming read bandwidth of this machine as JAX sees it (a jitted sum over 1 GiB; 16 MiB in a smoke run)."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    x = jnp.ones(((16 if smoke else 1024) * 2**20 // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
     seconds = median_seconds(lambda: total(x).block_until_ready())
     return x.nbytes / seconds / 1e9
@@ -72,8 +122,9 @@ def command_line() -> str:
 
 
 def write_result(name: str, title: str, body: str) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / name
+    """bench/results/NAME (in a smoke run, NAME in its temporary directory): a header, then `body`."""
+    _results_dir.mkdir(exist_ok=True)
+    path = _results_dir / name
     header = (f"# {title}\n\n- Date: {datetime.date.today().isoformat()}\n- Machine: {machine()}\n"
               f"- Command: `{command_line()}`\n\n")
     path.write_text(header + body)

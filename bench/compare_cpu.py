@@ -3,6 +3,7 @@ and XLA's thread pools disturb each other), alternated over several rounds, medi
 load average recorded before and after each process.
 
   JAX_PLATFORMS=cpu python -m bench.compare_cpu [--phases decode,prefill] [--rounds 3] [--repeats 5]
+  JAX_PLATFORMS=cpu python -m bench.compare_cpu --smoke   # toy checkpoint, one round, no result file
 
 decode: batch 1, float32, greedy, the 215M Mixtral-shaped random checkpoint of bench.decode (all experts
 resident): milliseconds per decode step after a 32-token prompt, next to the read-bandwidth bound.
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import read_bandwidth_gbs, write_random_checkpoint, write_result
-from bench.decode import COMPARE_MODELS, PROMPT, bytes_read_per_token
+from bench.common import add_smoke_argument, read_bandwidth_gbs, smoke_run, write_random_checkpoint, write_result
+from bench.decode import COMPARE_MODELS, PROMPT, bytes_read_per_token, compare_models
 
 MAX_QUIET_LOAD = 1.0  # 1-minute load average above which a run is not a result
 
@@ -93,7 +94,7 @@ def transformers_worker(args) -> dict:
 
 def worker(args) -> None:
     if args.engine == "bandwidth":
-        result = {"gbs": read_bandwidth_gbs()}
+        result = {"gbs": read_bandwidth_gbs(args.smoke)}
     else:
         result = (jmoe_worker if args.engine == "jmoe" else transformers_worker)(args)
     print(json.dumps(result))
@@ -138,6 +139,8 @@ def run_child(spec: dict, args) -> dict:
     for key in ("phase", "backend", "cache"):
         if spec.get(key) is not None:
             command += [f"--{key}", str(spec[key])]
+    if args.smoke:
+        command.append("--smoke")
     before = load_average()
     try:
         done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=args.child_timeout,
@@ -256,12 +259,21 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--cache", type=int, default=None)
     parser.add_argument("--dir", type=Path)
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    start_load = quiet_start_load("compare_cpu", args.allow_load)
+    with smoke_run(args):
+        if args.smoke:
+            args.rounds, args.repeats, args.tokens, args.prompt_len = 1, 1, 4, 16
+        compare(args)
+
+
+def compare(args) -> None:
+    """Every configuration in its own process, alternated over the rounds; the report."""
+    start_load = quiet_start_load("compare_cpu", args.allow_load or args.smoke)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    args.dir = write_random_checkpoint(args.workdir / "compare_mixtral", **COMPARE_MODELS["mixtral"])
+    args.dir = write_random_checkpoint(args.workdir / "compare_mixtral", **compare_models(args.smoke)["mixtral"])
     began = time.perf_counter()
     if args.baseline_python:
         args.baseline_workspace = baseline_workspace(args.baseline_python)

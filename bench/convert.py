@@ -7,6 +7,7 @@ fresh processes with jmoe.loading.load_model (safetensors) and jmoe.orbax_store.
 deletes the work directory unless --keep.
 
     python -m bench.convert --workdir /tmp/jmoe_convert_bench [--layers 12] [--repeats 2] [--keep]
+    python -m bench.convert --smoke   # one layer at smoke widths, one load each way, in a temporary directory
 """
 
 from __future__ import annotations
@@ -23,33 +24,35 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from bench.common import add_smoke_argument, smoke_run, smoke_spec
+
 # Mixtral layout at a reduced width: 8 experts, top-2, GQA 4:1. At 12 layers the weights are ~2.3 GB in bf16.
 SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=16, num_key_value_heads=4,
              num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)
 SHARD_BYTES = 500 * 2**20
 
 
-def hf_tensors(num_layers: int):
-    """(name, shape) of every tensor of the Mixtral checkpoint, in file order."""
-    d, f, e, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_local_experts"], SHAPE["vocab_size"]
-    hd = d // SHAPE["num_attention_heads"]
-    kv = SHAPE["num_key_value_heads"] * hd
+def hf_tensors(num_layers: int, shape: dict):
+    """(name, shape) of every tensor of the Mixtral checkpoint of `shape` (SHAPE's keys), in file order."""
+    d, f, e, v = shape["hidden_size"], shape["intermediate_size"], shape["num_local_experts"], shape["vocab_size"]
+    hd = d // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * hd
     yield "model.embed_tokens.weight", (v, d)
     for i in range(num_layers):
         pre = f"model.layers.{i}"
         yield f"{pre}.input_layernorm.weight", (d,)
         yield f"{pre}.post_attention_layernorm.weight", (d,)
-        for proj, shape in (("q", (d, d)), ("k", (kv, d)), ("v", (kv, d)), ("o", (d, d))):
-            yield f"{pre}.self_attn.{proj}_proj.weight", shape
+        for proj, dims in (("q", (d, d)), ("k", (kv, d)), ("v", (kv, d)), ("o", (d, d))):
+            yield f"{pre}.self_attn.{proj}_proj.weight", dims
         yield f"{pre}.block_sparse_moe.gate.weight", (e, d)
         for j in range(e):
-            for w, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
-                yield f"{pre}.block_sparse_moe.experts.{j}.{w}.weight", shape
+            for w, dims in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+                yield f"{pre}.block_sparse_moe.experts.{j}.{w}.weight", dims
     yield "model.norm.weight", (d,)
     yield "lm_head.weight", (v, d)
 
 
-def write_checkpoint(hf_dir: Path, num_layers: int) -> int:
+def write_checkpoint(hf_dir: Path, num_layers: int, shape: dict) -> int:
     """Random bf16 weights in ~SHARD_BYTES shards with an index; returns the total bytes of tensor data."""
     from safetensors.numpy import save_file
 
@@ -62,8 +65,8 @@ def write_checkpoint(hf_dir: Path, num_layers: int) -> int:
         save_file(current, str(hf_dir / name), metadata={"format": "pt"})
         shards.append((name, list(current)))
 
-    for name, shape in hf_tensors(num_layers):
-        array = (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    for name, dims in hf_tensors(num_layers, shape):
+        array = (rng.standard_normal(dims, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
         if current and current_bytes + array.nbytes > SHARD_BYTES:
             flush()
             current, current_bytes = {}, 0
@@ -79,7 +82,7 @@ def write_checkpoint(hf_dir: Path, num_layers: int) -> int:
         weight_map.update({n: final for n in names})
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                      "weight_map": weight_map}))
-    config = dict(SHAPE, model_type="mixtral", architectures=["MixtralForCausalLM"], num_hidden_layers=num_layers,
+    config = dict(shape, model_type="mixtral", architectures=["MixtralForCausalLM"], num_hidden_layers=num_layers,
                   max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
                   dtype="bfloat16", sliding_window=None)
     (hf_dir / "config.json").write_text(json.dumps(config))
@@ -129,13 +132,22 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--repeats", type=int, default=2, help="load timings per method (fresh process each)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
+    add_smoke_argument(p)
     args = p.parse_args()
+    with smoke_run(args) as smoke_dir:
+        if args.smoke:
+            args.workdir, args.layers, args.repeats = smoke_dir / "convert", 1, 1
+        measure(args, smoke_spec(SHAPE) if args.smoke else SHAPE)
+
+
+def measure(args, shape: dict) -> None:
+    """Write, convert and load the checkpoint of `shape`; print the report."""
     if args.workdir.exists():
         sys.exit(f"{args.workdir} exists; remove it or pass another --workdir")
     hf_dir, orbax_dir = args.workdir / "hf", args.workdir / "orbax"
     try:
         start = time.perf_counter()
-        data_bytes = write_checkpoint(hf_dir, args.layers)
+        data_bytes = write_checkpoint(hf_dir, args.layers, shape)
         print(f"wrote {data_bytes / 2**30:.2f} GiB of bf16 tensors in {time.perf_counter() - start:.0f} s",
               file=sys.stderr)
         convert = timed([sys.executable, "-m", "jmoe.convert", str(hf_dir), str(orbax_dir), "--quiet"])

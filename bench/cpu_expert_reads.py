@@ -14,6 +14,7 @@ matrix-vector product [1, 512] x [512, 2048] on an expert's own array, with ever
 child process), next to the streaming read bandwidth.
 
   JAX_PLATFORMS=cpu python -m bench.cpu_expert_reads      (about four minutes; needs a quiet machine)
+  JAX_PLATFORMS=cpu python -m bench.cpu_expert_reads --smoke   (2 layers, one row per table, no result file)
 """
 
 from __future__ import annotations
@@ -23,10 +24,29 @@ import os
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
-LAYERS, EXPERTS, HIDDEN, WIDTH, TOP_K = 8, 16, 512, 1024, 2
+from bench.common import add_smoke_argument, per_expert_copies, read_bandwidth_gbs, smoke_run, write_result
+
+EXPERTS, HIDDEN, WIDTH, TOP_K = 16, 512, 1024, 2
+
+
+class Sizes(NamedTuple):
+    """What a run measures: the real run's, or a smoke run's (fewer layers, calls and rows)."""
+
+    layers: int  # MoE layers of the decode programs
+    calls: int  # most routings cycled per measurement
+    batches: tuple  # decode batches of pairs against xla_tiled
+    expert_shapes: tuple  # (hidden, width) of stacked against per-expert arrays
+    crossings: tuple  # (slots, hidden, width) of the stacked crossing
+    per_slot: tuple  # (token, choice) pairs per slot of the stacked crossing
+
+
+FULL = Sizes(8, 64, (8, 16, 24, 32), ((256, 512), (512, 512), (384, 768), (512, 1024)),
+             ((64, 256, 128), (128, 256, 96)), (0.5, 1, 1.5))
+SMOKE = Sizes(2, 2, (8,), ((256, 512),), ((64, 256, 128),), (1,))
 
 
 def timed_ms(fn, inputs: list) -> tuple[float, float]:
@@ -43,44 +63,44 @@ def timed_ms(fn, inputs: list) -> tuple[float, float]:
     return float(np.median(times)) * 1e3, first
 
 
-def gemv_ms() -> float:
-    """Median ms of x [1, d] @ w [d, 2f] over 64 distinct arrays (256 MB, so they come from memory)."""
+def gemv_ms(sizes: Sizes) -> float:
+    """Median ms of x [1, d] @ w [d, 2f] over `sizes.calls` distinct arrays (a real run:
+    64, 256 MB, so they come from memory)."""
     import jax
     import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, HIDDEN)), jnp.float32)
-    arrays = [jnp.asarray(rng.standard_normal((HIDDEN, 2 * WIDTH)), jnp.float32) for _ in range(64)]
+    arrays = [jnp.asarray(rng.standard_normal((HIDDEN, 2 * WIDTH)), jnp.float32) for _ in range(sizes.calls)]
     return timed_ms(jax.jit(jnp.dot), [(x, w) for w in arrays])[0]
 
 
-def expert_layers(rng, hidden: int = HIDDEN, width: int = WIDTH, *, copies: bool = False) -> list:
-    """8 layers of random stacked experts, each with its per-expert views (or, with `copies`, per-expert copies:
+def expert_layers(rng, layers: int, hidden: int = HIDDEN, width: int = WIDTH, *, copies: bool = False) -> list:
+    """`layers` layers of random stacked experts, each with its per-expert views (or, with `copies`, per-expert copies:
     the same layout at any size, where views are only made from MIN_EXPERT_BYTES on)."""
-    import jax
     import jax.numpy as jnp
 
     from jmoe.kernels import ExpertWeights, per_expert_views
 
-    layers = []
-    for _ in range(LAYERS):
+    out = []
+    for _ in range(layers):
         experts = ExpertWeights(jnp.asarray(rng.standard_normal((EXPERTS, hidden, 2 * width)) * 0.02, jnp.float32),
                                 jnp.asarray(rng.standard_normal((EXPERTS, width, hidden)) * 0.02, jnp.float32))
-        per_expert = (tuple(jax.tree.map(lambda a: a[e:e + 1], experts) for e in range(EXPERTS)) if copies
-                      else per_expert_views(experts))
-        layers.append(experts._replace(per_expert=per_expert))
-    return layers
+        per_expert = per_expert_copies(experts) if copies else per_expert_views(experts)
+        out.append(experts._replace(per_expert=per_expert))
+    return out
 
 
-def size_rows(rng) -> list[str]:
+def size_rows(rng, sizes: Sizes) -> list[str]:
     """Stacked against per-expert arrays at batch 1 for several expert sizes (where MIN_EXPERT_BYTES comes from)."""
     import jax.numpy as jnp
 
     rows = []
-    for hidden, width in ((256, 512), (512, 512), (384, 768), (512, 1024)):
-        layers = expert_layers(rng, hidden, width, copies=True)
+    for hidden, width in sizes.expert_shapes:
+        layers = expert_layers(rng, sizes.layers, hidden, width, copies=True)
         x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.float32)
-        inputs = [(x, ids, jnp.asarray([[0.6, 0.4]], jnp.float32)) for ids in routings(rng, 1, 32)]
+        inputs = [(x, ids, jnp.asarray([[0.6, 0.4]], jnp.float32))
+                  for ids in routings(rng, 1, min(32, sizes.calls), layers=sizes.layers)]
         times = [timed_ms(expert_ffns("pairs"), [(*args, experts) for args in inputs])[0]
                  for experts in ([e.stacked() for e in layers], layers)]
         mib = 3 * hidden * width * 4 / 2**20
@@ -88,7 +108,7 @@ def size_rows(rng) -> list[str]:
     return rows
 
 
-def stacked_crossing_rows(rng) -> list[str]:
+def stacked_crossing_rows(rng, sizes: Sizes) -> list[str]:
     """`pairs` against `xla_tiled` on stacked weights of many small experts (one layer, top-8), at 0.5, 1 and 1.5
     (token, choice) pairs per slot: where `auto` switches there (dispatch.CPU_PAIRS_PER_SLOT)."""
     import jax
@@ -97,15 +117,15 @@ def stacked_crossing_rows(rng) -> list[str]:
     from jmoe.kernels import moe_ffn
 
     rows, top_k = [], 8
-    for slots, hidden, width in ((64, 256, 128), (128, 256, 96)):
+    for slots, hidden, width in sizes.crossings:
         w_gate_up = jnp.asarray(rng.standard_normal((slots, hidden, 2 * width)) * 0.02, jnp.float32)
         w_down = jnp.asarray(rng.standard_normal((slots, width, hidden)) * 0.02, jnp.float32)
-        for per_slot in (0.5, 1, 1.5):
+        for per_slot in sizes.per_slot:
             num_tokens = int(slots * per_slot) // top_k
             x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.float32)
             weights = jnp.full((num_tokens, top_k), 1 / top_k, jnp.float32)
             inputs = [(x, ids[0], weights)
-                      for ids in routings(rng, num_tokens, 16, experts=slots, top_k=top_k, layers=1)]
+                      for ids in routings(rng, num_tokens, min(16, sizes.calls), experts=slots, top_k=top_k, layers=1)]
             times = [timed_ms(jax.jit(lambda x, ids, w, b=backend: moe_ffn(x, ids, w, w_gate_up, w_down, backend=b)),
                               inputs)[0] for backend in ("pairs", "xla_tiled")]
             rows.append(f"| {slots} | {hidden} x {width} | {num_tokens} | {per_slot:g} | {times[0]:.2f} | "
@@ -129,8 +149,7 @@ def expert_ffns(backend: str):
     return jax.jit(run)
 
 
-def routings(rng, num_tokens: int, count: int, *, experts: int = EXPERTS, top_k: int = TOP_K,
-             layers: int = LAYERS) -> list:
+def routings(rng, num_tokens: int, count: int, *, layers: int, experts: int = EXPERTS, top_k: int = TOP_K) -> list:
     """`count` random routings, each [layers, num_tokens, top_k] of distinct experts per token."""
     import jax.numpy as jnp
 
@@ -142,23 +161,26 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gemv-only", action="store_true", help="print the GEMV median ms and exit (child)")
     parser.add_argument("--out", default="cpu_expert_reads.md", help="result file name under bench/results")
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
     if args.gemv_only:
-        print(gemv_ms())
+        print(gemv_ms(SMOKE if args.smoke else FULL))
         return
+    with smoke_run(args):
+        report(args, SMOKE if args.smoke else FULL)
 
+
+def report(args, sizes: Sizes) -> None:
     import jax.numpy as jnp
-
-    from bench.common import read_bandwidth_gbs, write_result
 
     load = open("/proc/loadavg").read().split()[0]
     rng = np.random.default_rng(0)
-    layers = expert_layers(rng)
+    layers = expert_layers(rng, sizes.layers)
     stacked = [experts.stacked() for experts in layers]
     x = jnp.asarray(rng.standard_normal((1, HIDDEN)), jnp.float32)
     weights = jnp.asarray([[0.6, 0.4]], jnp.float32)
-    token_routings = routings(rng, 1, 64)
-    expert_bytes = LAYERS * TOP_K * 3 * HIDDEN * WIDTH * 4
+    token_routings = routings(rng, 1, sizes.calls, layers=sizes.layers)
+    expert_bytes = sizes.layers * TOP_K * 3 * HIDDEN * WIDTH * 4
     rows, outputs = [], []
     for name, experts in (("stacked (pairs)", stacked), ("per-expert arrays (pairs, what auto runs)", layers)):
         fn = expert_ffns("pairs")
@@ -168,29 +190,34 @@ def main(argv=None) -> None:
     agree = float(np.abs(outputs[1] - outputs[0]).max())
 
     batch_rows = []
-    for num_tokens in (8, 16, 24, 32):
+    for num_tokens in sizes.batches:
         batch_x = jnp.asarray(rng.standard_normal((num_tokens, HIDDEN)), jnp.float32)
         batch_weights = jnp.tile(weights, (num_tokens, 1))
-        inputs = [(batch_x, ids, batch_weights, layers) for ids in routings(rng, num_tokens, 16)]
+        inputs = [(batch_x, ids, batch_weights, layers)
+                  for ids in routings(rng, num_tokens, min(16, sizes.calls), layers=sizes.layers)]
         times = [timed_ms(expert_ffns(backend), inputs)[0] for backend in ("pairs", "xla_tiled")]
         batch_rows.append(f"| {num_tokens} | {num_tokens * TOP_K / EXPERTS:g} | {times[0]:.1f} | {times[1]:.1f} |")
 
-    sizes = size_rows(rng)
-    crossing = stacked_crossing_rows(rng)
+    shapes = size_rows(rng, sizes)
+    crossing = stacked_crossing_rows(rng, sizes)
 
-    one_core = subprocess.run([sys.executable, "-m", "bench.cpu_expert_reads", "--gemv-only"], check=True,
+    one_core = subprocess.run([sys.executable, "-m", "bench.cpu_expert_reads", "--gemv-only",
+                               *(["--smoke"] if args.smoke else [])], check=True,
                               capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     gemv_bytes = HIDDEN * 2 * WIDTH * 4
-    gemv = {"every core": gemv_ms(), "one core": float(one_core.stdout.split()[-1])}
-    bandwidth = read_bandwidth_gbs()
+    gemv = {"every core": gemv_ms(sizes), "one core": float(one_core.stdout.split()[-1])}
+    bandwidth = read_bandwidth_gbs(args.smoke)
     body = "\n".join([
         f"1-minute load average at the start: {load}. Expert weights read per token: {expert_bytes / 1e6:.1f} MB.",
-        "", "| expert FFNs of one token, 8 layers | ms (median) | GB/s of expert weights | first call s (compile) |",
+        "", f"| expert FFNs of one token, {sizes.layers} layers | ms (median) | GB/s of expert weights | "
+            "first call s (compile) |",
         "|---|---|---|---|", *rows, "", f"Largest difference between the two outputs: {agree:.2e}.", "",
-        "| tokens (per-expert arrays, 8 layers) | pairs per slot | pairs ms | xla_tiled ms |", "|---|---|---|---|",
+        f"| tokens (per-expert arrays, {sizes.layers} layers) | pairs per slot | pairs ms | xla_tiled ms |",
+        "|---|---|---|---|",
         *batch_rows, "",
-        "| expert d x f (8 layers, batch 1) | MiB per expert | stacked ms | per-expert ms |", "|---|---|---|---|",
-        *sizes, "",
+        f"| expert d x f ({sizes.layers} layers, batch 1) | MiB per expert | stacked ms | per-expert ms |",
+        "|---|---|---|---|",
+        *shapes, "",
         "| slots (stacked, one layer, top-8) | expert d x f | tokens | pairs per slot | pairs ms | xla_tiled ms |",
         "|---|---|---|---|---|---|", *crossing, "",
         "| one matrix-vector product on an expert's own array | ms (median) | GB/s |", "|---|---|---|",

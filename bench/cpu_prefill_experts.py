@@ -14,6 +14,7 @@ in its own process, alternated, medians:
 Each way routes the rows too (sort by expert, gather, weighted combine), as a prompt step does.
 
   JAX_PLATFORMS=cpu python -m bench.cpu_prefill_experts      (about five minutes; needs a quiet machine)
+  JAX_PLATFORMS=cpu python -m bench.cpu_prefill_experts --smoke   (a toy checkpoint and prompt, no result file)
 """
 
 from __future__ import annotations
@@ -29,13 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_random_checkpoint, write_result
+from bench.common import add_smoke_argument, per_expert_copies, smoke_run, write_random_checkpoint, write_result
 from bench.compare_cpu import load_average, load_warning, prompt_ids, quiet_start_load
-from bench.decode import COMPARE_MODELS
+from bench.decode import COMPARE_MODELS, compare_models
 
-SPEC = COMPARE_MODELS["mixtral"]
-LAYERS, EXPERTS, TOP_K = SPEC["num_hidden_layers"], SPEC["num_local_experts"], SPEC["num_experts_per_tok"]
-HIDDEN, WIDTH = SPEC["hidden_size"], SPEC["intermediate_size"]
+# The same at smoke size; layers, hidden size and width are the checkpoint's (`spec`, compare_models).
+EXPERTS, TOP_K = COMPARE_MODELS["mixtral"]["num_local_experts"], COMPARE_MODELS["mixtral"]["num_experts_per_tok"]
 WAYS = {"jmoe": "jmoe (auto, per-expert views)", "xla_static": "XLA, sizes compiled in (bound)",
         "ragged_dot": "lax.ragged_dot (XLA:CPU)", "torch": "PyTorch _grouped_mm", "numpy": "NumPy matmuls (OpenBLAS)"}
 
@@ -51,15 +51,16 @@ def checkpoint_routing(directory: Path, prompt_len: int) -> np.ndarray:
     return np.stack([layer.topk(TOP_K, dim=-1).indices.numpy() for layer in logits]).astype(np.int32)
 
 
-def problem(routing: np.ndarray):
+def problem(routing: np.ndarray, spec: dict):
     """The same inputs in every process: x [T, d], combine weights [L, T, k], stacked experts per layer."""
     rng = np.random.default_rng(0)
-    tokens = routing.shape[1]
-    x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
-    combine = rng.random((LAYERS, tokens, TOP_K), dtype=np.float32)
+    layers, tokens = routing.shape[:2]
+    hidden, width = spec["hidden_size"], spec["intermediate_size"]
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    combine = rng.random((layers, tokens, TOP_K), dtype=np.float32)
     combine /= combine.sum(-1, keepdims=True)
-    experts = [(rng.standard_normal((EXPERTS, HIDDEN, 2 * WIDTH), dtype=np.float32) * 0.02,
-                rng.standard_normal((EXPERTS, WIDTH, HIDDEN), dtype=np.float32) * 0.02) for _ in range(LAYERS)]
+    experts = [(rng.standard_normal((EXPERTS, hidden, 2 * width), dtype=np.float32) * 0.02,
+                rng.standard_normal((EXPERTS, width, hidden), dtype=np.float32) * 0.02) for _ in range(layers)]
     return x, combine, experts
 
 
@@ -72,7 +73,8 @@ def xla_way(way: str, routing, x, combine, experts):
 
     tokens = routing.shape[1]
     layers = [ExpertWeights(jnp.asarray(gate_up), jnp.asarray(down)) for gate_up, down in experts]
-    layers = [e._replace(per_expert=per_expert_views(e)) for e in layers]
+    # Experts below MIN_EXPERT_BYTES (a smoke run's) get no views: copies give every way the same layout.
+    layers = [e._replace(per_expert=per_expert_views(e) or per_expert_copies(e)) for e in layers]
 
     def swiglu(rows, gate_up, down):
         gate, up = jnp.split(rows @ gate_up, 2, axis=-1)
@@ -106,7 +108,7 @@ def xla_way(way: str, routing, x, combine, experts):
 
     @jax.jit
     def run(x, ids, weights, layers):
-        return sum(per_layer(x, ids[i], weights[i], layers[i], i) for i in range(LAYERS))
+        return sum(per_layer(x, ids[i], weights[i], layers[i], i) for i in range(len(layers)))
 
     args = (jnp.asarray(x), jnp.asarray(routing), jnp.asarray(combine), layers)
     return lambda: np.asarray(run(*args))
@@ -146,7 +148,7 @@ def numpy_way(routing, x, combine, experts):
         for layer, (gate_up, down) in enumerate(experts):
             flat = routing[layer].reshape(-1)
             order = np.argsort(flat, kind="stable")
-            rows, y_sorted, start = x[order // TOP_K], np.empty((flat.size, HIDDEN), np.float32), 0
+            rows, y_sorted, start = x[order // TOP_K], np.empty((flat.size, x.shape[1]), np.float32), 0
             for expert, size in enumerate(np.bincount(flat, minlength=EXPERTS)):
                 gate, up = np.split(rows[start:start + size] @ gate_up[expert], 2, axis=-1)
                 y_sorted[start:start + size] = (gate / (1 + np.exp(-gate)) * up) @ down[expert]
@@ -161,7 +163,7 @@ def numpy_way(routing, x, combine, experts):
 
 def worker(args) -> None:
     routing = np.load(args.workdir / "routing.npy")
-    inputs = (routing, *problem(routing))
+    inputs = (routing, *problem(routing, compare_models(args.smoke)["mixtral"]))
     run = (torch_way(*inputs) if args.way == "torch" else numpy_way(*inputs) if args.way == "numpy"
            else xla_way(args.way, *inputs))
     start = time.perf_counter()
@@ -178,7 +180,7 @@ def worker(args) -> None:
 
 def measure(way: str, args) -> dict:
     command = [sys.executable, "-m", "bench.cpu_prefill_experts", "worker", "--way", way,
-               "--workdir", str(args.workdir), "--repeats", str(args.repeats)]
+               "--workdir", str(args.workdir), "--repeats", str(args.repeats)] + (["--smoke"] if args.smoke else [])
     before = load_average()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if done.returncode:
@@ -189,8 +191,10 @@ def measure(way: str, args) -> dict:
 def report(routing, samples, start_load, loads, args, wall) -> str:
     import torch
 
-    sizes = np.stack([np.bincount(routing[layer].reshape(-1), minlength=EXPERTS) for layer in range(LAYERS)])
-    flops = 2 * routing.size * 3 * HIDDEN * WIDTH
+    spec = compare_models(args.smoke)["mixtral"]
+    layers = len(routing)
+    sizes = np.stack([np.bincount(routing[layer].reshape(-1), minlength=EXPERTS) for layer in range(layers)])
+    flops = 2 * routing.size * 3 * spec["hidden_size"] * spec["intermediate_size"]
     reference = np.load(args.workdir / "out_torch.npy")
     jmoe_ms = statistics.median(s for r in samples["jmoe"] for s in r["seconds"]) * 1e3
     rows = []
@@ -203,14 +207,15 @@ def report(routing, samples, start_load, loads, args, wall) -> str:
     return (load_warning(start_load) +
             f"Method: {args.rounds} rounds; in each, every way runs once in a fresh process; each process runs once "
             f"(compiling) and then times {args.repeats} calls; medians over all {args.rounds * args.repeats} samples. "
-            f"{flops / 1e9:.1f} GFLOP per call (8 layers, {routing.shape[1]} tokens, top-{TOP_K}). jax "
+            f"{flops / 1e9:.1f} GFLOP per call ({layers} layers, {routing.shape[1]} tokens, top-{TOP_K}). jax "
             f"{__import__('jax').__version__}, PyTorch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"NumPy {np.__version__}. 1-minute load average {start_load:.2f} when the run began; around each process "
             f"{min(loads):.2f} - {max(loads):.2f}, the run's own processes included; whole run {wall:.0f} s.\n\n"
             "| way | ms (median) | min - max | GFLOP/s | speed vs jmoe | first call s | max diff vs PyTorch |\n"
             "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-            "Rows per expert in each layer (the checkpoint's routing of the prompt; 1,024 rows per layer):\n\n" +
-            "\n".join(f"- layer {layer}: {' '.join(str(n) for n in sizes[layer])}" for layer in range(LAYERS)) + "\n")
+            f"Rows per expert in each layer (the checkpoint's routing of the prompt; {routing.shape[1] * TOP_K:,} rows per "
+            "layer):\n\n" +
+            "\n".join(f"- layer {layer}: {' '.join(str(n) for n in sizes[layer])}" for layer in range(layers)) + "\n")
 
 
 def main(argv=None) -> None:
@@ -223,12 +228,21 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="cpu_prefill_experts.md")
     parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")
     parser.add_argument("--way", choices=list(WAYS), help="worker: which way to time")
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
     if args.mode == "worker":
         return worker(args)
-    start_load = quiet_start_load("cpu_prefill_experts", args.allow_load)
+    with smoke_run(args):
+        if args.smoke:
+            args.rounds, args.repeats, args.prompt_len = 1, 1, 16
+        compare(args)
+
+
+def compare(args) -> None:
+    """Every way in its own process, alternated over the rounds; the report."""
+    start_load = quiet_start_load("cpu_prefill_experts", args.allow_load or args.smoke)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    directory = write_random_checkpoint(args.workdir / "compare_mixtral", **SPEC)
+    directory = write_random_checkpoint(args.workdir / "compare_mixtral", **compare_models(args.smoke)["mixtral"])
     routing = checkpoint_routing(directory, args.prompt_len)
     np.save(args.workdir / "routing.npy", routing)
     began, samples, loads = time.perf_counter(), {way: [] for way in WAYS}, []

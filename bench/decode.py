@@ -3,6 +3,7 @@
   python -m bench.decode compare   # jmoe vs transformers, batch-1 decode, two random checkpoints (issue 2)
   python -m bench.decode cache     # tokens/s against cache size, next to the transfer bound (issue 3)
   python -m bench.decode manager   # manager time per decode step, 24 layers x 32 experts, top-4 (issue 3)
+  python -m bench.decode --smoke   # all three at toy size (one mode: name it), no result file
 
 Random-weight checkpoints are written once under --workdir (default /tmp/jmoe_bench) by transformers,
 so both engines load the same files. Results go to bench/results/.
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import median_seconds, read_bandwidth_gbs, write_random_checkpoint, write_result
+from bench.common import (add_smoke_argument, median_seconds, read_bandwidth_gbs, smoke_run, smoke_spec,
+                          write_random_checkpoint, write_result)
 
 COMPARE_MODELS = {
     # ~215M parameters: hidden 512, 8 layers, 16 experts, top-2, vocab 8192
@@ -34,6 +36,12 @@ CACHE_MODEL = dict(model_type="mixtral", hidden_size=768, intermediate_size=2688
                    num_attention_heads=12, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
                    vocab_size=8192, max_position_embeddings=2048)
 PROMPT = list(range(100, 132))
+MODES = ("compare", "cache", "manager")
+
+
+def compare_models(smoke: bool) -> dict:
+    """COMPARE_MODELS, at smoke size for a smoke run."""
+    return {name: smoke_spec(spec) for name, spec in COMPARE_MODELS.items()} if smoke else COMPARE_MODELS
 
 
 def bytes_read_per_token(model) -> int:
@@ -74,9 +82,9 @@ def transformers_decode(directory: Path, new_tokens: int) -> float:
 def cmd_compare(args) -> None:
     import jmoe
 
-    bandwidth = read_bandwidth_gbs()
+    bandwidth = read_bandwidth_gbs(args.smoke)
     rows = []
-    for name, spec in COMPARE_MODELS.items():
+    for name, spec in compare_models(args.smoke).items():
         directory = write_random_checkpoint(args.workdir / f"compare_{name}", **spec)
         model = jmoe.load(directory, progress=False)
         params = sum(model.placement_plan.nbytes.values()) // 4
@@ -99,22 +107,24 @@ def cmd_compare(args) -> None:
 
 
 def copy_bandwidth_gbs(model) -> float:
-    """Host-to-slot copy bandwidth as the engine sees it: pinned-host expert slices into a device buffer."""
+    """Host-to-slot copy bandwidth as the engine sees it: one expert's pinned-host weights (every leaf) into
+    device buffers."""
     import jax
 
     from jmoe.offload.slots import device_copy
 
-    host = model.module().moe_blocks()[0].experts.w_gate_up[...]
-    copy = jax.jit(lambda h, i: device_copy(h, i))
-    seconds = median_seconds(lambda: copy(host, np.int32(1)).block_until_ready(), repeats=20)
-    return host.nbytes / host.shape[0] / seconds / 1e9
+    host = model.module().moe_blocks()[0].experts.weights()
+    copy = jax.jit(device_copy)
+    seconds = median_seconds(lambda: jax.block_until_ready(copy(host, np.int32(1))), repeats=20)
+    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(host.stacked())) / seconds / 1e9
 
 
 def cmd_cache(args) -> None:
     import jmoe
     from jmoe.decode.sampling import SamplingParams
 
-    directory = write_random_checkpoint(args.workdir / "cache_mixtral", **CACHE_MODEL)
+    directory = write_random_checkpoint(args.workdir / "cache_mixtral",
+                                        **(smoke_spec(CACHE_MODEL) if args.smoke else CACHE_MODEL))
     resident = jmoe.load(directory, progress=False)
     cfg = resident.config
     params = sum(resident.placement_plan.nbytes.values()) // 4
@@ -195,14 +205,22 @@ def cmd_manager(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["compare", "cache", "manager"])
+    parser.add_argument("mode", nargs="?", choices=MODES, help="required, except with --smoke (then: all three)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench"))
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per measured run")
     parser.add_argument("--policy", default="lfru")
     parser.add_argument("--steps", type=int, default=1000, help="manager mode: steps to time")
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    {"compare": cmd_compare, "cache": cmd_cache, "manager": cmd_manager}[args.mode](args)
+    if args.mode is None and not args.smoke:
+        parser.error(f"name a mode ({', '.join(MODES)}), or pass --smoke to run all three at toy size")
+    with smoke_run(args):
+        if args.smoke:
+            args.tokens, args.steps = 4, 20
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        commands = {"compare": cmd_compare, "cache": cmd_cache, "manager": cmd_manager}
+        for mode in [args.mode] if args.mode else MODES:
+            commands[mode](args)
 
 
 if __name__ == "__main__":

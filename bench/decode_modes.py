@@ -2,6 +2,7 @@
 
   python -m bench.decode_modes                 # both parts -> bench/results/decode_modes_cpu.md
   python -m bench.decode_modes --part default  # the default model only (a few minutes)
+  python -m bench.decode_modes --smoke         # both parts at toy size (2 decode steps), no result file
 
 Part "default": the shipped model (checkpoints/default) with its own router, batch 1 and batch 4
 (four different code prompts), cache 4 of 16 experts per layer, LFRU.
@@ -26,12 +27,12 @@ from pathlib import Path
 
 import jax
 
-from bench.common import run_parts, write_random_checkpoint, write_result
+from bench.common import add_smoke_argument, run_parts, smoke_run, write_result
 from bench.decode import PROMPT
-from bench.decode_trace import DEFAULT_PROMPT, GPTOSS_SHAPED, measure
+from bench.decode_trace import DEFAULT_PROMPT, measure, traced_checkpoint
 
 from jmoe.traces.forced_routing import TraceRouting
-from jmoe.traces.load import load_trace, split_trace
+from jmoe.traces.load import split_trace
 
 
 BATCH_PROMPTS = [DEFAULT_PROMPT, "def parse(text):\n    result = []\n    for line in text.splitlines():\n",
@@ -42,6 +43,7 @@ TABLE_HEAD = ("| setting | batch | tok/s (all rows) | ms/step | stall-free | MB 
 
 
 def settings(k: int, cache: int) -> list[tuple[str, dict]]:
+    """(label, jmoe.load options) per row."""
     return [("resident", {}),
             (f"cache {cache}, fetch", dict(cache=cache)),
             (f"cache {cache}, fetch, prefetch {k}", dict(cache=cache, prefetch=k)),
@@ -49,15 +51,15 @@ def settings(k: int, cache: int) -> list[tuple[str, dict]]:
             (f"cache {cache}, host, prefetch {k}", dict(cache=cache, miss_mode="host", prefetch=k)),
             ("resident experts, layer groups G=2 N=1 K=1",
              dict(offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1)),
-            ("resident (again, to show drift over the run)", {})]
+            ("resident (again, to show drift over the run)", {})]  # a smoke run leaves this repeat out
 
 
-def run_rows(directory, batches: dict[int, list[list[int]]], tokens: int, k: int, cache: int, log,
+def run_rows(directory, batches: dict[int, list[list[int]]], tokens: int, log, chosen: list[tuple[str, dict]],
              routing=None) -> list[str]:
     import jmoe
 
     rows = []
-    for label, kwargs in settings(k, cache):
+    for label, kwargs in chosen:
         model = jmoe.load(directory, policy="lfru", progress=False, **kwargs)
         for batch, prompts in batches.items():
             if model.stats():
@@ -79,8 +81,10 @@ def part_default(args, log) -> str:
     tokenizer = jmoe.load(DEFAULT_MODEL_DIR, progress=False).require_tokenizer()
     prompts = [tokenizer.encode(p) for p in BATCH_PROMPTS]
     cfg = jmoe.load_config(DEFAULT_MODEL_DIR)
-    rows = run_rows(DEFAULT_MODEL_DIR, {1: prompts[:1], 4: prompts}, args.default_tokens,
-                    cfg.num_experts_per_tok, args.default_cache, log)
+    chosen = settings(cfg.num_experts_per_tok, args.default_cache)
+    # A smoke run: batch 4, resident and one offloaded row (the GPT-OSS part runs every setting at batch 1).
+    batches, chosen = ({4: prompts}, chosen[:2]) if args.smoke else ({1: prompts[:1], 4: prompts}, chosen)
+    rows = run_rows(DEFAULT_MODEL_DIR, batches, args.default_tokens, log, chosen)
     return (f"## (a) Default model, its own routing\n\n`checkpoints/default` ({cfg.num_moe_layers} MoE layers, "
             f"{cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, float32), greedy, {args.default_tokens} "
             f"decode steps after code prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
@@ -89,14 +93,15 @@ def part_default(args, log) -> str:
 
 
 def part_gptoss(args, log) -> str:
-    directory = write_random_checkpoint(args.workdir / "gptoss_shaped_mixtral", **GPTOSS_SHAPED)
+    directory, trace = traced_checkpoint(args, "gptoss", args.workdir / "gptoss_shaped_mixtral")
     import jmoe
 
     cfg = jmoe.load_config(directory)
-    heldout = split_trace(load_trace("gptoss"))["eval_ids"]
+    heldout = split_trace(trace)["eval_ids"]
     p, n = len(PROMPT), args.tokens
     routing = (TraceRouting(heldout[:p + n], p, cfg), TraceRouting(heldout[p + n:2 * (p + n)], p, cfg))
-    rows = run_rows(directory, {1: [PROMPT]}, n, cfg.num_experts_per_tok, args.gptoss_cache, log, routing)
+    chosen = settings(cfg.num_experts_per_tok, args.gptoss_cache)
+    rows = run_rows(directory, {1: [PROMPT]}, n, log, chosen[:-1] if args.smoke else chosen, routing)
     return (f"## (b) GPT-OSS-20B-shaped random model, routing forced from the GPT-OSS-20B trace\n\n"
             f"The model of `bench/decode_trace.py` ({cfg.num_layers} MoE layers, {cfg.num_experts} experts, "
             f"top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, float32); expert ids forced from the "
@@ -114,7 +119,15 @@ def main(argv=None) -> None:
     parser.add_argument("--default-cache", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=16, help="GPT-OSS-shaped model: decode steps per run")
     parser.add_argument("--gptoss-cache", type=int, default=8)
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
+    with smoke_run(args):
+        if args.smoke:
+            args.default_tokens, args.tokens = 2, 2
+        write_report(args)
+
+
+def write_report(args) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(args.workdir / "jax_cache"))
     sections, conditions = run_parts(args, {"default": part_default, "gptoss": part_gptoss})

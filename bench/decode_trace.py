@@ -2,6 +2,7 @@
 
   python -m bench.decode_trace                  # both parts -> bench/results/decode_trace_cpu.md
   python -m bench.decode_trace --part gptoss    # one part only -> bench/results/decode_trace_gptoss_cpu.md
+  python -m bench.decode_trace --smoke          # every part at toy size (two MoE layers, one cache), no result
 
 Part "default": the shipped model in checkpoints/default with its own router, a code prompt.
 Part "gptoss": a GPT-OSS-20B-shaped random `gpt_oss` checkpoint (24 MoE layers, 32 experts, top-4, hidden and
@@ -28,9 +29,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import run_parts, write_random_checkpoint, write_result
+from bench.common import add_smoke_argument, run_parts, smoke_run, smoke_spec, write_random_checkpoint, write_result
 from bench.decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode
 
+import jmoe
 from jmoe.offload.policies import make_policy
 from jmoe.decode.sampling import SamplingParams
 from jmoe.traces.forced_routing import TraceRouting
@@ -114,12 +116,22 @@ def replay_hits(rows: np.ndarray, measured: int, experts: int, cache: int, polic
     return (hits(rows) - hits(rows[:-measured])) / (measured * rows.shape[1] * rows.shape[2])
 
 
-def part_traced(args, log, name: str) -> str:
-    import jmoe
+def traced_checkpoint(args, name: str, directory: Path) -> tuple[Path, dict]:
+    """The checkpoint of TRACED[name] written to `directory` and its trace. In a smoke run: the checkpoint at
+    smoke size with two MoE layers, and the trace cut to those layers."""
+    spec = TRACED[name]["config"]
+    if args.smoke:
+        spec = smoke_spec(spec, num_hidden_layers=spec.get("first_k_dense_replace", 0) + 2)
+    directory = write_random_checkpoint(directory, **spec)
+    trace = load_trace(TRACED[name]["trace"])
+    if args.smoke:
+        trace["expert_ids"] = trace["expert_ids"][:, :jmoe.load_config(directory).num_moe_layers]
+    return directory, trace
 
+
+def part_traced(args, log, name: str) -> str:
     spec = TRACED[name]
-    directory = write_random_checkpoint(args.workdir / f"{name}_shaped", **spec["config"])
-    trace = load_trace(spec["trace"])
+    directory, trace = traced_checkpoint(args, name, args.workdir / f"{name}_shaped")
     split = split_trace(trace)
     heldout, table = split["eval_ids"], frequency_table(split["tune_ids"], trace["num_experts"])
     layers, experts = heldout.shape[1], trace["num_experts"]
@@ -145,7 +157,7 @@ def part_traced(args, log, name: str) -> str:
 
     bandwidth = None
     rows = []
-    for cache in spec["caches"]:
+    for cache in (spec["caches"][0], spec["caches"][-1]) if args.smoke else spec["caches"]:
         if cache >= experts:
             rows.append(f"| {cache} (all resident) | - | {base.tps:.2f} | {base.step_s * 1e3:.1f} | 0.0 | "
                         f"{base.step_s * 1e3:.1f} | 1.00 | 100% | 100% |")
@@ -193,7 +205,6 @@ def model_expert_mb(cfg) -> float:
 
 
 def part_default(args, log) -> str:
-    import jmoe
     from jmoe.cli.common import DEFAULT_MODEL_DIR
 
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
@@ -207,7 +218,7 @@ def part_default(args, log) -> str:
     base = measure(resident, [prompt], n)
     log(f"default resident: {base.tps:.2f} tok/s over {base.steps} steps")
     del resident
-    caches = sorted({k, e // 4, e // 2})
+    caches = [k] if args.smoke else sorted({k, e // 4, e // 2})
     bandwidth = None
     rows = []
     steps = {base.steps}
@@ -246,7 +257,15 @@ def main(argv=None) -> None:
     parser.add_argument("--default-tokens", type=int, default=128,
                         help="default model: decode steps per run (its steps take milliseconds)")
     parser.add_argument("--hf-tokens", type=int, default=8, help="decode tokens per transformers run (slow on CPU)")
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
+    with smoke_run(args):
+        if args.smoke:
+            args.tokens, args.default_tokens, args.hf_tokens = 2, 4, 2
+        write_report(args)
+
+
+def write_report(args) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     # Each cache size compiles its own programs (about a minute each here); keep them for the next run.
     jax.config.update("jax_compilation_cache_dir", str(args.workdir / "jax_cache"))

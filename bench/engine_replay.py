@@ -3,6 +3,7 @@ the replay's recommended prefetch (`jmoe.load(..., prefetch_trace=...)`) on a GP
 routing is forced from the GPT-OSS-20B trace, next to the replay of the same tokens, at 8 of 32 slots.
 
     python -m bench.engine_replay [--tokens 400] [--cache 8]
+    python -m bench.engine_replay --smoke     # 2 MoE layers (the trace's first two), 8 tokens, no result file
 
 The predictor is fitted on the trace's tuning split; the tokens are the first --tokens of its report
 split, fed one per step (a one-token prompt, then decode steps), in the engine and in the replay alike.
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.common import write_random_checkpoint, write_result
+from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
 from jmoe.decode.sampling import SamplingParams
 from jmoe.offload.history_prefetch import BEST, best_predictor
 from jmoe.offload.policies import make_policy
@@ -45,11 +46,24 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--cache", type=int, default=8)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_engine_replay"))
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    with smoke_run(args):
+        if args.smoke:
+            args.tokens = 8
+        compare(args)
+    return 0
+
+
+def compare(args) -> None:
+    """The engine and the replay with and without history prefetch; the report."""
     began = time.perf_counter()
     load_before = open("/proc/loadavg").read().split()[:3]
-    directory = write_random_checkpoint(args.workdir / "gptoss_tiny", "mixtral", **TINY_GPTOSS)
+    spec = smoke_spec(TINY_GPTOSS) if args.smoke else TINY_GPTOSS
+    directory = write_random_checkpoint(args.workdir / "gptoss_tiny", "mixtral", **spec)
     trace = load_trace("gptoss")
+    if args.smoke:  # the smoke checkpoint has two MoE layers: the trace's first two drive them
+        trace["expert_ids"] = trace["expert_ids"][:, :spec["num_hidden_layers"]]
     split = split_trace(trace, None)
     rows = split["eval_ids"][:args.tokens]
     layers, experts = rows.shape[1], trace["num_experts"]
@@ -74,7 +88,6 @@ def main() -> int:
             "ones the rule does not want are dropped writes, but a copy still moves its bytes); the replay "
             "counts only the copies it makes.\n")
     print(write_result("engine_replay.md", "History prefetch: engine against replay", body))
-    return 0
 
 
 if __name__ == "__main__":

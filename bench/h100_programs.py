@@ -3,6 +3,7 @@ CUDA PJRT plugin, nothing runs): per configuration, the control flow a GPU would
 whose trip count is data both make it wait for the host), the Triton kernels, and the device memory.
 
     python -m bench.h100_programs [--model checkpoints/default] [--context 256]
+    python -m bench.h100_programs --smoke   # one configuration (cache 4, fetch, batch 1), context 16, no result
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import jmoe
-from bench.common import write_result
+from bench.common import add_smoke_argument, smoke_run, write_result
 
 # (label, jmoe.plan options, batch)
 CONFIGURATIONS = [
@@ -24,6 +25,7 @@ CONFIGURATIONS = [
     ("cache 4, host", dict(cache=4, miss_mode="host"), 1),
     ("cache 4, host", dict(cache=4, miss_mode="host"), 8),
 ]
+SMOKE_CONFIGURATIONS = [("cache 4, fetch", dict(cache=4), 1)]  # the offload engine's decode and prefill
 
 
 def row(label: str, batch: int, name: str, program) -> str:
@@ -39,13 +41,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/default")
     parser.add_argument("--context", type=int, default=256)
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    with smoke_run(args):
+        if args.smoke:
+            args.context = 16
+        report(args, SMOKE_CONFIGURATIONS if args.smoke else CONFIGURATIONS)
+    return 0
+
+
+def report(args, configurations: list) -> None:
     lines = ["| configuration | batch | program | conditionals | loops, known trip count | loops, data-dependent "
              "| Triton kernels | device MiB |", "|---|---|---|---|---|---|---|---|"]
-    for label, options, batch in CONFIGURATIONS:
+    for label, options, batch in configurations:
         plan = jmoe.plan(args.model, target="h100", batch=batch, context=args.context, **options)
         for name in ("decode", "prefill"):
-            lines.append(row(label, batch, name, plan.programs[name]))
+            program = plan.programs[name]
+            if args.smoke and program.error is not None:  # a real run reports it in the table
+                raise SystemExit(f"h100_programs --smoke: {label}, batch {batch}: {name} not compiled:\n"
+                                 f"{program.error}")
+            lines.append(row(label, batch, name, program))
             print(lines[-1], flush=True)
     body = (f"Model: `{args.model}` (qwen3_moe, 16 experts, top-2, 4 MoE layers), float32, KV cache of "
             f"{args.context} tokens; each program compiled by `jmoe.plan(..., target=\"h100\")` in a child "
@@ -61,7 +76,6 @@ def main() -> int:
             "conditional and every data-dependent loop inside the host computation "
             "(tests/test_gpu_step.py).\n")
     print(write_result("h100_programs.md", "Decode and prefill programs compiled for an H100", body))
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ share of HBM bandwidth at decode and of peak bf16 TFLOP/s at prefill.
 
   JAX_PLATFORMS=cpu python -m bench.kernels            # scaled, float32, CPU
   python -m bench.kernels --full --hbm-gbs 3350 --peak-tflops 989   # H100 SXM
+  JAX_PLATFORMS=cpu python -m bench.kernels --smoke    # dims / 64, T = 1 and 64, one timed call each
 """
 
 import argparse
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import add_smoke_argument
 from jmoe.kernels import moe_ffn
 
 MODELS = {
@@ -27,6 +29,7 @@ MODELS = {
 }
 DECODE_T = (1, 4, 16)
 PREFILL_T = (512, 4096)
+SMOKE_DECODE_T, SMOKE_PREFILL_T, SMOKE_SCALE = (1,), (64,), 64
 
 
 def plain_ragged_dot(x_sorted, group_sizes, w_gate_up, w_down):
@@ -82,8 +85,8 @@ def run(args):
         w_down = (jax.random.normal(key, (num_experts, f, d), jnp.float32) / f**0.5)
         w_gate_up, w_down = w_gate_up.astype(dtype), w_down.astype(dtype)
         slot_bytes = (d * 2 * f + f * d) * jnp.dtype(dtype).itemsize
-        for num_tokens in DECODE_T + PREFILL_T:
-            phase = "decode" if num_tokens in DECODE_T else "prefill"
+        for num_tokens in args.decode_tokens + args.prefill_tokens:
+            phase = "decode" if num_tokens in args.decode_tokens else "prefill"
             x = jnp.asarray(rng.normal(size=(num_tokens, d)), dtype)
             slot_ids = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :top_k]
             slot_ids = jnp.asarray(slot_ids, jnp.int32)
@@ -102,7 +105,9 @@ def run(args):
                     call_args = (x, slot_ids, weights, w_gate_up, w_down)
                 try:
                     sec = time_fn(fn, call_args, args.min_time, args.max_reps)
-                except Exception as err:  # e.g. triton without jax-triton: report, go on
+                except Exception as err:  # e.g. triton without jax-triton: report, go on (a smoke run fails)
+                    if args.smoke:
+                        raise
                     rows.append((model, phase, num_tokens, backend, None, None, None,
                                  str(err).splitlines()[0][:80]))
                     continue
@@ -136,7 +141,11 @@ def main():
     parser.add_argument("--max-reps", type=int, default=10)
     parser.add_argument("--hbm-gbs", type=float, default=3350.0, help="GPU HBM GB/s (H100 SXM)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="GPU dense bf16 TFLOP/s")
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    args.decode_tokens, args.prefill_tokens = (SMOKE_DECODE_T, SMOKE_PREFILL_T) if args.smoke else (DECODE_T, PREFILL_T)
+    if args.smoke:  # prints only, like a real run: no work directory needed
+        args.full, args.scale, args.min_time, args.max_reps = False, SMOKE_SCALE, 0.0, 1
     print(f"platform={jax.default_backend()} devices={jax.devices()} "
           f"scale={'1 (full)' if args.full else args.scale}")
     print("| model | phase | T | backend | ms (median) | tokens/s | GB/s (expert bytes) | note |")

@@ -2,16 +2,18 @@
 shared key) against the same model caching full keys and values, at the published DeepSeek-V3 and Kimi K2
 sizes, and the cache jmoe actually allocates for them (shape structs, nothing is allocated).
 
-  python -m bench.kv_cache_mla
+  python -m bench.kv_cache_mla [--smoke]   (--smoke: the same, writing no result file)
 """
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import write_result
+from bench.common import add_smoke_argument, smoke_run, write_result
 from jmoe.config import parse_config
 from jmoe.model.transformer import empty_kv_cache, kv_bytes_per_token
 
@@ -43,7 +45,15 @@ def row(name: str, hf: dict, context: int = 4096) -> str:
             f"{full:,} | {full / mla:.1f}x | {mla * 131072 / 2**30:.2f} GiB | {full * 131072 / 2**30:.2f} GiB |")
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    with smoke_run(args):
+        report()
+
+
+def report() -> None:
     rows = [row("DeepSeek-V3", DEEPSEEK_V3), row("Kimi K2", KIMI_K2)]
     body = ("bfloat16 cache, per token of one sequence over all layers. MLA: what `jmoe.model.mla` stores "
             "(latent after kv_a_layernorm + the roped shared key; `kv_bytes_per_token`), checked against the shapes "

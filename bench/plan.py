@@ -8,6 +8,7 @@ prefill programs are compiled for the target in that process's children.
 
     python -m bench.plan [--workdir /tmp/jmoe_plan_bench] [--models mixtral-8x7b,qwen3-30b-a3b]
         [--targets h100,rtx4090] [--context 4096] [--no-compile]
+    python -m bench.plan --smoke   # Mixtral-8x7B at smoke size, h100, cache 4, context 64, no result file
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 
 # Published config.json values (Hugging Face hub: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B,
 # Qwen/Qwen3-235B-A22B), with the keys jmoe reads.
@@ -47,6 +48,7 @@ NOT_YET = {"gpt-oss-120b": "gpt_oss", "deepseek-v3": "deepseek_v3"}
 CACHES = {"mixtral-8x7b": [None, 0, 4], "qwen3-30b-a3b": [None, 0, 16], "qwen3-235b-a22b": [None, 0, 16]}
 # Host RAM assumed next to each GPU (the plan's host_gb): a one-H100 cloud machine, a desktop with an RTX 4090.
 HOST_GB = {"h100": 256, "rtx4090": 128}
+SMOKE_MODEL, SMOKE_CACHE = "mixtral-8x7b", 4  # a smoke run plans this model at smoke size, this cache only
 BF16_BYTES = 2
 
 
@@ -103,6 +105,15 @@ def plan_row(directory: Path, target: str, cache, context: int, compile_programs
     return json.loads(done.stdout)
 
 
+def smoke_check(row: dict) -> None:
+    """Raise unless every program of a plan compiled."""
+    failed = {name: p["error"] for name, p in row["programs"].items() if p["error"] is not None}
+    if failed:
+        raise RuntimeError("programs not compiled: " + "; ".join(f"{n}: {e.strip()[-500:]}" for n, e in failed.items()))
+    if not row["programs"]:
+        raise RuntimeError("the plan compiled no program")
+
+
 def gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.1f}"
 
@@ -132,19 +143,39 @@ def main() -> int:
     parser.add_argument("--targets", default="h100,rtx4090")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--no-compile", action="store_true")
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    with smoke_run(args):
+        if args.smoke:
+            args.models, args.targets, args.context = SMOKE_MODEL, "h100", 64
+        report(args)
+    return 0
+
+
+def models_to_plan(args) -> dict:
+    """{name: (config, caches)} of the models in `args.models`; a smoke run's at smoke size, one cache."""
+    if args.smoke:
+        return {name: (smoke_spec(MODELS[name]), [SMOKE_CACHE]) for name in args.models.split(",")}
+    return {name: (MODELS[name], CACHES[name]) for name in args.models.split(",")}
+
+
+def report(args) -> None:
     began = time.perf_counter()
     load_before = open("/proc/loadavg").read().split()[:3]
     rows, errors = [], []
-    for name in args.models.split(","):
-        directory = write_header_only_checkpoint(args.workdir / name, MODELS[name])
+    for name, (config, caches) in models_to_plan(args).items():
+        directory = write_header_only_checkpoint(args.workdir / name, config)
         for target in args.targets.split(","):
-            for cache in CACHES[name]:
+            for cache in caches:
                 print(f"[{time.perf_counter() - began:6.0f} s] {name} {target} cache={cache}", file=sys.stderr,
                       flush=True)
                 try:
                     row = plan_row(directory, target, cache, args.context, not args.no_compile)
+                    if args.smoke:  # a real run reports what failed; a smoke run fails on it
+                        smoke_check(row)
                 except RuntimeError as e:
+                    if args.smoke:
+                        raise SystemExit(f"plan --smoke: {e}") from None
                     errors.append(str(e))
                     continue
                 rows.append({**row, "name": name, "cache_label": "all resident" if cache is None else str(cache)})
@@ -162,7 +193,6 @@ def main() -> int:
         body += ["", "Failed plans:", *[f"- {e}" for e in errors]]
     (args.workdir / "plan_rows.json").write_text(json.dumps(rows))
     print(write_result("plan.md", "jmoe.plan on published MoE shapes", "\n".join(body) + "\n"))
-    return 0
 
 
 if __name__ == "__main__":

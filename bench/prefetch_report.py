@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from jmoe.traces.comparison import prefetch_grid, setting_quality, target_verdict
-from jmoe.traces.load import CROSSLAYER_TABLE, load_trace, split_trace
+from jmoe.traces.load import CROSSLAYER_TABLE, DATA_DIR, load_trace, split_trace
 from jmoe.traces.replay import PREFETCH_SETTINGS
 from jmoe.traces.tuning import PREFETCH_TARGET, check_best_setting, tune_prefetch
 
@@ -38,12 +38,15 @@ PREFETCH_NOTES = [
 ]
 
 
-def prefetch_report(results_dir: Path, date: str, machine: str, caches: list[int], progress=print) -> Path:
-    """Tune on GPT-OSS mmlu*, then report predictors and prefetch on the held-out sequences at ``caches``."""
-    tuned = tune_prefetch(progress)
-    check_best_setting(tuned)
+def prefetch_report(results_dir: Path, date: str, machine: str, caches: list[int], progress=print,
+                    data_dir: Path = DATA_DIR, check_tuned: bool = True) -> Path:
+    """Tune on GPT-OSS mmlu*, then report predictors and prefetch on the held-out sequences at ``caches``;
+    ``check_tuned``: raise unless the tuning chose the shipped ``best`` (``check_best_setting``)."""
+    tuned = tune_prefetch(progress, data_dir=data_dir)
+    if check_tuned:
+        check_best_setting(tuned)
     best, chosen = PREFETCH_SETTINGS["best"], tuned["chosen"]
-    trace = load_trace("gptoss")
+    trace = load_trace("gptoss", data_dir)
     split = split_trace(trace)
     ids = split["eval_ids"].astype(np.int64)
     num_layers, top_k = ids.shape[1], ids.shape[2]

@@ -1,6 +1,7 @@
 """Quantized experts (`expert_dtype`): quality against full precision and bytes / speed per decode step.
 
   python -m bench.quantized [--part all|quality|speed|random] [--tokens 64] [--repeats 3]
+  python -m bench.quantized --smoke   # every part at toy size, float32 and int4 only, no result file
 
 quality: the default model on the held-out text of bench/results/eval.md: perplexity and top-1 agreement of
     every scored token's next-token argmax with the float32 model, per format (and int4 group size).
@@ -19,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import run_parts, write_random_checkpoint, write_result
-from bench.decode import COMPARE_MODELS, PROMPT
+from bench.common import add_smoke_argument, run_parts, smoke_run, write_random_checkpoint, write_result
+from bench.decode import COMPARE_MODELS, PROMPT, compare_models
 from bench.router_predictor import heldout_streams
 from jmoe.decode.sampling import SamplingParams
 from jmoe.eval.metrics import evaluate, pack_windows, padded_batch
@@ -31,8 +32,17 @@ QUALITY_FORMATS = [("float32", None, None), ("bfloat16", "bfloat16", None), ("in
                    ("int4 g32", "int4", 32), ("int4 g64 (default)", "int4", 64), ("int4 g96", "int4", 96),
                    ("fp8", "fp8", None), ("mxfp4", "mxfp4", None)]
 SPEED_FORMATS = [("float32", None), ("int8", "int8"), ("int4", "int4"), ("fp8", "fp8"), ("mxfp4", "mxfp4")]
+# A smoke run: the reference and one quantized format (every format runs the same code here; tests/test_quantized.py
+# covers the formats themselves), 2 windows of text or random tokens, 2 new tokens, one run per row.
+SMOKE_FORMATS = ("float32", "int4", "int4 g32")
 CACHE = 4
 SEQ_LEN, BATCH = 256, 8
+SMOKE_WINDOWS = 2  # windows of held-out text (quality) and of random tokens (random) in a smoke run
+
+
+def formats(table: list[tuple], smoke: bool) -> list[tuple]:
+    """The rows of a format table a run measures: all, or a smoke run's SMOKE_FORMATS."""
+    return [row for row in table if row[0] in SMOKE_FORMATS] if smoke else table
 
 
 def argmax_tokens(model, windows, lengths) -> np.ndarray:
@@ -47,11 +57,11 @@ def argmax_tokens(model, windows, lengths) -> np.ndarray:
 
 def part_quality(args, log) -> str:
     rows, reference, stream = [], None, None
-    for label, expert_dtype, group in QUALITY_FORMATS:
+    for label, expert_dtype, group in formats(QUALITY_FORMATS, args.smoke):
         log(f"quality {label}")
         model = jmoe.load(MODEL_DIR, expert_dtype=expert_dtype, expert_group_size=group, progress=False)
         if stream is None:  # the same tokens for every format
-            stream = heldout_streams(model, SEQ_LEN)[0]
+            stream = heldout_streams(model, SEQ_LEN)[0][:SMOKE_WINDOWS * SEQ_LEN if args.smoke else None]
         result = evaluate(model, stream, batch_size=BATCH, seq_len=SEQ_LEN)
         picks = argmax_tokens(model, *pack_windows(stream, SEQ_LEN))
         if reference is None:
@@ -116,7 +126,7 @@ SPEED_HEADER = ("| experts | cache | MiB copied per decode step | decode tokens/
 
 
 def part_speed(args, log) -> str:
-    rows = speed_rows(MODEL_DIR, SPEED_FORMATS, args.tokens, args.repeats, log, alternate=True)
+    rows = speed_rows(MODEL_DIR, formats(SPEED_FORMATS, args.smoke), args.tokens, args.repeats, log, alternate=True)
     return (f"## Speed: default model, batch-1 greedy decode on CPU\n\nPrompt of {len(PROMPT)} tokens, "
             f"{args.tokens} new tokens, policy lfru from an empty cache each run; {args.repeats} runs per row, the "
             "formats alternated, compile excluded. On this CPU a host-to-device copy is a memcpy, so the bytes "
@@ -125,18 +135,20 @@ def part_speed(args, log) -> str:
 
 
 def part_random(args, log) -> str:
-    directory = write_random_checkpoint(Path(args.workdir) / "mixtral_215m", seed=0, **COMPARE_MODELS["mixtral"])
-    windows = np.random.default_rng(0).integers(0, COMPARE_MODELS["mixtral"]["vocab_size"], (8, 128))
+    directory = write_random_checkpoint(Path(args.workdir) / "mixtral_215m", seed=0,
+                                        **compare_models(args.smoke)["mixtral"])
+    windows = np.random.default_rng(0).integers(0, COMPARE_MODELS["mixtral"]["vocab_size"],
+                                                (SMOKE_WINDOWS, 16) if args.smoke else (8, 128))
     lengths = np.full(len(windows), windows.shape[1])
     agreement, reference = [], None
-    for label, expert_dtype in SPEED_FORMATS:
+    for label, expert_dtype in formats(SPEED_FORMATS, args.smoke):
         log(f"random model agreement {label}")
         model = jmoe.load(directory, expert_dtype=expert_dtype, progress=False)
         picks = argmax_tokens(model, windows, lengths)
         reference = picks if reference is None else reference
         agreement.append(f"| {label} | {model.placement_plan.expert_bytes:,} | {np.mean(picks == reference) * 100:.2f}% |")
         del model
-    rows = speed_rows(directory, SPEED_FORMATS, args.tokens, args.repeats, log, alternate=False)
+    rows = speed_rows(directory, formats(SPEED_FORMATS, args.smoke), args.tokens, args.repeats, log, alternate=False)
     return ("## The 215M random Mixtral (bench/decode.py): agreement and speed\n\n"
             "Top-1 agreement over 8 random windows of 128 tokens (random weights: a check that quantization keeps "
             "the function, not a quality figure).\n\n| experts | bytes per expert | top-1 agreement |\n"
@@ -151,7 +163,15 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "jmoe_bench"))
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
+    with smoke_run(args):
+        if args.smoke:
+            args.tokens, args.repeats = 2, 1
+        write_report(args)
+
+
+def write_report(args) -> None:
     sections, conditions = run_parts(args, {"quality": part_quality, "speed": part_speed, "random": part_random})
     path = write_result(f"quantized{'' if args.part == 'all' else '_' + args.part}.md",
                         "Quantized experts on CPU", f"Conditions: {conditions}.\n\n" + "\n".join(sections))

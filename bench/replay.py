@@ -8,6 +8,7 @@
     python -m bench.replay --trace gptoss --cache 8 --policy lru --prefetch best --json
     python -m bench.replay --prefetch-report   # -> replay_prefetch.md (tuned on mmlu* only)
     python -m bench.replay --fit-table   # refit bench/data/gptoss20b_crosslayer_mmlu.npz on mmlu*
+    python -m bench.replay --smoke       # every mode above on a few tokens of each trace, in a temporary directory
 
 The simulator, its semantics (hits, stalls, bytes moved, prefetch) and the searches live in
 ``jmoe.traces`` (``replay``, ``tuning``, ``comparison``; traces and splits in ``load``); this
@@ -27,14 +28,18 @@ import numpy as np
 
 from jmoe.offload.policies import LFRUPolicy
 from jmoe.traces.comparison import policy_grid
-from jmoe.traces.load import CROSSLAYER_TABLE, TRACE_FILES, TraceError, load_trace
+from jmoe.traces.load import CROSSLAYER_TABLE, DATA_DIR, TRACE_FILES, TraceError, load_trace
 from jmoe.traces.replay import POLICIES, PREFETCH_SETTINGS, run_one
 from jmoe.traces.tuning import fit_table, tune_lfru
+from bench.common import add_smoke_argument, smoke_run
 from bench.prefetch_report import prefetch_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPORT_CACHES = {"gptoss": [4, 6, 8, 12, 16], "olmoe": [8, 16, 32], "kimi": [16, 32, 64]}
 REPORT_DATE = "2026-11-21"
+# A smoke run's traces: the first SMOKE_SEQUENCES sequences of each GPT-OSS dataset, each cut to SMOKE_TOKENS
+# tokens, and the first 2 x SMOKE_TOKENS tokens of the one-prompt traces.
+SMOKE_SEQUENCES, SMOKE_TOKENS = 2, 16
 
 
 def machine_description() -> str:
@@ -129,7 +134,7 @@ def reading(all_rows: dict) -> list[str]:
     return lines
 
 
-def report(results_dir: Path = RESULTS_DIR, progress=print) -> Path:
+def report(results_dir: Path = RESULTS_DIR, progress=print, data_dir: Path = DATA_DIR) -> Path:
     results_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Expert-cache policies replayed on real routing traces",
@@ -156,7 +161,7 @@ def report(results_dir: Path = RESULTS_DIR, progress=print) -> Path:
     ]
     all_rows = {}
     for trace_name, caches in REPORT_CACHES.items():
-        rows = all_rows[trace_name] = policy_grid(load_trace(trace_name), caches, progress)
+        rows = all_rows[trace_name] = policy_grid(load_trace(trace_name, data_dir), caches, progress)
         first = rows[0]
         png = results_dir / f"replay_{trace_name}.png"
         plot(rows, trace_name, png)
@@ -191,9 +196,9 @@ def report(results_dir: Path = RESULTS_DIR, progress=print) -> Path:
     return out
 
 
-def tune(results_dir: Path = RESULTS_DIR, progress=print) -> Path:
+def tune(results_dir: Path = RESULTS_DIR, progress=print, data_dir: Path = DATA_DIR) -> Path:
     """``tuning.tune_lfru`` (LFRU constants on GPT-OSS mmlu*) -> replay_tuning.md."""
-    tuned = tune_lfru(progress)
+    tuned = tune_lfru(progress, data_dir=data_dir)
     caches, best = tuned["caches"], tuned["best"]
     lines = [
         "# LFRU constants tuned on the GPT-OSS tuning split",
@@ -257,7 +262,40 @@ def parse_args(argv):
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
                         help="where --report, --tune and --prefetch-report write (default: "
                              "bench/results)")
+    add_smoke_argument(parser)
     return parser.parse_args(argv)
+
+
+def write_smoke_traces(data_dir: Path) -> Path:
+    """`data_dir` holding the start of every vendored trace (SMOKE_SEQUENCES, SMOKE_TOKENS)."""
+    data_dir.mkdir(parents=True)
+    for name, file in TRACE_FILES.items():
+        trace = load_trace(name)
+        if name != "gptoss":
+            np.save(data_dir / file, trace["expert_ids"][:2 * SMOKE_TOKENS])
+            continue
+        offsets, names = trace["seq_offsets"], trace["dataset"]
+        keep = np.concatenate([np.flatnonzero(names == dataset)[:SMOKE_SEQUENCES] for dataset in np.unique(names)])
+        keep.sort()
+        rows = [trace["expert_ids"][offsets[i]:min(offsets[i + 1], offsets[i] + SMOKE_TOKENS)] for i in keep]
+        np.savez(data_dir / file, expert_ids=np.concatenate(rows), dataset=names[keep],
+                 seq_offsets=np.concatenate([[0], np.cumsum([len(r) for r in rows])]))
+    return data_dir
+
+
+def smoke(args, log) -> int:
+    """Every mode on the start of each trace, written to and read from a temporary directory. Tuning there
+    chooses other constants than the shipped ones, so the prefetch report skips that check."""
+    with smoke_run(args) as directory:
+        data_dir, results = write_smoke_traces(directory / "data"), directory / "results"
+        print(f"wrote {fit_table(REPORT_DATE, path=data_dir / CROSSLAYER_TABLE.name, data_dir=data_dir)}")
+        print_result(run_one("gptoss", 8, "lru", prefetch="best", data_dir=data_dir), stats=True)
+        print(f"wrote {report(results, log, data_dir)}")
+        print(f"wrote {tune(results, log, data_dir)}")
+        prefetch = prefetch_report(results, REPORT_DATE, machine_description(), REPORT_CACHES["gptoss"], log,
+                                   data_dir, check_tuned=False)
+        print(f"wrote {prefetch}")
+    return 0
 
 
 def print_result(result: dict, stats: bool) -> None:
@@ -285,6 +323,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     try:
+        if args.smoke:
+            return smoke(args, log)
         if args.report or args.tune:
             print(f"wrote {(report if args.report else tune)(args.results_dir, progress=log)}")
             return 0

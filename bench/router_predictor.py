@@ -1,6 +1,7 @@
 """Precision and recall per MoE layer of the router predictor on the default model's held-out text.
 
     JAX_PLATFORMS=cpu python -m bench.router_predictor [--seq-len 256] [--batch-size 8]
+    JAX_PLATFORMS=cpu python -m bench.router_predictor --smoke   # two windows of 32 tokens per stream, no result
 
 The router predictor (jmoe.traces.router_guess, the engine's in-step prefetch guess) names the
 top-N experts of softmax(router_{l+1}(h_l)) for MoE layer l + 1; it is scored per token against the
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_result
+from bench.common import add_smoke_argument, smoke_run, write_result
 
 import jmoe
 from checkpoints.recipe.corpus import load_corpus
@@ -35,6 +36,7 @@ from jmoe.traces.router_guess import RouterGuesses, router_guesses
 MODEL_DIR = "checkpoints/default"
 SCORED_FILES = ["functools.py", "codecs.py", "email/generator.py"]  # bench/results/eval.md's held-out text
 COUNTS = (2, 4, 8)
+SMOKE_SEQ_LEN, SMOKE_WINDOWS = 32, 2  # a smoke run scores and fits on this many windows of this length
 
 
 def heldout_streams(model, seq_len: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -129,9 +131,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=256, help="window length, as in bench/results/eval.md")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
+    with smoke_run(args):
+        if args.smoke:
+            args.seq_len, args.batch_size = SMOKE_SEQ_LEN, SMOKE_WINDOWS
+        score(args)
+    return 0
+
+
+def score(args) -> None:
     model = jmoe.load(MODEL_DIR, progress=False)
     scored, fit, fit_files = heldout_streams(model, args.seq_len)
+    if args.smoke:
+        scored, fit = scored[:SMOKE_WINDOWS * args.seq_len], fit[:SMOKE_WINDOWS * args.seq_len]
     start = time.perf_counter()
     guesses = stream_guesses(model, scored, args.seq_len, args.batch_size)
     fit_ids = stream_guesses(model, fit, args.seq_len, args.batch_size).ids
@@ -141,7 +154,6 @@ def main(argv=None) -> int:
     path = write_result("router_predictor.md", "Router predictor: precision and recall per layer (default model)",
                         body)
     print(path.read_text())
-    return 0
 
 
 if __name__ == "__main__":
