@@ -84,7 +84,7 @@ def test_engine_serves_offload_options_exactly(prompt_ids):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = ServingEngine(model, max_batch=4, context=128, max_queue=3)
+    engine = ServingEngine(model, max_batch=2, context=128, max_queue=3)
     engine.warm_up()
     return engine
 

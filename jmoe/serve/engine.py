@@ -113,8 +113,9 @@ class ServingEngine:
 
     max_batch: rows decoded together; max_queue: requests that may wait for a row (submit raises
     QueueFullError beyond it); context: cache columns per row (prompt + generated tokens), at most the
-    model's max_position_embeddings; observer: optional object with `step(kind, seconds, rows, routing)` and
-    `finished(request)` methods, called on the engine's thread (metrics, logs).
+    model's max_position_embeddings; observer: optional object with `step(kind, seconds, rows, routing)` (routing:
+    the step's expert ids, NumPy int [L_moe, entries, T, k], -1 = none) and `finished(request)` methods, called on
+    the engine's thread (metrics, logs).
     """
 
     def __init__(self, model: Model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
@@ -321,7 +322,7 @@ class ServingEngine:
         # The first token of every entry whose prompt is complete, in the step's one device-to-host read.
         complete = [r if r.prefilled == len(r.prompt) else None for r in batch]
         choice = self._choose_tokens(logits, complete + [None] * (entries - len(batch)), reset=True)
-        chosen, finite = self.model.finish_step(state, routing, (choice, finite))
+        chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
         check_finite_layers(finite, "prefill step")
         self.steps["prefill"] += 1
         self._observe("prefill", began, len(batch), routing)
@@ -342,7 +343,7 @@ class ServingEngine:
         (logits, finite), routing, self.kv_cache, state = self._program(("decode", visible), self._decode[visible],
                                                                       args)(*args)
         choice = self._choose_tokens(logits, rows, reset=False)
-        chosen, finite = self.model.finish_step(state, routing, (choice, finite))
+        chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
         check_finite_layers(finite, "decode step")
         self.steps["decode"] += 1
         self._observe("decode", began, int(active.sum()), routing)

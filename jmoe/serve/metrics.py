@@ -44,10 +44,10 @@ class Metrics:
         r.register(_EngineCollector(self))
 
     # ---- the observer interface (engine thread) -------------------------------------------------------
-    def step(self, kind: str, seconds: float, rows: int, routing) -> None:
+    def step(self, kind: str, seconds: float, rows: int, routing: np.ndarray) -> None:
+        """routing: the step's expert ids, int [L_moe, entries, T, k], -1 = none."""
         self.step_seconds.labels(kind).observe(seconds)
         if kind == "decode":
-            routing = np.asarray(routing)  # [L_moe, rows, T, k], -1 = none
             for layer in routing.reshape(routing.shape[0], -1):
                 self.distinct_experts.observe(np.unique(layer[layer >= 0]).size)
 
@@ -94,9 +94,13 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 
 def _cache_metrics(stats: list[dict]):
-    """Per offloaded MoE layer: hit rate, host-to-device bytes and evictions (nothing when every expert is
-    resident)."""
+    """Per offloaded MoE layer: hit rate, hits and misses, host-to-device bytes and evictions (nothing when every
+    expert is resident)."""
     hit_rate = GaugeMetricFamily("jmoe:expert_cache_hit_rate", "Expert cache hits / lookups per MoE layer",
+                                 labels=["layer"])
+    hits = CounterMetricFamily("jmoe:expert_cache_hits", "Expert lookups served from a device slot per MoE layer",
+                               labels=["layer"])
+    misses = CounterMetricFamily("jmoe:expert_cache_misses", "Expert lookups not in a device slot per MoE layer",
                                  labels=["layer"])
     moved = CounterMetricFamily("jmoe:expert_cache_host_to_device_bytes", "Expert bytes copied to the device per "
                                 "MoE layer", labels=["layer"])
@@ -106,6 +110,8 @@ def _cache_metrics(stats: list[dict]):
         layer = [str(s["layer"])]
         if s["hit_rate"] is not None:
             hit_rate.add_metric(layer, s["hit_rate"])
+        hits.add_metric(layer, s["hits"])
+        misses.add_metric(layer, s["misses"])
         moved.add_metric(layer, s["bytes_moved"])
         evictions.add_metric(layer, s["evictions"])
-    return [hit_rate, moved, evictions]
+    return [hit_rate, hits, misses, moved, evictions]

@@ -1,0 +1,319 @@
+"""Serving under load: jmoe's OpenAI server against `transformers serve` (its continuous batching) on one
+checkpoint, with a bounded load generator on 127.0.0.1.
+
+  JAX_PLATFORMS=cpu python -m bench.serve [--cache 4] [--concurrency 1,2,4,8,16] [--requests 48] [--rounds 2]
+  JAX_PLATFORMS=cpu python -m bench.serve --smoke   # toy sizes, both servers, no result file
+
+A fixed request set (from --seed): prompts cut from the Python standard library's own sources (what the default
+model was trained on; 16-192 tokens) and max_tokens 16-128, greedy, streamed. For each concurrency level, N
+client threads take the requests in order until none are left; each server runs in its own process, the
+engines alternate over --rounds, and every figure is the median over rounds. Reported per engine and level:
+aggregate generated tokens/s, time to first token p50/p99, inter-token latency p50/p99; for jmoe also the
+expert-cache hit rate and host-to-device bytes per generated token (its /metrics). Then a soak: --soak
+requests at concurrency 8 through one jmoe server, its resident memory after the first 50 and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.common import add_smoke_argument, smoke_run, write_result
+from bench.compare_cpu import load_average, load_warning, quiet_start_load
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
+ENGINES = ("jmoe", "transformers")
+SOURCE_MODULES = ("argparse", "json/decoder", "textwrap", "shlex", "string", "csv", "difflib", "fractions")
+
+
+# ---- the workload ----------------------------------------------------------------------------------------
+
+def workload(model_dir: Path, count: int, seed: int, prompt_range=(16, 192), output_range=(16, 128)) -> list:
+    """`count` (prompt text, max_tokens) pairs: prompts of prompt_range tokens cut at random places from
+    standard-library sources, output lengths uniform in output_range."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids = [tokenizer.encode((stdlib / f"{name}.py").read_text()).ids for name in SOURCE_MODULES]
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        source = rng.choice(ids)
+        length = rng.randint(*prompt_range)
+        start = rng.randrange(len(source) - length)
+        requests.append((tokenizer.decode(source[start:start + length]), rng.randint(*output_range)))
+    return requests
+
+
+# ---- the servers -----------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process on 127.0.0.1, started in its own session and always stopped (its whole group)."""
+
+    def __init__(self, engine: str, args, log_path: Path):
+        self.engine, self.port = engine, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_name = "default" if engine == "jmoe" else str(args.model)
+        if engine == "jmoe":
+            command = [sys.executable, "-m", "jmoe.serve", "--model", str(args.model), "--port", str(self.port),
+                       "--max-batch", str(args.max_batch), "--context", str(args.context),
+                       "--served-model-name", self.model_name, "--no-compile-cache"]
+            if args.cache is not None:
+                command += ["--cache", str(args.cache)]
+        else:
+            command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
+                       "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", str(args.model)]
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until the server answers a first completion (jmoe: /ready, then one request)."""
+        began = time.monotonic()
+        path = "/ready" if self.engine == "jmoe" else "/health"
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.engine} server exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + path, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - began > timeout:
+                raise RuntimeError(f"{self.engine} server not ready after {timeout} s; see {self.log.name}")
+            time.sleep(0.5)
+        # transformers serve loads and compiles on its first request: take that out of the measurements
+        complete(self, "def f(x):", 4, timeout=timeout)
+        return time.monotonic() - began
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def metrics(self) -> dict[str, float]:
+        """jmoe's /metrics summed by metric name (labels dropped)."""
+        totals: dict[str, float] = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                name = name.split("{")[0]
+                totals[name] = totals.get(name, 0.0) + float(value)
+        return totals
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+def complete(server: Server, prompt: str, max_tokens: int, timeout: float = 300) -> dict:
+    """One streamed greedy completion: time to first token, the times between token chunks, and the tokens
+    generated (the usage chunk's count where the server sends one, else the chunks that carried a token)."""
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    began = time.monotonic()
+    arrivals, usage = [], None
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=timeout) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.engine}: HTTP {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            usage = chunk.get("usage") or usage
+            choice = (chunk.get("choices") or [None])[0]
+            # A chunk carries a token unless it is only the finish of a stream whose last token came before.
+            if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
+                arrivals.append(time.monotonic())
+    if not arrivals:
+        raise RuntimeError(f"{server.engine}: a completion produced no token")
+    tokens = usage["completion_tokens"] if usage else len(arrivals)
+    return {"ttft": arrivals[0] - began, "gaps": list(np.diff(arrivals)), "tokens": tokens}
+
+
+def run_level(server: Server, requests: list, concurrency: int) -> dict:
+    """`requests` through `concurrency` client threads; aggregate throughput and latency percentiles."""
+    pending = list(reversed(requests))
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                if not pending:
+                    return
+                prompt, max_tokens = pending.pop()
+            try:
+                outcome = complete(server, prompt, max_tokens)
+            except Exception as error:  # reported after the level: a failed request invalidates it
+                errors.append(error)
+                return
+            with lock:
+                results.append(outcome)
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.monotonic() - began
+    if errors:
+        raise RuntimeError(f"{server.engine} at concurrency {concurrency}: {errors[0]}")
+    ttft = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "ttft_p50": np.percentile(ttft, 50),
+            "ttft_p99": np.percentile(ttft, 99), "itl_p50": np.percentile(gaps, 50) if gaps else float("nan"),
+            "itl_p99": np.percentile(gaps, 99) if gaps else float("nan")}
+
+
+def expert_traffic(before: dict, after: dict, tokens: int) -> tuple[float | None, float | None]:
+    """Hit rate and host-to-device bytes per generated token between two jmoe /metrics readings."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    hits, misses = delta.get("jmoe:expert_cache_hits_total", 0.0), delta.get("jmoe:expert_cache_misses_total", 0.0)
+    moved = delta.get("jmoe:expert_cache_host_to_device_bytes_total")
+    hit_rate = hits / (hits + misses) if hits + misses else None
+    return hit_rate, (None if moved is None else moved / tokens)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+def measure(engine: str, args, requests: list, log_dir: Path) -> dict:
+    server = Server(engine, args, log_dir / f"{engine}_{time.monotonic_ns()}.log")
+    try:
+        ready = server.wait_ready(args.start_timeout)
+        levels = {}
+        for concurrency in args.concurrency:
+            before = server.metrics() if engine == "jmoe" else {}
+            level = run_level(server, requests, concurrency)
+            if engine == "jmoe":
+                level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, server.metrics(), level["tokens"])
+            levels[concurrency] = level
+        return {"ready_s": ready, "levels": levels}
+    finally:
+        server.stop()
+
+
+def soak(args, requests: list, log_dir: Path) -> dict:
+    server = Server("jmoe", args, log_dir / "soak.log")
+    try:
+        server.wait_ready(args.start_timeout)
+        first = max(1, min(50, args.soak // 10))
+        run_level(server, requests[:first], 8)
+        rss_first = server.rss_bytes()
+        run_level(server, requests[first:], 8)
+        return {"first": first, "total": len(requests), "rss_first": rss_first, "rss_last": server.rss_bytes()}
+    finally:
+        server.stop()
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and np.isnan(value)) else format(value, spec)
+
+
+def report(args, runs: dict, soaked: dict | None, start_load: float, conditions: str) -> str:
+    median = lambda engine, c, key: statistics.median(r["levels"][c][key] for r in runs[engine])  # noqa: E731
+    lines = [load_warning(start_load) + conditions, "",
+             f"Model `{args.model}`, float32, greedy, streamed completions; jmoe `--cache {args.cache}` "
+             f"`--max-batch {args.max_batch}`; {args.requests} requests per level (seed {args.seed}); medians of "
+             f"{args.rounds} rounds, engines alternated.", "",
+             "| engine | clients | tokens/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | "
+             "ITL p99 (ms) | hit rate | bytes/token |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for engine in runs:
+        single = median(engine, args.concurrency[0], "tokens_per_s")
+        for c in args.concurrency:
+            hit = bytes_per = None
+            if engine == "jmoe" and runs[engine][0]["levels"][c].get("hit_rate") is not None:
+                hit = median(engine, c, "hit_rate")
+                bytes_per = median(engine, c, "bytes_per_token")
+            lines.append(f"| {engine} | {c} | {median(engine, c, 'tokens_per_s'):.1f} | "
+                         f"{median(engine, c, 'tokens_per_s') / single:.2f}x | {1e3 * median(engine, c, 'ttft_p50'):.0f} | "
+                         f"{1e3 * median(engine, c, 'ttft_p99'):.0f} | {1e3 * median(engine, c, 'itl_p50'):.1f} | "
+                         f"{1e3 * median(engine, c, 'itl_p99'):.1f} | {fmt(hit, '.3f')} | {fmt(bytes_per, ',.0f')} |")
+    if len(runs) == 2:
+        lines += ["", "| clients | jmoe / transformers tokens/s |", "|---|---|"]
+        lines += [f"| {c} | {median('jmoe', c, 'tokens_per_s') / median('transformers', c, 'tokens_per_s'):.2f}x |"
+                  for c in args.concurrency]
+    if soaked:
+        change = soaked["rss_last"] / soaked["rss_first"] - 1
+        lines += ["", f"Soak: {soaked['total']} requests at 8 clients through one jmoe server: resident memory "
+                      f"{soaked['rss_first'] / 2**20:.1f} MiB after {soaked['first']}, {soaked['rss_last'] / 2**20:.1f} "
+                      f"MiB at the end ({100 * change:+.1f}%)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--cache", type=int, default=4, help="jmoe: experts per MoE layer on the device")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 2, 4, 8, 16])
+    parser.add_argument("--requests", type=int, default=48, help="requests per concurrency level")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES))
+    parser.add_argument("--soak", type=int, default=500, help="requests in the jmoe soak (0 = none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench_serve"))
+    parser.add_argument("--out", default="serve_cpu.md")
+    parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        parser.error(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    with smoke_run(args):
+        if args.smoke:
+            args.max_batch, args.context, args.concurrency, args.requests, args.rounds, args.soak = 2, 64, [1, 2], 4, 1, 6
+        start_load = quiet_start_load("bench.serve", args.allow_load or args.smoke)
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        prompt_range, output_range = ((8, 24), (4, 8)) if args.smoke else ((16, 192), (16, 128))
+        requests = workload(args.model, args.requests, args.seed, prompt_range, output_range)
+        began = time.monotonic()
+        runs = {engine: [] for engine in args.engines}
+        for round_index in range(args.rounds):
+            for engine in args.engines:
+                print(f"round {round_index + 1}: {engine}", file=sys.stderr, flush=True)
+                runs[engine].append(measure(engine, args, requests, args.workdir))
+        soaked = None
+        if args.soak and "jmoe" in args.engines:
+            soaked = soak(args, workload(args.model, args.soak, args.seed + 1, prompt_range, output_range), args.workdir)
+        conditions = (f"Load average {start_load:.2f} at the start, {load_average():.2f} at the end; whole run "
+                      f"{time.monotonic() - began:.0f} s.")
+        path = write_result(args.out, "Serving under load: jmoe against transformers serve", report(
+            args, runs, soaked, start_load, conditions))
+        print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
