@@ -10,6 +10,10 @@ resident): milliseconds per decode step after a 32-token prompt, next to the rea
 prefill: one prompt of --prompt-len random tokens (batch 1, float32): prompt tokens per second, jmoe
 resident and with --offload-cache experts per layer on the device (the rest streamed from host memory).
 The checkpoint is written once by transformers under --workdir, so both engines read the same file.
+
+A smoke run: the checkpoint at smoke size, one round of one repeat, 4 new tokens, a 16-token prompt, and one
+process per engine instead of one per configuration (each process starts JAX or PyTorch anew, most of a smoke
+run's time): one for the bandwidth and every jmoe configuration, one for every transformers configuration.
 """
 
 from __future__ import annotations
@@ -92,12 +96,18 @@ def transformers_worker(args) -> dict:
         return {"seconds": [decode_steps() for _ in range(args.repeats)], **meta}
 
 
-def worker(args) -> None:
+def measurement(args) -> dict:
     if args.engine == "bandwidth":
-        result = {"gbs": read_bandwidth_gbs(args.smoke)}
+        return {"gbs": read_bandwidth_gbs(args.smoke)}
+    return (jmoe_worker if args.engine == "jmoe" else transformers_worker)(args)
+
+
+def worker(args) -> None:
+    if args.group:  # a smoke run: several configurations of one engine in this process, one after another
+        print(json.dumps({"results": [measurement(argparse.Namespace(**{**vars(args), **spec}))
+                                      for spec in json.loads(args.group)]}))
     else:
-        result = (jmoe_worker if args.engine == "jmoe" else transformers_worker)(args)
-    print(json.dumps(result))
+        print(json.dumps(measurement(args)))
 
 
 # ---- the run: alternate the engines' processes -------------------------------------------------------------
@@ -130,7 +140,8 @@ def baseline_workspace(python: str) -> tuple[Path, dict]:
     return workspace, {"PYTHONPATH": sysconfig.get_paths()["purelib"]}
 
 
-def run_child(spec: dict, args) -> dict:
+def run_child(spec: dict, args, group: list[dict] | None = None) -> dict:
+    """One child process measuring `spec`, or (a smoke run) every configuration of `group` in turn."""
     python, cwd, env = sys.executable, None, {}
     if spec.get("baseline"):
         python, (cwd, env) = args.baseline_python, args.baseline_workspace
@@ -139,6 +150,9 @@ def run_child(spec: dict, args) -> dict:
     for key in ("phase", "backend", "cache"):
         if spec.get(key) is not None:
             command += [f"--{key}", str(spec[key])]
+    if group:
+        command += ["--group", json.dumps([{key: spec.get(key, vars(args)[key]) for key in GROUP_KEYS}
+                                           for spec in group])]
     if args.smoke:
         command.append("--smoke")
     before = load_average()
@@ -151,6 +165,23 @@ def run_child(spec: dict, args) -> dict:
         raise SystemExit(f"compare_cpu: {spec['label']} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return {**result, "load": (before, load_average())}
+
+
+GROUP_KEYS = ("engine", "phase", "backend", "cache")  # what a worker of a smoke run's group takes from each spec
+
+
+def grouped_children(specs: list[dict], args) -> dict[str, dict]:
+    """A smoke run's measurements by label: one process per engine (JAX's for the bandwidth and the jmoe
+    configurations, transformers', and the baseline jmoe's when there is one)."""
+    groups: dict[tuple, list[dict]] = {}
+    for spec in specs:
+        groups.setdefault((spec["engine"] == "transformers", bool(spec.get("baseline"))), []).append(spec)
+    results = {}
+    for group in groups.values():
+        outcome = run_child({**group[0], "label": f"{group[0]['label']} and the rest of its process"}, args, group)
+        results.update({spec["label"]: {**result, "load": outcome["load"]}
+                        for spec, result in zip(group, outcome["results"])})
+    return results
 
 
 def configurations(args) -> list[dict]:
@@ -259,6 +290,7 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--cache", type=int, default=None)
     parser.add_argument("--dir", type=Path)
+    parser.add_argument("--group", help="a smoke run: a JSON list of configurations to measure in turn")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     if args.mode == "worker":
@@ -280,10 +312,15 @@ def compare(args) -> None:
     specs = configurations(args)
     samples = {spec["label"]: [] for spec in specs}
     loads = []
-    bandwidth = run_child({"label": "bandwidth", "engine": "bandwidth"}, args)["gbs"]
+    bandwidth_spec = {"label": "bandwidth", "engine": "bandwidth"}
+    if args.smoke:  # one round, its measurements taken here
+        smoke_results = grouped_children([bandwidth_spec, *specs], args)
+        bandwidth = smoke_results["bandwidth"]["gbs"]
+    else:
+        smoke_results, bandwidth = None, run_child(bandwidth_spec, args)["gbs"]
     for round_index in range(args.rounds):
         for spec in specs:
-            result = run_child(spec, args)
+            result = smoke_results[spec["label"]] if smoke_results else run_child(spec, args)
             samples[spec["label"]].append(result)
             loads += list(result["load"])
             print(f"round {round_index + 1}: {spec['label']}: median {statistics.median(result['seconds']):.4f} s, "

@@ -19,6 +19,10 @@ accesses whose expert sat in a device slot when its layer started (a prefetched 
 On this CPU JAX's device and pinned_host memory are both host RAM: a "copy" is a memcpy and "host
 compute" runs on the same cores, so these numbers show the engine's overheads, not PCIe effects.
 """
+# What a smoke run cuts (each setting compiles its own programs, most of a smoke run's time): 2 decode steps,
+# the default model at batch 4 only, the GPT-OSS-shaped model at smoke size with one MoE layer, and each
+# setting once, split between the parts by SMOKE_SETTINGS (layer groups on the default model, which has the
+# layers to group); the final resident repeat is left out.
 
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ from jmoe.traces.load import split_trace
 BATCH_PROMPTS = [DEFAULT_PROMPT, "def parse(text):\n    result = []\n    for line in text.splitlines():\n",
                  "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
                  "import sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"]
+# A smoke run's rows per part: indices into settings().
+SMOKE_SETTINGS = {"default": (1, 5), "gptoss": (0, 2, 3, 4)}
 TABLE_HEAD = ("| setting | batch | tok/s (all rows) | ms/step | stall-free | MB moved/step |\n"
               "|---|---|---|---|---|---|")
 
@@ -51,7 +57,11 @@ def settings(k: int, cache: int) -> list[tuple[str, dict]]:
             (f"cache {cache}, host, prefetch {k}", dict(cache=cache, miss_mode="host", prefetch=k)),
             ("resident experts, layer groups G=2 N=1 K=1",
              dict(offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1)),
-            ("resident (again, to show drift over the run)", {})]  # a smoke run leaves this repeat out
+            ("resident (again, to show drift over the run)", {})]
+
+
+def smoke_settings(chosen: list[tuple[str, dict]], part: str) -> list[tuple[str, dict]]:
+    return [chosen[i] for i in SMOKE_SETTINGS[part]]
 
 
 def run_rows(directory, batches: dict[int, list[list[int]]], tokens: int, log, chosen: list[tuple[str, dict]],
@@ -82,8 +92,8 @@ def part_default(args, log) -> str:
     prompts = [tokenizer.encode(p) for p in BATCH_PROMPTS]
     cfg = jmoe.load_config(DEFAULT_MODEL_DIR)
     chosen = settings(cfg.num_experts_per_tok, args.default_cache)
-    # A smoke run: batch 4, resident and one offloaded row (the GPT-OSS part runs every setting at batch 1).
-    batches, chosen = ({4: prompts}, chosen[:2]) if args.smoke else ({1: prompts[:1], 4: prompts}, chosen)
+    batches, chosen = ({4: prompts}, smoke_settings(chosen, "default")) if args.smoke else \
+        ({1: prompts[:1], 4: prompts}, chosen)
     rows = run_rows(DEFAULT_MODEL_DIR, batches, args.default_tokens, log, chosen)
     return (f"## (a) Default model, its own routing\n\n`checkpoints/default` ({cfg.num_moe_layers} MoE layers, "
             f"{cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, float32), greedy, {args.default_tokens} "
@@ -101,7 +111,8 @@ def part_gptoss(args, log) -> str:
     p, n = len(PROMPT), args.tokens
     routing = (TraceRouting(heldout[:p + n], p, cfg), TraceRouting(heldout[p + n:2 * (p + n)], p, cfg))
     chosen = settings(cfg.num_experts_per_tok, args.gptoss_cache)
-    rows = run_rows(directory, {1: [PROMPT]}, n, log, chosen[:-1] if args.smoke else chosen, routing)
+    rows = run_rows(directory, {1: [PROMPT]}, n, log, smoke_settings(chosen, "gptoss") if args.smoke else chosen,
+                    routing)
     return (f"## (b) GPT-OSS-20B-shaped random model, routing forced from the GPT-OSS-20B trace\n\n"
             f"The model of `bench/decode_trace.py` ({cfg.num_layers} MoE layers, {cfg.num_experts} experts, "
             f"top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, float32); expert ids forced from the "

@@ -2,7 +2,7 @@
 
   python -m bench.decode_trace                  # both parts -> bench/results/decode_trace_cpu.md
   python -m bench.decode_trace --part gptoss    # one part only -> bench/results/decode_trace_gptoss_cpu.md
-  python -m bench.decode_trace --smoke          # every part at toy size (two MoE layers, one cache), no result
+  python -m bench.decode_trace --smoke          # every part at toy size (one MoE layer, one cache), no result
 
 Part "default": the shipped model in checkpoints/default with its own router, a code prompt.
 Part "gptoss": a GPT-OSS-20B-shaped random `gpt_oss` checkpoint (24 MoE layers, 32 experts, top-4, hidden and
@@ -18,6 +18,10 @@ length depends on the number of new tokens, and warms the cache), then the same 
 Hit rate and bytes moved count the measured decode steps only (statistics snapshot after its prompt
 step). Bound per step = max(resident step time, bytes moved per step / measured host-to-slot copy
 bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
+
+A smoke run: every part, each model at smoke size (bench.common.SMOKE_SIZES, one MoE layer, the trace cut
+to it), 2 decode steps (4 for the default model, 2 for transformers), one offloaded cache per part (the
+traced parts also their all-resident row) and one policy per part (SMOKE_POLICY: each policy runs once).
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ from jmoe.traces.load import frequency_table, load_trace, split_trace
 from jmoe.traces.replay import replay
 
 POLICIES = ("lru", "lfru", "static")
+SMOKE_POLICY = {"default": "lru", "gptoss": "lfru", "deepseek": "static"}  # a smoke run's one policy per part
+
+
+def policies(args, part: str) -> tuple[str, ...]:
+    return (SMOKE_POLICY[part],) if args.smoke else POLICIES
 # GPT-OSS-20B: hidden 2880, expert width 2880, 64 query / 8 KV heads of 64, vocab 201k, windows of 128 in
 # alternate layers. Scaled down so that a float32 copy (2.4 GB of experts) and its transformers twin fit this
 # machine and a run takes seconds.
@@ -118,10 +127,11 @@ def replay_hits(rows: np.ndarray, measured: int, experts: int, cache: int, polic
 
 def traced_checkpoint(args, name: str, directory: Path) -> tuple[Path, dict]:
     """The checkpoint of TRACED[name] written to `directory` and its trace. In a smoke run: the checkpoint at
-    smoke size with two MoE layers, and the trace cut to those layers."""
+    smoke size with one MoE layer (each layer compiles and traces its own code), and the trace cut
+    to it."""
     spec = TRACED[name]["config"]
     if args.smoke:
-        spec = smoke_spec(spec, num_hidden_layers=spec.get("first_k_dense_replace", 0) + 2)
+        spec = smoke_spec(spec, num_hidden_layers=spec.get("first_k_dense_replace", 0) + 1)
     directory = write_random_checkpoint(directory, **spec)
     trace = load_trace(TRACED[name]["trace"])
     if args.smoke:
@@ -164,7 +174,7 @@ def part_traced(args, log, name: str) -> str:
             continue
         model = jmoe.load(directory, cache=cache, progress=False)
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
-        for policy in POLICIES:
+        for policy in policies(args, name):
             model.set_policy(factories[policy]())
             measure(model, [PROMPT], n, TraceRouting(warm_rows, p, cfg))
             run = measure(model, [PROMPT], n, TraceRouting(measured_rows, p, cfg))
@@ -225,7 +235,7 @@ def part_default(args, log) -> str:
     for cache in caches:
         model = jmoe.load(DEFAULT_MODEL_DIR, cache=cache, progress=False)
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
-        for name in POLICIES:
+        for name in policies(args, "default"):
             model.set_policy(name)
             measure(model, [prompt], n)
             run = measure(model, [prompt], n)

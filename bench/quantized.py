@@ -1,7 +1,7 @@
 """Quantized experts (`expert_dtype`): quality against full precision and bytes / speed per decode step.
 
   python -m bench.quantized [--part all|quality|speed|random] [--tokens 64] [--repeats 3]
-  python -m bench.quantized --smoke   # every part at toy size, float32 and int4 only, no result file
+  python -m bench.quantized --smoke   # every part at toy size, few formats, no result file
 
 quality: the default model on the held-out text of bench/results/eval.md: perplexity and top-1 agreement of
     every scored token's next-token argmax with the float32 model, per format (and int4 group size).
@@ -9,6 +9,11 @@ speed: the default model, batch-1 greedy decode at cache 4 of 16 and resident, p
     copied per decode step (from the engine's statistics) and decode tokens/s, formats alternated, medians.
 random: the 215M-parameter random Mixtral of bench/decode.py: top-1 agreement on random token windows,
     bytes per decode step and decode tokens/s at cache 4 of 16 and resident.
+
+A smoke run (compiling is most of its time, one program per format and cache): quality float32 against int4
+g32 (a group size set) on 2 windows; speed int4 at cache 4 only; random at smoke size, float32 only, its
+speed resident only (so both engines and both measuring orders run once); 2 new tokens, one run per row.
+tests/test_quantized.py covers the formats themselves.
 """
 
 from __future__ import annotations
@@ -32,17 +37,23 @@ QUALITY_FORMATS = [("float32", None, None), ("bfloat16", "bfloat16", None), ("in
                    ("int4 g32", "int4", 32), ("int4 g64 (default)", "int4", 64), ("int4 g96", "int4", 96),
                    ("fp8", "fp8", None), ("mxfp4", "mxfp4", None)]
 SPEED_FORMATS = [("float32", None), ("int8", "int8"), ("int4", "int4"), ("fp8", "fp8"), ("mxfp4", "mxfp4")]
-# A smoke run: the reference and one quantized format (every format runs the same code here; tests/test_quantized.py
-# covers the formats themselves), 2 windows of text or random tokens, 2 new tokens, one run per row.
-SMOKE_FORMATS = ("float32", "int4", "int4 g32")
+# A smoke run's rows per part (every format runs the same code here; tests/test_quantized.py covers the formats
+# themselves): the formats, and the caches of the speed rows.
+SMOKE_FORMATS = {"quality": ("float32", "int4 g32"), "speed": ("int4",), "random": ("float32",)}
 CACHE = 4
+SMOKE_CACHES = {"speed": (CACHE,), "random": (None,)}
 SEQ_LEN, BATCH = 256, 8
 SMOKE_WINDOWS = 2  # windows of held-out text (quality) and of random tokens (random) in a smoke run
 
 
-def formats(table: list[tuple], smoke: bool) -> list[tuple]:
-    """The rows of a format table a run measures: all, or a smoke run's SMOKE_FORMATS."""
-    return [row for row in table if row[0] in SMOKE_FORMATS] if smoke else table
+def formats(table: list[tuple], smoke: bool, part: str) -> list[tuple]:
+    """The rows of a format table a run measures: all, or a smoke run's SMOKE_FORMATS of `part`."""
+    return [row for row in table if row[0] in SMOKE_FORMATS[part]] if smoke else table
+
+
+def caches(smoke: bool, part: str) -> tuple:
+    """The caches a part's speed rows measure: 4 of 16 and resident, or a smoke run's SMOKE_CACHES of `part`."""
+    return SMOKE_CACHES[part] if smoke else (CACHE, None)
 
 
 def argmax_tokens(model, windows, lengths) -> np.ndarray:
@@ -57,7 +68,7 @@ def argmax_tokens(model, windows, lengths) -> np.ndarray:
 
 def part_quality(args, log) -> str:
     rows, reference, stream = [], None, None
-    for label, expert_dtype, group in formats(QUALITY_FORMATS, args.smoke):
+    for label, expert_dtype, group in formats(QUALITY_FORMATS, args.smoke, "quality"):
         log(f"quality {label}")
         model = jmoe.load(MODEL_DIR, expert_dtype=expert_dtype, expert_group_size=group, progress=False)
         if stream is None:  # the same tokens for every format
@@ -89,9 +100,10 @@ def decode_measure(model, tokens: int) -> tuple[float, float]:
     return result.decode_steps / result.decode_seconds, (moved[1] - moved[0]) / (tokens - 1)
 
 
-def speed_rows(directory, formats, tokens: int, repeats: int, log, alternate: bool) -> list[str]:
+def speed_rows(directory, formats, tokens: int, repeats: int, log, alternate: bool,
+               caches=(CACHE, None)) -> list[str]:
     """Rows of decode tokens/s and bytes per step per (format, cache); medians over `repeats` runs."""
-    configs = [(label, expert_dtype, cache) for label, expert_dtype in formats for cache in (CACHE, None)]
+    configs = [(label, expert_dtype, cache) for label, expert_dtype in formats for cache in caches]
     runs: dict[tuple, list] = {c: [] for c in configs}
     models = {}
 
@@ -126,7 +138,8 @@ SPEED_HEADER = ("| experts | cache | MiB copied per decode step | decode tokens/
 
 
 def part_speed(args, log) -> str:
-    rows = speed_rows(MODEL_DIR, formats(SPEED_FORMATS, args.smoke), args.tokens, args.repeats, log, alternate=True)
+    rows = speed_rows(MODEL_DIR, formats(SPEED_FORMATS, args.smoke, "speed"), args.tokens, args.repeats, log,
+                      alternate=True, caches=caches(args.smoke, "speed"))
     return (f"## Speed: default model, batch-1 greedy decode on CPU\n\nPrompt of {len(PROMPT)} tokens, "
             f"{args.tokens} new tokens, policy lfru from an empty cache each run; {args.repeats} runs per row, the "
             "formats alternated, compile excluded. On this CPU a host-to-device copy is a memcpy, so the bytes "
@@ -141,14 +154,15 @@ def part_random(args, log) -> str:
                                                 (SMOKE_WINDOWS, 16) if args.smoke else (8, 128))
     lengths = np.full(len(windows), windows.shape[1])
     agreement, reference = [], None
-    for label, expert_dtype in formats(SPEED_FORMATS, args.smoke):
+    for label, expert_dtype in formats(SPEED_FORMATS, args.smoke, "random"):
         log(f"random model agreement {label}")
         model = jmoe.load(directory, expert_dtype=expert_dtype, progress=False)
         picks = argmax_tokens(model, windows, lengths)
         reference = picks if reference is None else reference
         agreement.append(f"| {label} | {model.placement_plan.expert_bytes:,} | {np.mean(picks == reference) * 100:.2f}% |")
         del model
-    rows = speed_rows(directory, formats(SPEED_FORMATS, args.smoke), args.tokens, args.repeats, log, alternate=False)
+    rows = speed_rows(directory, formats(SPEED_FORMATS, args.smoke, "random"), args.tokens, args.repeats, log,
+                      alternate=False, caches=caches(args.smoke, "random"))
     return ("## The 215M random Mixtral (bench/decode.py): agreement and speed\n\n"
             "Top-1 agreement over 8 random windows of 128 tokens (random weights: a check that quantization keeps "
             "the function, not a quality figure).\n\n| experts | bytes per expert | top-1 agreement |\n"
