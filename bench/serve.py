@@ -10,7 +10,8 @@ client threads take the requests in order until none are left; each server runs 
 engines alternate over --rounds, and every figure is the median over rounds. Reported per engine and level:
 aggregate generated tokens/s, time to first token p50/p99, inter-token latency p50/p99; for jmoe also the
 expert-cache hit rate and host-to-device bytes per generated token (its /metrics). Then a soak: --soak
-requests at concurrency 8 through one jmoe server, its resident memory after the first 50 and at the end.
+more requests at concurrency 8 through the last round's jmoe server, its resident memory after the first 50
+and at the end.
 """
 
 from __future__ import annotations
@@ -207,7 +208,9 @@ def expert_traffic(before: dict, after: dict, tokens: int) -> tuple[float | None
 
 # ---- the run ---------------------------------------------------------------------------------------------
 
-def measure(engine: str, args, requests: list, log_dir: Path) -> dict:
+def measure(engine: str, args, requests: list, log_dir: Path, soak_requests: list | None = None) -> dict:
+    """Every concurrency level through one fresh server of `engine`; then, given `soak_requests`, those at 8
+    clients through the same server, with its resident memory after the first 50 (or a tenth) and at the end."""
     server = Server(engine, args, log_dir / f"{engine}_{time.monotonic_ns()}.log")
     try:
         ready = server.wait_ready(args.start_timeout)
@@ -218,20 +221,15 @@ def measure(engine: str, args, requests: list, log_dir: Path) -> dict:
             if engine == "jmoe":
                 level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, server.metrics(), level["tokens"])
             levels[concurrency] = level
-        return {"ready_s": ready, "levels": levels}
-    finally:
-        server.stop()
-
-
-def soak(args, requests: list, log_dir: Path) -> dict:
-    server = Server("jmoe", args, log_dir / "soak.log")
-    try:
-        server.wait_ready(args.start_timeout)
-        first = max(1, min(50, args.soak // 10))
-        run_level(server, requests[:first], 8)
-        rss_first = server.rss_bytes()
-        run_level(server, requests[first:], 8)
-        return {"first": first, "total": len(requests), "rss_first": rss_first, "rss_last": server.rss_bytes()}
+        soaked = None
+        if soak_requests:
+            first = max(1, min(50, len(soak_requests) // 10))
+            run_level(server, soak_requests[:first], 8)
+            rss_first = server.rss_bytes()
+            run_level(server, soak_requests[first:], 8)
+            soaked = {"first": first, "total": len(soak_requests), "rss_first": rss_first,
+                      "rss_last": server.rss_bytes()}
+        return {"ready_s": ready, "levels": levels, "soak": soaked}
     finally:
         server.stop()
 
@@ -265,7 +263,7 @@ def report(args, runs: dict, soaked: dict | None, start_load: float, conditions:
                   for c in args.concurrency]
     if soaked:
         change = soaked["rss_last"] / soaked["rss_first"] - 1
-        lines += ["", f"Soak: {soaked['total']} requests at 8 clients through one jmoe server: resident memory "
+        lines += ["", f"Soak: {soaked['total']} more requests at 8 clients through the last jmoe server: resident memory "
                       f"{soaked['rss_first'] / 2**20:.1f} MiB after {soaked['first']}, {soaked['rss_last'] / 2**20:.1f} "
                       f"MiB at the end ({100 * change:+.1f}%)."]
     return "\n".join(lines) + "\n"
@@ -301,13 +299,13 @@ def main(argv=None) -> None:
         requests = workload(args.model, args.requests, args.seed, prompt_range, output_range)
         began = time.monotonic()
         runs = {engine: [] for engine in args.engines}
+        soak_requests = workload(args.model, args.soak, args.seed + 1, prompt_range, output_range) if args.soak else None
         for round_index in range(args.rounds):
             for engine in args.engines:
                 print(f"round {round_index + 1}: {engine}", file=sys.stderr, flush=True)
-                runs[engine].append(measure(engine, args, requests, args.workdir))
-        soaked = None
-        if args.soak and "jmoe" in args.engines:
-            soaked = soak(args, workload(args.model, args.soak, args.seed + 1, prompt_range, output_range), args.workdir)
+                last_jmoe = engine == "jmoe" and round_index == args.rounds - 1
+                runs[engine].append(measure(engine, args, requests, args.workdir, soak_requests if last_jmoe else None))
+        soaked = runs["jmoe"][-1]["soak"] if "jmoe" in runs else None
         conditions = (f"Load average {start_load:.2f} at the start, {load_average():.2f} at the end; whole run "
                       f"{time.monotonic() - began:.0f} s.")
         path = write_result(args.out, "Serving under load: jmoe against transformers serve", report(
