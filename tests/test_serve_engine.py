@@ -72,6 +72,33 @@ def test_greedy_tokens_equal_generate_alone_and_with_neighbours_joining_and_leav
         assert sum(s["hits"] + s["misses"] for s in model.stats()) > 0
 
 
+def test_a_padded_last_chunk_reaching_past_the_context_writes_only_its_real_tokens(model, prompt_ids):
+    """Context 100, a 90-token prompt: chunks of 64 and 26 tokens, the second padded to 64 (columns 64-127): its
+    padding falls off the cache instead of shifting the chunk onto earlier columns."""
+    prompt = (prompt_ids[1] * 30)[:90]
+    expected = model.generate(prompt, max_new_tokens=8)[0]
+    engine = ServingEngine(model, max_batch=1, context=100)
+    request = engine.submit(prompt, greedy(8))
+    run_until_done(engine, [request])
+    assert tokens_of(request) == expected
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3_qlora_groups", "gpt_oss_e4k2_window"])
+def test_other_families_serve_their_generate_tokens(family, hf_checkpoints):
+    """Latent attention's compressed cache (per-row writes into both of its arrays), and attention sinks with
+    sliding windows, through a batch whose rows sit at different columns, at cache 1."""
+    model = jmoe.load(hf_checkpoints[family][0], cache=1, progress=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, model.config.vocab_size, n).tolist() for n in (5, 11, 3)]
+    expected = [model.generate(p, max_new_tokens=n)[0] for p, n in zip(prompts, (9, 4, 7))]
+    engine = ServingEngine(model, max_batch=2, context=64)
+    requests = [engine.submit(p, RequestParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for p, n in zip(prompts, (9, 4, 7))]
+    run_until_done(engine, requests)
+    assert [r.tokens[:len(e)] for r, e in zip(requests, expected)] == expected  # generate stops at an EOS
+    assert all(len(r.tokens) == n for r, n in zip(requests, (9, 4, 7)))
+
+
 def test_engine_serves_offload_options_exactly(prompt_ids):
     """Host miss mode with router prefetch and int8 experts: the batch's tokens equal generate's."""
     model = jmoe.load(DEFAULT, cache=4, miss_mode="host", prefetch=2, expert_dtype="int8", progress=False)

@@ -12,12 +12,14 @@ from jmoe.model.rope import RoPE, apply_rope
 
 
 def write_cache(cache: jax.Array, new: jax.Array, write_index) -> jax.Array:
-    """cache [B, S, ...] with new [B, T, ...] written from column `write_index`: a scalar (every row) or
-    int32 [B] (one column per row)."""
+    """cache [B, S, ...] with new [b, T, ...] (b <= B: the first b rows) written from column `write_index`: a
+    scalar (every row, b = B) or int32 [b], one column per row. Per-row columns are scattered, and a column
+    past the cache is dropped (a padded prompt chunk may reach past it), never clamped back onto real ones."""
     if jnp.ndim(write_index) == 0:
         return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, write_index, 0, 0))
-    return jax.vmap(lambda row, new_row, col: jax.lax.dynamic_update_slice(row, new_row.astype(row.dtype),
-                                                                           (col, 0, 0)))(cache, new, write_index)
+    rows = jnp.arange(new.shape[0])[:, None]
+    cols = write_index[:, None] + jnp.arange(new.shape[1])
+    return cache.at[rows, cols].set(new.astype(cache.dtype), mode="drop")
 
 
 class Attention(nnx.Module):
@@ -50,8 +52,9 @@ class Attention(nnx.Module):
         k_cache, v_cache = write_cache(k_cache, k, write_index), write_cache(v_cache, v, write_index)
         groups = cfg.num_heads // cfg.num_kv_heads
         visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
-        keys = k_cache[:, :visible].astype(q.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, S, hd]
-        values = v_cache[:, :visible].transpose(0, 2, 1, 3)
+        # The first b rows: a serving step may run fewer rows than its cache holds.
+        keys = k_cache[:b, :visible].astype(q.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, S, hd]
+        values = v_cache[:b, :visible].transpose(0, 2, 1, 3)
         # Each kv head's queries as the rows of one matrix (row = token * groups + group), so both products
         # are plain batched matmuls: XLA:CPU then moves no score-sized array between layouts (3x faster
         # at 512 tokens than contracting [B, T, Hkv, G, hd] directly).

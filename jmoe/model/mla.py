@@ -56,8 +56,8 @@ class MLAttention(nnx.Module):
         latent_cache = write_cache(latent_cache, latent, write_index)
         rope_cache = write_cache(rope_cache, k_rope, write_index)
         visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
-        c = latent_cache[:, :visible, 0].astype(x.dtype)  # [B, S, r]
-        kr = rope_cache[:, :visible, 0].astype(x.dtype)  # [B, S, dr]
+        c = latent_cache[:b, :visible, 0].astype(x.dtype)  # [B, S, r]: the step's rows (see Attention)
+        kr = rope_cache[:b, :visible, 0].astype(x.dtype)  # [B, S, dr]
         w_kv = self.kv_b.kernel[...].reshape(r, cfg.num_heads, dn + m.v_head_dim)
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
         rope_scores = jnp.einsum("bthd,bsd->bhts", q_rope, kr)

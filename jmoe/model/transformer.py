@@ -70,7 +70,8 @@ class MoETransformer(nnx.Module):
                  before_layer: BeforeLayer | None = None, visible_len: int | None = None,
                  valid_len: jax.Array | None = None) -> ForwardOut:
         """Run `tokens` [B, T] whose first row entries sit at cache column `write_index`: one column for every
-        row (a scalar), or int32 [B], one per row (rows of a serving batch sit at different positions).
+        row (a scalar), or int32 [B], one per row (rows of a serving batch sit at different positions; then
+        `kv_cache` may hold more rows than `tokens`, and the step reads and writes its first B).
 
         Row b is left-padded by `pad_len[b]` columns: those cache columns are never attended to and its
         token positions count from its first real token. `valid_len` int32 [B] (None = all T): only the first

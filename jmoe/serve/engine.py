@@ -140,7 +140,8 @@ class ServingEngine:
                                              for i in range(context.bit_length() + 1)}))
         self._prefill = make_prefill_fn(model.graphdef, model.engine)
         self._decode = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
-        self._choose = {greedy: make_choose_fn(greedy) for greedy in (True, False)}
+        self._choose = {(greedy, logprobs): make_choose_fn(greedy, logprobs)
+                        for greedy in (True, False) for logprobs in (True, False)}
         self._programs: dict[tuple, jax.stages.Compiled] = {}
         self.kv_cache = empty_kv_cache(cfg, max_batch, context, model.kv_dtype)
         self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
@@ -211,19 +212,21 @@ class ServingEngine:
 
     # ---- compiling ------------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Compile the prefill program for every (entries, chunk) bucket, the decode program for every visible
-        length and the token choice for every entry count, greedy and sampled."""
+        """Compile, for every entry count (a power of two up to max_batch): the prefill program for every chunk
+        bucket, the token choice (greedy or sampled, with or without logprobs) and the decode program for every
+        visible length (a decode step runs the fewest first rows that hold every generating request)."""
         for entries in self.entry_buckets:
             for chunk in self.chunks:
                 self._program(("prefill", entries, chunk), self._prefill,
                               self._prefill_args(np.zeros((entries, chunk), np.int32), np.full(entries, self.max_batch),
                                                  np.zeros(entries), np.zeros(entries)))
-            for greedy in (True, False):
-                self._program(("choose", greedy, entries), self._choose[greedy],
+            for variant, choose in self._choose.items():
+                self._program(("choose", *variant, entries), choose,
                               self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries,
                                                 reset=True))
-        for visible in self.visible_buckets:
-            self._program(("decode", visible), self._decode[visible], self._decode_args())
+            for visible in self.visible_buckets:
+                self._program(("decode", visible, entries), self._decode[visible], self._decode_args(
+                    np.zeros(entries, np.int32), np.zeros(entries, np.int32), np.zeros(entries, bool)))
         self.ready = True
 
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
@@ -330,7 +333,10 @@ class ServingEngine:
             self._accept(request, chosen, i)
 
     def _decode_step(self) -> None:
-        rows = [r if r is not None and r.prefilled == len(r.prompt) else None for r in self._rows]
+        # The first R rows (an entry bucket) hold every generating request: rows are filled lowest first.
+        generating = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
+        entries = next(b for b in self.entry_buckets if b > generating[-1])
+        rows = [self._rows[i] if i in generating else None for i in range(entries)]
         tokens = np.array([r.tokens[-1] if r else 0 for r in rows], np.int32)
         # A row's next write goes to its column; inactive rows write where their next real write will land.
         positions = np.array([(len(r.prompt) + len(r.tokens) - 1) if r else (o.prefilled if o else 0)
@@ -340,13 +346,13 @@ class ServingEngine:
         visible = next(v for v in self.visible_buckets if v >= furthest)
         began = time.perf_counter()
         args = self._decode_args(tokens, positions, active)
-        (logits, finite), routing, self.kv_cache, state = self._program(("decode", visible), self._decode[visible],
-                                                                      args)(*args)
+        (logits, finite), routing, self.kv_cache, state = self._program(
+            ("decode", visible, entries), self._decode[visible], args)(*args)
         choice = self._choose_tokens(logits, rows, reset=False)
         chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
         check_finite_layers(finite, "decode step")
         self.steps["decode"] += 1
-        self._observe("decode", began, int(active.sum()), routing)
+        self._observe("decode", began, len(generating), routing)
         for i, request in enumerate(rows):
             if request is not None:
                 self._accept(request, chosen, i)
@@ -357,9 +363,10 @@ class ServingEngine:
 
     def _choose_tokens(self, logits, requests: list[Request | None], reset: bool):
         """The next token of each entry of `logits` [P, V] (requests: P entries, None = padding)."""
-        greedy = all(r is None or r.params.greedy for r in requests)
+        variant = (all(r is None or r.params.greedy for r in requests),
+                   any(r is not None and r.params.logprobs is not None for r in requests))
         args = self._choose_args(logits, requests, reset)
-        choice, self.counts = self._program(("choose", greedy, len(requests)), self._choose[greedy], args)(*args)
+        choice, self.counts = self._program(("choose", *variant, len(requests)), self._choose[variant], args)(*args)
         return choice
 
     def _accept(self, request: Request, chosen, entry: int) -> None:
@@ -392,11 +399,7 @@ class ServingEngine:
         return (self.model.params, self.model.engine.state, self.kv_cache, jnp.asarray(tokens),
                 jnp.asarray(rows, jnp.int32), jnp.asarray(start, jnp.int32), jnp.asarray(valid, jnp.int32))
 
-    def _decode_args(self, tokens=None, positions=None, active=None) -> tuple:
-        b = self.max_batch
-        tokens = np.zeros(b, np.int32) if tokens is None else tokens
-        positions = np.zeros(b, np.int32) if positions is None else positions
-        active = np.zeros(b, bool) if active is None else active
+    def _decode_args(self, tokens, positions, active) -> tuple:
         return (self.model.params, self.model.engine.state, self.kv_cache, jnp.asarray(tokens),
                 jnp.asarray(positions), jnp.asarray(active))
 

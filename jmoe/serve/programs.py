@@ -44,8 +44,9 @@ def make_prefill_fn(graphdef, engine):
 
 
 def make_decode_fn(graphdef, engine, visible: int):
-    """(params, engine state, kv cache, tokens int32 [B], positions int32 [B], active bool [B]) -> (float32
-    logits [B, V], bool [L] finite), routing, kv cache, engine state: each row's token written at its own
+    """(params, engine state, kv cache, tokens int32 [R], positions int32 [R], active bool [R]) -> (float32
+    logits [R, V], bool [L] finite), routing, kv cache, engine state: the cache's first R rows (R, static, may
+    be fewer than the cache holds: every active row is among them), each row's token written at its own
     column; inactive rows route nowhere (their write lands on a column their next real write replaces).
     Attention reads the first `visible` columns (static; every active position is below it)."""
 
@@ -58,26 +59,33 @@ def make_decode_fn(graphdef, engine, visible: int):
     return jax.jit(decode, donate_argnums=(1, 2))
 
 
-def make_choose_fn(greedy: bool):
+def make_choose_fn(greedy: bool, logprobs: bool):
     """The next token of P entries from their logits [P, V]: penalties from `counts` [B, V] (tokens each row
     has generated; `reset` entries start from none), then argmax, or per-row temperature / top-k / top-p
     sampling with the entry's own key (seed and token index), so a row's draw never depends on its
     neighbours. Returns (tokens int32 [P], their log-probabilities, the top MAX_TOP_LOGPROBS ids and
     log-probabilities, counts with each entry's token added). Log-probabilities are the model's own
-    (log-softmax of the raw logits, before penalties and temperature), as vLLM reports them. `greedy`
-    (static): every entry is greedy, and nothing is sorted."""
+    (log-softmax of the raw logits, before penalties and temperature), as vLLM reports them. Static variants:
+    `greedy`, every entry is greedy and nothing is sorted; without `logprobs` no entry asked for them, and
+    zeros stand in (a top-k over the vocabulary costs about as much as the rest of the choice)."""
 
     def choose(logits, counts, rows, reset, sampling: SamplingArrays, presence, frequency, seeds, indices):
         row_counts = jnp.where(reset[:, None], 0, jnp.take(counts, rows, axis=0, mode="clip"))
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
         penalised = logits - frequency[:, None] * row_counts - presence[:, None] * (row_counts > 0)
         tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
         if not greedy:
             drawn = jax.vmap(_sample_one)(penalised, seeds, indices, sampling)
             tokens = jnp.where(sampling.temperature > 0, drawn, tokens)
-        token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        row_counts = row_counts.at[jnp.arange(tokens.shape[0]), tokens].add(1)
+        entries = tokens.shape[0]
+        if logprobs:
+            logprob_rows = jax.nn.log_softmax(logits, axis=-1)
+            top_logprobs, top_ids = jax.lax.top_k(logprob_rows, MAX_TOP_LOGPROBS)
+            token_logprobs = jnp.take_along_axis(logprob_rows, tokens[:, None], axis=-1)[:, 0]
+        else:
+            token_logprobs = jnp.zeros((entries,), jnp.float32)
+            top_logprobs, top_ids = jnp.zeros((entries, MAX_TOP_LOGPROBS), jnp.float32), jnp.zeros(
+                (entries, MAX_TOP_LOGPROBS), jnp.int32)
+        row_counts = row_counts.at[jnp.arange(entries), tokens].add(1)
         counts = counts.at[rows].set(row_counts, mode="drop")
         return (tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs), counts
 
