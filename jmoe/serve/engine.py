@@ -394,19 +394,19 @@ class ServingEngine:
         else:
             self._finish(request, reason, token, text, logprob, top)
 
-    # ---- program arguments ----------------------------------------------------------------------------
+    # ---- program arguments: NumPy arrays, which a compiled program takes in one transfer (cheaper than a
+    # jnp.asarray each, which dispatches one small program per array)
     def _prefill_args(self, tokens, rows, start, valid) -> tuple:
-        return (self.model.params, self.model.engine.state, self.kv_cache, jnp.asarray(tokens),
-                jnp.asarray(rows, jnp.int32), jnp.asarray(start, jnp.int32), jnp.asarray(valid, jnp.int32))
+        return (self.model.params, self.model.engine.state, self.kv_cache, np.asarray(tokens, np.int32),
+                np.asarray(rows, np.int32), np.asarray(start, np.int32), np.asarray(valid, np.int32))
 
     def _decode_args(self, tokens, positions, active) -> tuple:
-        return (self.model.params, self.model.engine.state, self.kv_cache, jnp.asarray(tokens),
-                jnp.asarray(positions), jnp.asarray(active))
+        return (self.model.params, self.model.engine.state, self.kv_cache, tokens, positions, active)
 
     def _choose_args(self, logits, requests: list[Request | None], reset: bool) -> tuple:
         n = len(requests)
-        temperature, top_p, presence, frequency = (np.zeros(n, np.float32) for _ in range(4))
-        top_p[:] = 1.0
+        temperature, presence, frequency = (np.zeros(n, np.float32) for _ in range(3))
+        top_p = np.ones(n, np.float32)
         top_k, indices = np.zeros(n, np.int32), np.zeros(n, np.int32)
         seeds = np.zeros(n, np.uint32)
         rows = np.full(n, self.max_batch, np.int32)
@@ -417,6 +417,5 @@ class ServingEngine:
             temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
             presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
             seeds[i], indices[i], rows[i] = request.seed, len(request.tokens), request.row
-        sampling = SamplingArrays(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
-        return (logits, self.counts, jnp.asarray(rows), jnp.asarray(np.full(n, reset)), sampling,
-                jnp.asarray(presence), jnp.asarray(frequency), jnp.asarray(seeds), jnp.asarray(indices))
+        return (logits, self.counts, rows, np.full(n, reset), SamplingArrays(temperature, top_k, top_p), presence,
+                frequency, seeds, indices)
