@@ -133,12 +133,24 @@ def command_line() -> str:
     return f"python -m bench.{Path(sys.argv[0]).stem} {' '.join(sys.argv[1:])}".rstrip()
 
 
+def measured_commit() -> str:
+    """The commit of the checkout a benchmark runs in, and whether tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=RESULTS.parent, capture_output=True, text=True, check=True).stdout
+    try:
+        head, changed = git("rev-parse", "--short", "HEAD").strip(), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + (" with uncommitted changes" if changed.strip() else "")
+
+
 def write_result(name: str, title: str, body: str) -> Path:
-    """bench/results/NAME (in a smoke run, NAME in its temporary directory): a header, then `body`."""
+    """bench/results/NAME (in a smoke run, NAME in its temporary directory): a header (date, machine, the commit
+    measured, command), then `body`."""
     _results_dir.mkdir(exist_ok=True)
     path = _results_dir / name
     header = (f"# {title}\n\n- Date: {datetime.date.today().isoformat()}\n- Machine: {machine()}\n"
-              f"- Command: `{command_line()}`\n\n")
+              f"- Commit: {measured_commit()}\n- Command: `{command_line()}`\n\n")
     path.write_text(header + body)
     return path
 
