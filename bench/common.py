@@ -134,14 +134,16 @@ def command_line() -> str:
 
 
 def measured_commit() -> str:
-    """The commit of the checkout a benchmark runs in, and whether tracked files differ from it."""
+    """The commit of the checkout a benchmark runs in, and whether tracked files (results aside) differ from it."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=RESULTS.parent, capture_output=True, text=True, check=True).stdout
     try:
-        head, changed = git("rev-parse", "--short", "HEAD").strip(), git("status", "--porcelain", "--untracked-files=no")
+        head, status = git("rev-parse", "--short", "HEAD").strip(), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
-    return head + (" with uncommitted changes" if changed.strip() else "")
+    # Results written by an earlier run of the same session are not changes to the code measured.
+    changed = [line for line in status.splitlines() if not line[3:].startswith("bench/results/")]
+    return head + (" with uncommitted changes" if changed else "")
 
 
 def write_result(name: str, title: str, body: str) -> Path:
