@@ -152,7 +152,6 @@ class ServingEngine:
         self._stopping = False
         self._seeds = random.Random()
         self.ready = False  # every program compiled
-        self.steps = {"prefill": 0, "decode": 0}
         self.failure: BaseException | None = None  # what stopped the step loop, if anything did
 
     # ---- from any thread ------------------------------------------------------------------------------
@@ -321,16 +320,15 @@ class ServingEngine:
                                                                       args)(*args)
         for request, n in zip(batch, valid):
             request.prefilled += int(n)
-        finished = [(i, r) for i, r in enumerate(batch) if r.prefilled == len(r.prompt)]
         # The first token of every entry whose prompt is complete, in the step's one device-to-host read.
         complete = [r if r.prefilled == len(r.prompt) else None for r in batch]
         choice = self._choose_tokens(logits, complete + [None] * (entries - len(batch)), reset=True)
         chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
         check_finite_layers(finite, "prefill step")
-        self.steps["prefill"] += 1
         self._observe("prefill", began, len(batch), routing)
-        for i, request in finished:
-            self._accept(request, chosen, i)
+        for i, request in enumerate(complete):
+            if request is not None:
+                self._accept(request, chosen, i)
 
     def _decode_step(self) -> None:
         # The first R rows (an entry bucket) hold every generating request: rows are filled lowest first.
@@ -351,7 +349,6 @@ class ServingEngine:
         choice = self._choose_tokens(logits, rows, reset=False)
         chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
         check_finite_layers(finite, "decode step")
-        self.steps["decode"] += 1
         self._observe("decode", began, len(generating), routing)
         for i, request in enumerate(rows):
             if request is not None:
