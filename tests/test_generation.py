@@ -177,3 +177,35 @@ def test_a_prompt_step_reads_only_its_own_cache_columns_and_must_start_at_column
     np.testing.assert_allclose(np.asarray(visible), np.asarray(model.logits(rows)), rtol=0, atol=1e-5)
     with pytest.raises(InputError, match="must start at cache column 0, got write_index=4"):
         model.run_step(rows, cache, 4, pad, jax.random.PRNGKey(0), 0, SamplingParams())
+
+
+def test_top_k_and_top_p_keep_what_sorting_keeps():
+    """The sort-free filters keep exactly the tokens a sort keeps: top-k the k most likely and their ties, top-p
+    (after top-k) the most likely tokens until their probabilities reach top_p, the one reaching it included."""
+    import jax
+
+    from jmoe.decode.sampling import SamplingArrays, filter_logits
+
+    rng = np.random.RandomState(3)
+    logits = rng.randn(6, 300).astype(np.float32) * rng.choice([0.3, 2.0, 8.0], size=(6, 1)).astype(np.float32)
+    logits[0, :40] = logits[0, 0]  # ties across the top-k and top-p boundaries
+    logits[1, ::3] = -1e30  # very unlikely tokens, some at the lowest float
+    logits[2] = np.round(logits[2])  # many ties
+    for top_k, top_p, temperature in [(0, 0.5, 1.0), (5, 1.0, 1.0), (7, 0.9, 0.7), (0, 0.999, 2.0), (1, 0.3, 1.0),
+                                      (299, 0.05, 1.5), (10_000, 0.8, 1.0), (0, 1e-6, 1.0)]:
+        params = SamplingArrays(np.full(6, temperature, np.float32), np.full(6, top_k, np.int32),
+                                np.full(6, top_p, np.float32))
+        kept = np.asarray(filter_logits(jax.numpy.asarray(logits), params)) > np.finfo(np.float32).min
+        for row, row_kept in zip(logits / np.float32(temperature), kept):
+            expected = np.ones(row.size, bool)
+            if top_k:
+                expected &= row >= np.sort(row)[::-1][min(top_k, row.size) - 1]
+            if top_p < 1.0:
+                masked = np.where(expected, row, -np.inf).astype(np.float64)
+                probs = np.exp(masked - masked.max())
+                probs /= probs.sum()
+                order = np.argsort(-masked, kind="stable")
+                before = np.cumsum(probs[order]) - probs[order]  # the mass of the tokens ahead of each
+                cut = masked[order][before < top_p].min()  # the least likely token still kept
+                expected &= masked >= cut
+            np.testing.assert_array_equal(row_kept, expected, err_msg=f"top_k={top_k} top_p={top_p}")
