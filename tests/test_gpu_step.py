@@ -62,13 +62,14 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
 def test_host_mode_decode_has_device_control_flow_only_on_the_host(hf_checkpoints):
     """Host miss mode cannot be compiled for a GPU target in jax 0.10 (see test_plan_gpu_compile); its
     CPU-compiled decode program shows the device-side control flow: no conditional, and every loop with an
-    unknown trip count is inside a host computation."""
+    unknown trip count is inside a host computation but one per offloaded layer: the copies of the manager's
+    planned admissions, only those that admit an expert (issue 33)."""
     model = jmoe.load(hf_checkpoints["olmoe_e8k4_clip"][0], cache=2, miss_mode="host", backend="gather",
                       progress=False)
     model.generate([[1, 2, 3]], max_new_tokens=3)
     (decode,) = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
     flow = control_flow(decode)
-    assert flow.conditionals == 0 and flow.data_dependent_loops == 0
+    assert flow.conditionals == 0 and flow.data_dependent_loops == len(model.engine.layers)
     assert flow.host_loops >= model.config.num_moe_layers
 
 

@@ -305,3 +305,21 @@ def test_host_miss_mode_admits_misses_into_the_cache_for_later_steps(olmoe_dir):
     assert model.generate(PROMPTS[0], max_new_tokens=12) == reference.generate(PROMPTS[0], max_new_tokens=12)
     with pytest.raises(jmoe.InputError, match="miss_mode must be one of fetch, host, found 'cpu'"):
         jmoe.load(olmoe_dir, cache=3, miss_mode="cpu", progress=False)
+
+
+def test_host_miss_mode_copies_only_planned_admissions(olmoe_dir):
+    """Host mode plans one admission per layer and step; once the cache holds every expert the steps use, the
+    plans admit nothing and the steps copy nothing (before issue 33 each step copied one expert regardless)."""
+    model = jmoe.load(olmoe_dir, cache=4, policy="lru", miss_mode="host", progress=False)
+    moe_layers, expert_bytes = model.config.num_moe_layers, model.placement_plan.expert_bytes
+
+    def forced(step, shape):
+        return np.broadcast_to(np.array([0, 1, 2, 3], np.int32), (moe_layers, *shape, 4))
+
+    prompt = PROMPTS[1]
+    out = model.generate_detailed([prompt], 9, SamplingParams(), routing_override=forced).tokens[0]
+    assert len(out) == 9  # the prompt step, then eight decode steps
+    for layer in model.stats():
+        # The prompt streams the four experts; the first four decode steps each admit one; the last four hit all.
+        assert layer["hits"] == 1 + 2 + 3 + 4 * 5
+        assert layer["bytes_moved"] == (4 + 4) * expert_bytes

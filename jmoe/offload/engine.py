@@ -8,10 +8,10 @@ the step's single device-to-host read) and writes the next victim order and plan
 A decode step (one token per row) serves a layer's experts from its cache slots and, for the misses,
 by miss mode: "fetch" copies them in (the one copy loop whose trip count depends on the data; a batch
 that misses more than the scratch slots hold computes the rest on the host); "host" computes them on
-the host and the manager admits them at the start of the next step with a fixed number of copies
-(`plan`). Router prefetch and history prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) are
-fixed numbers of copies too. Longer steps (prompts) stream every missing expert through chunked
-step-local buffers.
+the host and the manager admits them at the start of the next step (`plan`, a loop over the planned
+copies that admit something). History prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) copies
+the experts its rule takes, by a loop per layer; router prefetch a fixed number, unrolled. Longer steps
+(prompts) stream every missing expert through chunked step-local buffers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-from jmoe.offload.slots import (LayerSlots, Scratch, copy_fixed, device_copy, empty_slots, fetch_and_compute,
+from jmoe.offload.slots import (LayerSlots, Scratch, copy_wanted, device_copy, empty_slots, fetch_and_compute,
                                 host_compute_misses, prefetch, prefetch_by_score, prefill_experts, put_slot)
 
 
@@ -44,7 +44,7 @@ class EngineState(NamedTuple):
     expert_in_slot: tuple  # per layer: int32 [S_l]
     victim_order: jax.Array  # int32 [Lo, max S_l] from the manager: row l's first S_l entries, then -1
     plan_experts: jax.Array  # int32 [Lo, W]: experts the manager copies in as the step starts ...
-    plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = a copy that goes nowhere)
+    plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = no copy)
     predict_base: jax.Array  # float32 [L_moe, E]: history prefetch's scores known before the step ([0, E]: off)
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
 
@@ -132,11 +132,8 @@ class OffloadEngine(ResidentEngine):
             # The manager's planned admissions, copied as the step starts: they overlap the attention and
             # the layers before theirs.
             for i, moe in enumerate(self.layers):
-                if not self.caches[i]:  # nothing can be admitted into a layer without cache slots
-                    continue
-                layer_slots[i], evicted[i] = copy_fixed(layer_slots[i], layers[moe].experts, state.plan_experts[i],
-                                                        state.plan_slots[i])
-                copied[i] = jnp.int32(self.plan_width)
+                layer_slots[i], evicted[i], copied[i] = copy_wanted(layer_slots[i], layers[moe].experts,
+                                                                    state.plan_experts[i], state.plan_slots[i])
         token_ids = {}  # MoE layer -> this token's expert ids [B, k], as the layers route (history prefetch)
 
         def predict_into(moe_index):
@@ -145,9 +142,9 @@ class OffloadEngine(ResidentEngine):
             if i is None or not self.caches[i]:
                 return
             scores = self.history.in_step_scores(state.predict_base[moe_index], moe_index, token_ids)
-            layer_slots[i], ahead_evicted = prefetch_by_score(layer_slots[i], layers[moe_index].experts, scores,
-                                                              **BEST)
-            copied[i] = copied[i] + min(BEST["budget"], self.caches[i], cfg.num_experts)
+            layer_slots[i], ahead_evicted, ahead_copied = prefetch_by_score(
+                layer_slots[i], layers[moe_index].experts, scores, **BEST)
+            copied[i] = copied[i] + ahead_copied
             evicted[i] = evicted[i] + ahead_evicted
 
         if decode and self.history is not None:

@@ -5,8 +5,9 @@ The predictor's score of an expert at MoE layer l of the coming token is a sum o
 steps. Between steps, `HistoryPrefetch` keeps each row's recent routing and computes the part known before
 the token starts (`base`: prior, evidence from earlier tokens, recency; NumPy). Inside the step, as each
 layer routes, the engine adds the evidence of this token's layers that ran before the predicted one
-(`in_step_scores`) and `jmoe.offload.slots.prefetch_by_score` copies a static number of experts into the
-layer's cache. Several rows: an expert's score is its best over the rows.
+(`in_step_scores`) and `jmoe.offload.slots.prefetch_by_score` copies the experts the replay's rule takes (at
+most `budget`, by a loop of that many trips) into the layer's cache. Several rows: an expert's score is its
+best over the rows.
 """
 
 from __future__ import annotations

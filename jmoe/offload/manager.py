@@ -94,8 +94,8 @@ class SlotManager:
     def next_step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(victim order int [L, max S_l], planned experts int [L, W], their slots int [L, W]) for the next
         step. The plan admits the last step's missed experts the policy values most (ties: lower id), up
-        to W per layer, into the first victims; entries with slot -1 copy nothing useful (the step makes W
-        copies whatever the plan). The victim order the step gets has the planned slots taken out."""
+        to W per layer, into the first victims; entries with slot -1 are not copied (the step copies only
+        the planned admissions). The victim order the step gets has the planned slots taken out."""
         order = self.victim_order()
         width = self.plan_width
         plan_experts = np.zeros((self.num_layers, width), np.int32)

@@ -8,12 +8,15 @@ every step a `victim_order[S]`: the cache slots it may overwrite, first choice f
 Everything here runs inside the jitted step with static shapes; the only data read from host memory are
 slices of the pinned-host expert arrays.
 
-Control flow, as a GPU sees it: copies whose number is known when the step is traced (`copy_fixed`:
-router prefetch, the manager's planned admissions) are unrolled, and one that is not wanted is a scatter
-that drops it; the only loop whose trip count depends on the data is the demand copy loop of a decode
-step in miss mode "fetch" (`fetch_and_compute`). Admitting a fetched expert into the cache is a
-device-to-device scatter from the scratch slots, after the layer has read them. Partial outputs are
-float32 and summed before the one rounding to the activation dtype.
+Control flow, as a GPU sees it: a copy from host memory moves its bytes whether its write is kept or
+dropped, so copies whose number is data run in a loop over the wanted ones only, its trip count their
+number (`copy_wanted`: history prefetch, the manager's planned admissions in miss mode "host"; and the
+demand copy loop of a decode step in miss mode "fetch", `fetch_and_compute`). Router prefetch
+(`prefetch`) copies a number known when the step is traced, unrolled (`copy_fixed`): its picks are all
+wanted unless fewer uncached experts or victims than its count exist. No step has a `conditional`.
+Admitting a fetched expert into the cache is a device-to-device scatter from the scratch slots, after
+the layer has read them. Partial outputs are float32 and summed before the one rounding to the
+activation dtype.
 """
 
 from __future__ import annotations
@@ -93,15 +96,21 @@ def admit(slots: LayerSlots, experts, destinations, sources: ExpertWeights) -> t
     """Put expert experts[j], whose weights are slot j of `sources`, into cache slot destinations[j]
     (-1 = not admitted: the write is dropped, the tables keep what they had). The experts must be distinct
     and not cached. Returns the slots and the number of cached experts evicted."""
+    where_to = jnp.where(destinations >= 0, destinations, slots.expert_in_slot.shape[0])  # out of range: dropped
+    buffers = jax.tree.map(lambda b, s: b.at[where_to].set(s, mode="drop"), slots.buffers, sources)
+    return admitted_tables(slots._replace(buffers=buffers), experts, destinations)
+
+
+def admitted_tables(slots: LayerSlots, experts, destinations) -> tuple[LayerSlots, jax.Array]:
+    """`slots` with the tables saying that expert experts[j] sits in cache slot destinations[j] (-1 = not
+    admitted), its buffers as given; and the number of cached experts evicted."""
     num_experts, num_cache = slots.slot_of_expert.shape[0], slots.expert_in_slot.shape[0]
     cached = destinations >= 0
-    where_to = jnp.where(cached, destinations, num_cache)  # out of range: dropped
-    buffers = jax.tree.map(lambda b, s: b.at[where_to].set(s, mode="drop"), slots.buffers, sources)
     evicted = jnp.where(cached, slots.expert_in_slot[jnp.clip(destinations, 0, num_cache - 1)], -1)
     slot_of_expert = slots.slot_of_expert.at[jnp.where(evicted >= 0, evicted, num_experts)].set(-1, mode="drop")
     slot_of_expert = slot_of_expert.at[jnp.where(cached, experts, num_experts)].set(destinations, mode="drop")
-    expert_in_slot = slots.expert_in_slot.at[where_to].set(experts, mode="drop")
-    return LayerSlots(buffers, slot_of_expert, expert_in_slot), jnp.sum(evicted >= 0, dtype=jnp.int32)
+    expert_in_slot = slots.expert_in_slot.at[jnp.where(cached, destinations, num_cache)].set(experts, mode="drop")
+    return LayerSlots(slots.buffers, slot_of_expert, expert_in_slot), jnp.sum(evicted >= 0, dtype=jnp.int32)
 
 
 def ordered_after(indices, value):
@@ -128,6 +137,24 @@ def copy_fixed(slots: LayerSlots, host: ExpertWeights, experts, destinations) ->
     pieces = [device_copy(host, experts[j]) for j in range(experts.shape[0])]
     sources = jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *pieces)
     return admit(slots, experts, destinations, sources)
+
+
+def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -> tuple[LayerSlots, jax.Array,
+                                                                                         jax.Array]:
+    """Copy experts[j] from host memory into cache slot destinations[j] for the j that have one (-1 = not
+    wanted): one loop over the wanted copies, its trip count their number, so an unwanted one moves
+    nothing (unrolled, it would move its bytes and drop its write). The experts must be distinct and not
+    cached. Returns the slots, the number of cached experts evicted and the number of experts copied."""
+    if not slots.expert_in_slot.shape[0] or not experts.shape[0]:
+        return slots, jnp.int32(0), jnp.int32(0)
+    wanted = destinations >= 0
+    order = jnp.argsort(~wanted, stable=True)  # the wanted copies first
+    experts, destinations = experts[order], destinations[order]
+    count = jnp.sum(wanted, dtype=jnp.int32)
+    buffers = jax.lax.fori_loop(
+        0, count, lambda j, b: put_slot(b, device_copy(host, experts[j]), destinations[j]), slots.buffers)
+    slots, evicted = admitted_tables(slots._replace(buffers=buffers), experts, destinations)
+    return slots, evicted, count
 
 
 def usable_victims(slots: LayerSlots, victim_order, protected) -> jax.Array:
@@ -185,8 +212,10 @@ def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel:
 
 def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int):
     """Copy the `count` highest-scoring experts (scores [E]) that are not cached into the first `count`
-    victim cache slots, ahead of the layer that will use them: always `count` copies (unrolled). Returns
-    (slots, the victim order left, evicted)."""
+    victim cache slots, ahead of the layer that will use them: always `count` copies (unrolled: all are
+    wanted unless fewer than `count` experts are uncached or the policy offers fewer victims, and a loop
+    would add one to the step's demand copy loop of each layer). Returns (slots, the victim order left,
+    evicted)."""
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
     # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already
     # and admit nothing.
@@ -197,17 +226,17 @@ def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, co
 
 
 def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: int, min_score: float,
-                      budget: int, min_gain: float) -> tuple[LayerSlots, jax.Array]:
+                      budget: int, min_gain: float) -> tuple[LayerSlots, jax.Array, jax.Array]:
     """Prefetch by predictor scores (float32 [E], higher = more likely next), the replay's rule
     (jmoe.traces.replay.prefetch_step) in static shapes: the predicted set is the `count` best-scored
     experts with score >= `min_score`; its uncached experts, best first, at most `budget`, fill the empty
     slots, then replace cached experts outside the predicted set, lowest score first, each only if it
-    beats its victim's score by `min_gain`. Always `budget` copies (unrolled; the unwanted ones are
-    dropped writes). Returns (slots, evicted)."""
+    beats its victim's score by `min_gain`. At most `budget` copies, only those the rule takes
+    (`copy_wanted`). Returns (slots, evicted, experts copied)."""
     num_experts, num_cache = scores.shape[0], slots.expert_in_slot.shape[0]
     budget = min(budget, num_cache, num_experts)
     if not budget:
-        return slots, jnp.int32(0)
+        return slots, jnp.int32(0), jnp.int32(0)
     # Rank by descending score, ties to the lower id (top_k and a stable sort both do that).
     predicted = jnp.zeros((num_experts,), bool).at[jax.lax.top_k(scores, min(count, num_experts))[1]].set(True)
     predicted &= scores >= min_score
@@ -230,7 +259,7 @@ def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: 
     passing = is_wanted & room & (gain >= min_gain)
     n_fetch = jnp.sum(passing)  # the replay takes this many, best first
     destinations = jnp.where(j < n_fetch, jnp.where(uses_free, free_slots[j], by_victim[victim]), -1)
-    return copy_fixed(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32))
+    return copy_wanted(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32))
 
 
 def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
