@@ -131,6 +131,9 @@ def test_health_ready_models(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
     assert [m.id for m in server.client.models.list().data] == ["default"]
+    assert server.client.models.retrieve("default").id == "default"
+    unknown = httpx.get(server.url + "/v1/models/other")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert server.programs_after_warm_up > 0
 
 

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over a ServingEngine (FastAPI): `create_app`.
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events
-with `stream: true`), GET /health (the process answers), GET /ready (the model is loaded and every program
-compiled), GET /metrics (Prometheus). With an API key, /v1/* need `Authorization: Bearer KEY`; /health, /ready
-and /metrics stay open. Errors have OpenAI's shape (jmoe.serve.errors).
+Endpoints: GET /v1/models and /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (streamed as
+server-sent events with `stream: true`), GET /health (the process answers), GET /ready (the model is loaded and
+every program compiled), GET /metrics (Prometheus). With an API key, /v1/* need `Authorization: Bearer KEY`;
+/health, /ready and /metrics stay open. Errors have OpenAI's shape (jmoe.serve.errors).
 
 The model is loaded and warmed up on a background thread once the server runs, so /health answers at once
 and requests get 503 until /ready does. Engine events cross into asyncio through `call_soon_threadsafe`; a
@@ -147,10 +147,17 @@ def _failure(state: ServerState) -> str | None:
 def _api_routes(state: ServerState) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "jmoe"}
+
     @router.get("/models")
     def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.started,
-                                            "owned_by": "jmoe"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/models/{model_id:path}")
+    def model(model_id: str):
+        _check_model_name(state, model_id)
+        return model_card()
 
     @router.post("/completions")
     async def completions(body: CompletionBody, http_request: HttpRequest):
@@ -163,10 +170,14 @@ def _api_routes(state: ServerState) -> APIRouter:
     return router
 
 
-async def _generate(state: ServerState, body, http_request: HttpRequest, prepare, chat: bool):
-    if body.model != state.model_name:
-        raise ApiError(404, f"model {body.model!r} does not exist here; this server serves {state.model_name!r} "
+def _check_model_name(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise ApiError(404, f"model {name!r} does not exist here; this server serves {state.model_name!r} "
                             f"(GET /v1/models)", "invalid_request_error", "model", "model_not_found")
+
+
+async def _generate(state: ServerState, body, http_request: HttpRequest, prepare, chat: bool):
+    _check_model_name(state, body.model)
     engine = state.running_engine()
     generation: Generation = await run_in_threadpool(prepare, body, state.served)  # tokenizing may take a while
     queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
