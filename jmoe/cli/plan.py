@@ -2,7 +2,8 @@
 
 Prints where every byte would live and whether it fits (exit status 0 when it fits, 1 when it does not),
 from config.json and the checkpoint headers alone; with --target, for that GPU, compiling the decode and
-prefill programs for it. Takes the same offload flags as jmoe.generate.
+prefill programs for it and estimating tokens/s there (--hit-rate / --trace, --host-link-gbs). Takes the same
+offload flags as jmoe.generate.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-gb", type=float, default=None,
                    help="device memory available, GiB (default: the target's, or this machine's)")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the checkpoint's)")
+    p.add_argument("--hit-rate", type=float, default=None,
+                   help="speed estimate: the offloaded layers' expert-cache hit rate (default: uniform routing, "
+                        "cache / experts)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="speed estimate: a .npy routing trace of the model [tokens, MoE layers, k], replayed with "
+                        "--policy and the plan's caches for the hit rate")
+    p.add_argument("--host-link-gbs", type=float, default=None,
+                   help="speed estimate: host-to-device GB/s (default: the target's link, e.g. PCIe 5.0 x16 for h100)")
     add_offload_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return p
@@ -52,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
         result = plan_with_options(args.model, offload_options(args), target=args.target, batch=args.batch,
                                    context=args.context, host_gb=args.host_gb, device_gb=args.device_gb,
-                                   compile=not args.no_compile, dtype=args.dtype, backend=args.backend)
+                                   compile=not args.no_compile, dtype=args.dtype, backend=args.backend,
+                                   hit_rate=args.hit_rate, trace=args.trace, host_link_gbs=args.host_link_gbs)
         print(result.to_json() if args.json else result.report())
         return 0 if result.fits else 1
 

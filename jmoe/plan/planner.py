@@ -17,8 +17,11 @@ from jmoe.decode.generation import bucket_batch
 from jmoe.errors import InputError, InsufficientMemoryError
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement, plan_placement
+from jmoe.memory import PINNED_HOST
 from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, memory_needs
+from jmoe.plan.estimate import Estimate, estimate, speeds_of
 from jmoe.plan.headers import CheckpointHeaders, read_headers
+from jmoe.plan.hit_rate import hit_rate as plan_hit_rate
 from jmoe.plan.programs import Program, compile_programs
 from jmoe.plan.resources import Resources, ensure_pinned_pool, resources
 from jmoe.plan.targets import Target, load_target
@@ -39,6 +42,7 @@ class Plan:
     reasons: tuple[str, ...]  # why it does not fit, each with the numbers and what to change
     notes: tuple[str, ...]
     programs: dict[str, Program]  # "decode" / "prefill", compiled for the target (empty without one)
+    estimate: Estimate | None = None  # tokens/s on the target (jmoe.plan.estimate); None without compiled programs
 
     @property
     def config(self):
@@ -46,8 +50,7 @@ class Plan:
 
     def layer_caches(self) -> list[int | None]:
         """The cache of every MoE layer (None = all its experts resident on the device)."""
-        caches = dict(zip(self.placement.offloaded_layers, self.placement.caches))
-        return [caches.get(i) for i in range(self.config.num_moe_layers)]
+        return moe_layer_caches(self.placement, self.config.num_moe_layers)
 
     def as_dict(self) -> dict:
         cfg, placement = self.config, self.placement
@@ -70,6 +73,7 @@ class Plan:
             "available": self.available.as_dict(),
             "programs": {name: program.as_dict() for name, program in self.programs.items()},
             "fits": self.fits, "reasons": list(self.reasons), "notes": list(self.notes),
+            "estimate": None if self.estimate is None else self.estimate.as_dict(),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -83,7 +87,8 @@ class Plan:
 
 def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batch: int = 1,
          context: int | None = None, host_gb: float | None = None, device_gb: float | None = None,
-         compile: bool = True, dtype: str | None = None, backend: str = "auto", **offload) -> Plan:
+         compile: bool = True, dtype: str | None = None, backend: str = "auto", hit_rate: float | None = None,
+         trace=None, host_link_gbs: float | None = None, **offload) -> Plan:
     """Plan a model's memory without loading it: see jmoe.plan for the result.
 
     path: a Hugging Face or jmoe-Orbax checkpoint directory; only config.json and the headers are read.
@@ -97,6 +102,10 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
     batch, context: rows and KV-cache tokens planned for (default context: 4096, capped by the model); the
         batch is padded to a power of two as generation pads it.
     host_gb, device_gb: memory available in GiB, instead of what the OS / target / device says.
+    hit_rate, trace, host_link_gbs: for the speed estimate (`Plan.estimate`, with a target and compiling): the
+        expert-cache hit rate of the offloaded layers, or a routing trace of the model ([tokens, MoE layers, k],
+        an int array or a .npy file) replayed with the plan's policy and caches (default: uniform routing,
+        cache / experts); the host link's GB/s instead of the target's (PCIe 5.0 x16 for an H100).
     """
     try:
         options = OffloadOptions(cache, **offload)
@@ -104,15 +113,18 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
         fields = ", ".join(f.name for f in dataclasses.fields(OffloadOptions))
         raise InputError(f"plan: {e}; the load options are {fields}, dtype, backend") from None
     return plan_with_options(path, options, target=target, batch=batch, context=context, host_gb=host_gb,
-                             device_gb=device_gb, compile=compile, dtype=dtype, backend=backend)
+                             device_gb=device_gb, compile=compile, dtype=dtype, backend=backend, hit_rate=hit_rate,
+                             trace=trace, host_link_gbs=host_link_gbs)
 
 
 def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None, batch: int = 1, context=None,
-                      host_gb=None, device_gb=None, compile: bool = True, dtype=None, backend: str = "auto") -> Plan:
+                      host_gb=None, device_gb=None, compile: bool = True, dtype=None, backend: str = "auto",
+                      hit_rate: float | None = None, trace=None, host_link_gbs: float | None = None) -> Plan:
     """`plan` with the offload settings already gathered in an OffloadOptions (the command line uses this)."""
     check_backend(backend)
     host_gb = None if host_gb is None else positive_finite("host_gb", host_gb)
     device_gb = None if device_gb is None else positive_finite("device_gb", device_gb)
+    host_link_gbs = None if host_link_gbs is None else positive_finite("host_link_gbs", host_link_gbs)
     headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     cfg = headers.config
     batch = whole_number("batch", batch, 1, "rows planned for")
@@ -120,6 +132,8 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     context = checked_context(cfg, context)
     target = None if target is None else load_target(target)
     placement = plan_placement(cfg, headers.abstract, options)
+    caches = moe_layer_caches(placement, cfg.num_moe_layers)
+    hit = plan_hit_rate(hit_rate, trace, options.policy, caches, cfg.num_experts)  # checked before compiling
     programs = {}
     if target is not None and compile:
         programs = compile_programs(cfg, headers.dtype, options, backend, rows, context, target.config_text)
@@ -132,8 +146,26 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     if target is None or not compile:
         notes.append("device bytes count weights, slots, KV cache and stream buffers, not the programs' "
                      "temporaries: give a target (and compile) to count those")
+    speed = None
+    if target is not None:
+        speeds, assumptions = speeds_of(target, headers.dtype, host_link_gbs)
+        groups = placement.group_totals().items()
+        host_params = sum(nbytes for (group, kind), (_, nbytes) in groups if kind == PINNED_HOST and group != "experts")
+        expert_arrays = sum(nbytes for (group, _), (_, nbytes) in groups if group == "experts") + placement.slot_bytes
+        speed = estimate(programs, speeds, caches=caches, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                         expert_bytes=placement.expert_bytes, expert_array_bytes=expert_arrays,
+                         host_param_bytes=host_params, batch=batch, rows=rows, context=context, hit_rate=hit[0],
+                         hit_rate_source=hit[1], notes=assumptions)
+    if speed is None:
+        notes.append("no speed estimate: it needs a target and the programs compiled for it, with their cost "
+                     "analysis")
     return Plan(headers, options, placement, batch, rows, context, target, needs, available, not reasons,
-                tuple(reasons), tuple(placement.notes) + tuple(notes), programs)
+                tuple(reasons), tuple(placement.notes) + tuple(notes), programs, speed)
+
+
+def moe_layer_caches(placement: Placement, num_moe_layers: int) -> list[int | None]:
+    caches = dict(zip(placement.offloaded_layers, placement.caches))
+    return [caches.get(i) for i in range(num_moe_layers)]
 
 
 def checked_context(cfg, context: int | None) -> int:

@@ -49,6 +49,7 @@ class Program:
     name: str  # "decode" | "prefill"
     tokens: tuple[int, int]  # the step's tokens shape [B, T]
     memory_analysis: dict | None = None  # the compiled program's memory_analysis() fields, in bytes
+    cost_analysis: dict | None = None  # XLA's cost analysis of it: "flops", "bytes accessed" (compile_worker)
     lower_seconds: float | None = None
     compile_seconds: float | None = None
     hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO
@@ -71,6 +72,7 @@ class Program:
     def as_dict(self) -> dict:
         flow = self.control_flow
         return {"tokens": list(self.tokens), "memory_analysis": self.memory_analysis, "device_bytes": self.device_bytes,
+                "cost_analysis": self.cost_analysis,
                 "control_flow": None if flow is None else flow.as_dict(),
                 "lower_seconds": self.lower_seconds, "compile_seconds": self.compile_seconds, "error": self.error}
 
@@ -129,8 +131,8 @@ def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tupl
     result_file = work / "result.json"
     if returncode == 0 and result_file.is_file():
         result = json.loads(result_file.read_text())
-        return Program(name, tokens, result["memory_analysis"], result["lower_seconds"], result["compile_seconds"],
-                       (work / "hlo.txt").read_text())
+        return Program(name, tokens, result["memory_analysis"], result["cost_analysis"], result["lower_seconds"],
+                       result["compile_seconds"], (work / "hlo.txt").read_text())
     how = (f"timed out after {COMPILE_TIMEOUT_SECONDS} s" if returncode is None
            else f"the compiler process exited with status {returncode}")
     return Program(name, tokens, error=f"{how}: {_last_error_lines(output)}")

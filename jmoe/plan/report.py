@@ -44,5 +44,23 @@ def format_plan(plan) -> str:
         lines.append(f"pinned host pool: {gib(available.pinned_pool_bytes)} ({available.pinned_pool_source})")
     lines.append("FITS" if plan.fits else "DOES NOT FIT")
     lines += [f"- {reason}" for reason in plan.reasons]
+    lines += format_estimate(plan)
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def format_estimate(plan) -> list[str]:
+    speed = plan.estimate
+    if speed is None:
+        return []
+
+    def span(pair):
+        return f"{pair[0]:,.1f} - {pair[1]:,.1f}"
+
+    lines = ["", f"speed estimate on {plan.target.name} (tokens/s, low - high):",
+             f"  decode, batch 1{'':<12}{span(speed.decode_tokens_per_s_batch1)}"]
+    if plan.batch > 1:
+        lines.append(f"  decode, batch {plan.batch:<12}{span(speed.decode_tokens_per_s)}")
+    lines.append(f"  prefill, {plan.context}-token prompt{'':<2}{span(speed.prefill_tokens_per_s)}")
+    lines += [f"  assumes: {line}" for line in speed.assumptions]
+    return lines

@@ -4,6 +4,7 @@ where each one's numbers come from), or a target-config file of the user's."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from jmoe.errors import InputError
 
 TARGETS_DIR = Path(__file__).resolve().parent / "targets"
 SUFFIX = ".textproto"
+SPEEDS = TARGETS_DIR / "speeds.json"  # what the protos do not hold: host link and bf16 peak (README.md there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +21,11 @@ class Target:
     config_text: str  # a GpuTargetConfigProto in text format
     device_kind: str  # e.g. "NVIDIA H100 80GB HBM3"
     device_memory_bytes: int  # gpu_device_info.device_memory_size
+    memory_bytes_per_s: float  # gpu_device_info.memory_bandwidth
+    fp32_flops: float  # 2 x SMs x FP32 units per SM x clock: the FMA peak of the CUDA cores
+    bf16_flops: float | None = None  # dense bf16 tensor-core peak (speeds.json; None for a user's file)
+    host_link: str | None = None  # e.g. "PCIe 5.0 x16" (speeds.json; None for a user's file)
+    host_link_bytes_per_s: float | None = None  # its nominal bandwidth, one direction
 
 
 def target_names() -> list[str]:
@@ -40,8 +47,20 @@ def load_target(target: str | Path) -> Target:
         raise InputError(f"{path}: not a usable GPU target config: expected a GpuTargetConfigProto text with "
                          f"gpu_device_info and its device_memory_size (see {TARGETS_DIR / 'README.md'} for how "
                          f"the shipped ones were made)")
+    speeds = json.loads(SPEEDS.read_text()).get(str(target), {}) if path == shipped else {}
     return Target(target if path == shipped else str(path), text, kind.group(1) if kind else path.stem,
-                  int(memory.group(1)))
+                  int(memory.group(1)), _number(text, "memory_bandwidth"),
+                  2 * _number(text, "core_count") * _number(text, "fpus_per_core") * _number(text, "clock_rate_ghz") * 1e9,
+                  speeds["bf16_tflops"] * 1e12 if speeds else None, speeds.get("host_link"),
+                  speeds["host_link_gbs"] * 1e9 if speeds else None)
+
+
+def _number(config_text: str, field: str) -> float:
+    found = re.search(rf"\b{field}:\s*([\d.]+)", config_text)
+    if found is None:
+        raise InputError(f"the target config has no {field} in gpu_device_info; the speed estimate needs it (see "
+                         f"{TARGETS_DIR / 'README.md'})")
+    return float(found.group(1))
 
 
 def compute_capability(config_text: str) -> int:

@@ -1,0 +1,176 @@
+"""How fast a plan would run on its target: decode tokens/s (batch 1 and the plan's batch) and prefill tokens/s,
+as a [low, high] range with the assumptions that make it.
+
+A step's time is its device time plus the host-to-device copies of the experts it misses:
+- device time, from the compiled program's own cost analysis (XLA's flops and bytes accessed,
+  compile_worker.cost_analysis) against the target's memory bandwidth and peak, at an achieved fraction of
+  each, plus a launch cost per kernel the optimized program runs (XLA's cost analysis counts a while loop's
+  body once, so a loop's repeats are not in it). The analysis counts every operand whole: the stacked expert
+  arrays (resident, slots, and the pinned-host ones the step slices) as if every expert were read, while
+  the grouped GEMM reads only the experts routed to, and host arrays cross the link (the copies below), not
+  HBM. So the expert arrays' bytes are replaced by the routed experts' bytes;
+- copies: experts missed per step x bytes per expert / the host link (PCIe) at an achieved fraction. Misses
+  come from a hit rate (given; replayed from a routing trace with the plan's policy and caches; or, without
+  either, uniform routing: cache / experts); a batch of B rows needs E (1 - (1 - k/E)^B) distinct experts
+  per layer under independent uniform routing. Prefill streams every offloaded expert once.
+High = the fast ends with copies hidden behind compute (max); low = the slow ends with none hidden (sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+# Achieved fractions of the nominal peaks, [slow, fast]: decode kernels that stream weights reach 60-90% of HBM
+# bandwidth; MoE GEMMs 40-80% of the tensor-core peak; pinned-host copies 70-90% of the PCIe link.
+MEMORY_EFFICIENCY = (0.6, 0.9)
+COMPUTE_EFFICIENCY = (0.4, 0.8)
+LINK_EFFICIENCY = (0.7, 0.9)
+LAUNCH_SECONDS = (5e-6, 1e-6)  # per kernel, [slow, fast]: a launch each, or CUDA graphs
+_KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpeeds:
+    memory_bytes_per_s: float
+    peak_flops: float
+    host_link_bytes_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    decode_tokens_per_s: tuple[float, float]  # [low, high] at the plan's batch
+    decode_tokens_per_s_batch1: tuple[float, float]
+    prefill_tokens_per_s: tuple[float, float]
+    hit_rate: float  # of the offloaded layers' accesses (1.0 when every expert is resident)
+    hit_rate_source: str
+    inputs: dict  # the numbers the estimate used
+    assumptions: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        for key in ("decode_tokens_per_s", "decode_tokens_per_s_batch1", "prefill_tokens_per_s"):
+            out[key] = list(out[key])
+        out["assumptions"] = list(self.assumptions)
+        return out
+
+
+def kernel_count(hlo_text: str) -> int:
+    """Kernels an optimized XLA:GPU module launches, roughly: its fusions, custom calls (Triton, cuBLAS), slices,
+    asynchronous copies and unfused dots (each loop body counted once)."""
+    return len(_KERNEL.findall(hlo_text))
+
+
+def device_bytes(bytes_accessed: float, expert_array_bytes: int, routed_experts: float, expert_bytes: int) -> float:
+    """HBM bytes of a step: the cost analysis's bytes without the whole expert arrays (counted once each, the
+    analysis's way), plus the experts the step's tokens are routed to."""
+    return max(bytes_accessed - expert_array_bytes, 0.0) + routed_experts * expert_bytes
+
+
+def device_seconds(flops: float, bytes_accessed: float, kernels: int, speeds: DeviceSpeeds) -> tuple[float, float]:
+    """[slow, fast] seconds of one program on the device."""
+    slow = (bytes_accessed / (speeds.memory_bytes_per_s * MEMORY_EFFICIENCY[0])
+            + flops / (speeds.peak_flops * COMPUTE_EFFICIENCY[0]) + kernels * LAUNCH_SECONDS[0])
+    fast = max(bytes_accessed / (speeds.memory_bytes_per_s * MEMORY_EFFICIENCY[1]),
+               flops / (speeds.peak_flops * COMPUTE_EFFICIENCY[1])) + kernels * LAUNCH_SECONDS[1]
+    return slow, fast
+
+
+def link_seconds(nbytes: float, speeds: DeviceSpeeds) -> tuple[float, float]:
+    """[slow, fast] seconds to copy `nbytes` from pinned host memory to the device."""
+    return nbytes / (speeds.host_link_bytes_per_s * LINK_EFFICIENCY[0]), nbytes / (
+        speeds.host_link_bytes_per_s * LINK_EFFICIENCY[1])
+
+
+def distinct_experts(num_experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts a layer needs for `rows` tokens routed independently and uniformly."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
+
+
+def decode_copy_bytes(offloaded_caches: list[int], num_experts: int, top_k: int, expert_bytes: int, hit_rate: float,
+                      rows: int, host_param_bytes: int = 0) -> float:
+    """Bytes one decode step copies to the device: each offloaded layer's missed experts, plus the non-expert
+    parameters kept on the host (layer groups copy them in every step)."""
+    misses = len(offloaded_caches) * distinct_experts(num_experts, top_k, rows) * (1 - hit_rate)
+    return misses * expert_bytes + host_param_bytes
+
+
+def prefill_copy_bytes(offloaded_caches: list[int], num_experts: int, expert_bytes: int,
+                       host_param_bytes: int = 0) -> tuple[float, float]:
+    """[slow, fast] bytes a prompt streams: every offloaded expert once (fast: those the cache already holds
+    are not copied), plus the host-kept non-expert parameters."""
+    slow = len(offloaded_caches) * num_experts * expert_bytes
+    fast = sum(num_experts - cache for cache in offloaded_caches) * expert_bytes
+    return slow + host_param_bytes, fast + host_param_bytes
+
+
+def tokens_per_s(tokens: int, device: tuple[float, float], copies: tuple[float, float]) -> tuple[float, float]:
+    """[low, high]: low = slow device time + slow copies, none hidden; high = fast ones, copies hidden."""
+    return tokens / (device[0] + copies[0]), tokens / max(device[1], copies[1])
+
+
+def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds, list[str]]:
+    """The target's numbers for a program of `dtype`, and the assumptions they carry."""
+    notes = []
+    if dtype.itemsize <= 2 and target.bf16_flops is not None:
+        peak, what = target.bf16_flops, "dense bf16 tensor-core peak"
+    else:
+        peak, what = target.fp32_flops, "FP32 CUDA-core peak (2 x SMs x FP32 units x clock)"
+        if dtype.itemsize <= 2:
+            notes.append("the target's bf16 tensor-core peak is unknown (not a shipped target): the FP32 peak is "
+                         "used, so compute-bound steps are underestimated")
+    if host_link_gbs is not None:
+        link, link_what = host_link_gbs * 1e9, f"{host_link_gbs:g} GB/s as given"
+    elif target.host_link_bytes_per_s is not None:
+        link, link_what = target.host_link_bytes_per_s, f"{target.host_link}, {target.host_link_bytes_per_s / 1e9:g} GB/s"
+    else:
+        link, link_what = 31.5e9, "PCIe 4.0 x16, 31.5 GB/s (assumed: the target file names no host link)"
+        notes.append("host link assumed PCIe 4.0 x16: pass host_link_gbs for this target")
+    notes.insert(0, f"{target.name}: HBM {target.memory_bytes_per_s / 1e9:.0f} GB/s, {what} "
+                    f"{peak / 1e12:.1f} TFLOP/s, host link {link_what}")
+    return DeviceSpeeds(target.memory_bytes_per_s, peak, link), notes
+
+
+def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], num_experts: int, top_k: int,
+             expert_bytes: int, expert_array_bytes: int, host_param_bytes: int, batch: int, rows: int, context: int,
+             hit_rate: float, hit_rate_source: str, notes: list[str]) -> Estimate | None:
+    """The speed estimate from the compiled "decode" and "prefill" programs; None when either has no cost
+    analysis. Batch 1 runs the batch's decode program's device time (the same weights; more KV cache and
+    activations, so batch 1 is underestimated when rows > 1) with one row's copies."""
+    needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
+    if any(p is None or not p.cost_analysis for p in needed.values()):
+        return None
+    offloaded = [c for c in caches if c is not None]
+
+    def device(program, tokens):
+        cost = program.cost_analysis
+        routed = len(caches) * distinct_experts(num_experts, top_k, tokens)
+        hbm = device_bytes(cost.get("bytes accessed", 0.0), expert_array_bytes, routed, expert_bytes)
+        return device_seconds(cost.get("flops", 0.0), hbm, kernel_count(program.hlo_text or ""), speeds)
+
+    def decode_rate(program, tokens):
+        copied = decode_copy_bytes(offloaded, num_experts, top_k, expert_bytes, hit_rate, tokens, host_param_bytes)
+        return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds))
+
+    slow_bytes, fast_bytes = prefill_copy_bytes(offloaded, num_experts, expert_bytes, host_param_bytes)
+    prefill = tokens_per_s(rows * context, device(needed["prefill"], rows * context),
+                           (link_seconds(slow_bytes, speeds)[0], link_seconds(fast_bytes, speeds)[1]))
+    inputs = {"memory_bytes_per_s": speeds.memory_bytes_per_s, "peak_flops": speeds.peak_flops,
+              "host_link_bytes_per_s": speeds.host_link_bytes_per_s, "hit_rate": hit_rate,
+              "expert_bytes": expert_bytes, "expert_array_bytes": expert_array_bytes,
+              "offloaded_layers": len(offloaded),
+              **{f"{name} {key}": value for name, program in needed.items()
+                 for key, value in program.cost_analysis.items()},
+              **{f"{name} kernels": kernel_count(program.hlo_text or "") for name, program in needed.items()}}
+    assumptions = [*notes, f"hit rate {hit_rate:.3f} ({hit_rate_source})",
+                   f"achieved fractions [slow, fast]: HBM {MEMORY_EFFICIENCY}, compute {COMPUTE_EFFICIENCY}, host "
+                   f"link {LINK_EFFICIENCY}; {LAUNCH_SECONDS[0] * 1e6:g} / {LAUNCH_SECONDS[1] * 1e6:g} us per kernel",
+                   "device time from XLA's cost analysis of the compiled programs (a while loop's body counted "
+                   "once), its whole expert arrays replaced by the routed experts' bytes",
+                   "misses are copied (miss mode fetch); a batch's rows route independently and uniformly; "
+                   "high = copies hidden behind compute, low = none hidden",
+                   f"prefill: one prompt of {context} tokens per row streams every offloaded expert once"]
+    if rows > 1:
+        assumptions.append(f"batch 1: the device time of the {rows}-row decode program (a lower estimate)")
+    return Estimate(decode_rate(needed["decode"], batch), decode_rate(needed["decode"], 1), prefill, hit_rate,
+                    hit_rate_source, inputs, tuple(assumptions))

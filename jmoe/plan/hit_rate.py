@@ -1,0 +1,78 @@
+"""The expert-cache hit rate a plan's speed estimate assumes: given by the user, replayed from a routing trace
+of the model with the plan's policy and per-layer caches (jmoe.traces.replay, the engine's eviction rule), or,
+without either, what uniform routing gives (a cache of c of E experts holds a needed expert with chance c/E)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jmoe.errors import InputError
+from jmoe.offload.policies import CachePolicy, make_policy
+from jmoe.traces.load import TraceError, check_trace, frequency_table
+from jmoe.traces.replay import replay
+
+
+def load_routing_trace(trace, num_moe_layers: int, num_experts: int) -> np.ndarray:
+    """An int array [tokens, MoE layers, k] of this model's routing, or a .npy file of one, checked."""
+    if isinstance(trace, (str, Path)):
+        path = Path(trace)
+        if path.suffix != ".npy" or not path.is_file():
+            raise InputError(f"trace: expected a .npy routing trace [tokens, MoE layers, k], found {str(path)!r}; "
+                             f"record one from the model's routing (Model.logits_and_routing)")
+        trace = np.load(path)
+    try:
+        trace = check_trace(trace, num_experts)
+    except TraceError as e:
+        raise InputError(f"trace: {e}") from None
+    if trace.shape[1] != num_moe_layers:
+        raise InputError(f"trace: it has {trace.shape[1]} MoE layers, the model {num_moe_layers}; record the "
+                         f"trace from this model")
+    return trace
+
+
+def replayed_hit_rate(trace: np.ndarray, policy: str, caches: list[int | None], num_experts: int) -> float:
+    """The hit rate over the offloaded layers' accesses when `trace` [tokens, MoE layers, k] is replayed through
+    each layer's cache (None = resident, not counted) with a fresh `policy` (a name); a cache smaller than
+    top-k, which the replay cannot hold a token's experts in, counts as all misses."""
+    top_k = trace.shape[2]
+    hits = accesses = 0
+    for cache in sorted({c for c in caches if c is not None}):
+        layers = [i for i, c in enumerate(caches) if c == cache]
+        part = trace[:, layers, :]
+        accesses += part.size
+        if cache >= top_k:
+            hits += replay(part, num_experts, cache, fresh_policy(policy, part, num_experts))["hits"]
+    return hits / accesses if accesses else 1.0
+
+
+def fresh_policy(policy: str, trace: np.ndarray, num_experts: int) -> CachePolicy:
+    if not isinstance(policy, str):
+        raise InputError("trace: replaying needs the cache policy by name (lru, lfu, lfru, static), found a "
+                         f"{type(policy).__name__} object")
+    if policy == "static":  # its pinned set: the trace's most used experts
+        return make_policy("static", trace.shape[1], num_experts, frequency=frequency_table(trace, num_experts))
+    return make_policy(policy, trace.shape[1], num_experts)
+
+
+def uniform_hit_rate(caches: list[int | None], num_experts: int) -> float:
+    offloaded = [c for c in caches if c is not None]
+    return float(np.mean([c / num_experts for c in offloaded])) if offloaded else 1.0
+
+
+def hit_rate(given: float | None, trace, policy, caches: list[int | None], num_experts: int) -> tuple[float, str]:
+    """(hit rate, where it comes from)."""
+    if given is not None and trace is not None:
+        raise InputError("give a hit rate or a routing trace to replay, not both")
+    if given is not None:
+        if not 0.0 <= given <= 1.0:
+            raise InputError(f"hit_rate must be in [0, 1], found {given}")
+        return float(given), "given"
+    if not any(c is not None for c in caches):
+        return 1.0, "every expert resident"
+    if trace is not None:
+        trace = load_routing_trace(trace, len(caches), num_experts)
+        return replayed_hit_rate(trace, policy, caches, num_experts), (
+            f"replayed from a routing trace of {trace.shape[0]} tokens, policy {policy}")
+    return uniform_hit_rate(caches, num_experts), "uniform routing (cache / experts); pass a trace or hit_rate"

@@ -1,0 +1,124 @@
+"""jmoe.plan's speed estimate: its arithmetic against hand-computed cases, the hit rate it replays from a routing
+trace against the replay's own, and the estimate reaching as_dict(), report() and the command line."""
+
+import numpy as np
+import pytest
+
+import jmoe
+from jmoe.errors import InputError
+from jmoe.offload.policies import make_policy
+from jmoe.plan import estimate as est
+from jmoe.plan import planner
+from jmoe.plan.hit_rate import replayed_hit_rate
+from jmoe.plan.programs import Program, plugin_available
+from jmoe.traces.replay import replay
+
+SPEEDS = est.DeviceSpeeds(memory_bytes_per_s=1e12, peak_flops=1e14, host_link_bytes_per_s=1e10)
+
+
+def test_device_seconds_slow_adds_memory_compute_and_launches_fast_takes_the_larger():
+    slow, fast = est.device_seconds(flops=1e12, bytes_accessed=6e9, kernels=100, speeds=SPEEDS)
+    # slow: 6e9 / (1e12 x 0.6) + 1e12 / (1e14 x 0.4) + 100 x 5 us; fast: max(6e9 / 0.9e12, 1e12 / 0.8e14) + 100 x 1 us
+    assert slow == pytest.approx(0.01 + 0.025 + 0.0005)
+    assert fast == pytest.approx(0.0125 + 0.0001)
+
+
+def test_copies_experts_and_tokens_per_second():
+    assert est.link_seconds(7e9, SPEEDS) == pytest.approx((1.0, 7 / 9))
+    assert est.distinct_experts(8, 2, 1) == pytest.approx(2.0)
+    assert est.distinct_experts(8, 2, 2) == pytest.approx(3.5)  # 8 x (1 - (6/8)^2)
+    # 3 offloaded layers x 2 experts x 0.75 missed x 1000 bytes + 500 host-kept bytes
+    assert est.decode_copy_bytes([2, 2, 2], 8, 2, 1000, 0.25, 1, 500) == pytest.approx(5000)
+    assert est.prefill_copy_bytes([2, 4], 8, 1000) == (16000, 10000)
+    assert est.tokens_per_s(4, (0.5, 0.2), (0.3, 0.4)) == pytest.approx((5.0, 10.0))
+
+
+def fake_programs(decode_bytes=9e8, prefill_bytes=1.8e9, flops=0.0):
+    return {name: Program(name, (1, t), cost_analysis={"flops": flops, "bytes accessed": b}, hlo_text="")
+            for name, t, b in (("decode", 1, decode_bytes), ("prefill", 100, prefill_bytes))}
+
+
+def test_device_bytes_replace_whole_expert_arrays_by_the_routed_experts():
+    # 9e8 counted, of which 3e8 are expert arrays; 4 routed experts of 1e7 bytes
+    assert est.device_bytes(9e8, 3e8, 4, 10**7) == pytest.approx(6.4e8)
+    assert est.device_bytes(1e8, 3e8, 0, 10**7) == 0.0
+
+
+def test_estimate_by_hand():
+    speed = est.estimate(fake_programs(), SPEEDS, caches=[None, 4], num_experts=8, top_k=2, expert_bytes=10**7,
+                         expert_array_bytes=3 * 10**8, host_param_bytes=0, batch=1, rows=1, context=100,
+                         hit_rate=0.5, hit_rate_source="given", notes=[])
+    # decode: HBM 9e8 - 3e8 + 2 layers x 2 routed x 1e7 = 6.4e8 B -> 6.4e8 / 0.6e12 s slow, / 0.9e12 fast;
+    # copies: 1 offloaded layer x 2 x 0.5 missed x 1e7 B -> 1e7 / 0.7e10 s slow, 1e7 / 0.9e10 fast (the larger)
+    assert speed.decode_tokens_per_s == pytest.approx((1 / (6.4e8 / 0.6e12 + 1e7 / 0.7e10), 900.0))
+    assert speed.decode_tokens_per_s_batch1 == speed.decode_tokens_per_s
+    # prefill of 100 tokens: every expert routed (8 x (1 - 0.75^100) = 8 per layer): HBM 1.5e9 + 1.6e8 B; streams
+    # 8 experts slow (8e7 B / 0.7e10), the 4 uncached fast (4e7 B / 0.9e10, more than 1.66e9 / 0.9e12)
+    assert speed.prefill_tokens_per_s == pytest.approx((100 / (1.66e9 / 0.6e12 + 8e7 / 0.7e10), 100 / (4e7 / 0.9e10)))
+    low, high = speed.as_dict()["decode_tokens_per_s"]
+    assert low < high
+    assert est.estimate({"decode": Program("decode", (1, 1))}, SPEEDS, caches=[4], num_experts=8, top_k=2,
+                        expert_bytes=1, expert_array_bytes=0, host_param_bytes=0, batch=1, rows=1, context=1,
+                        hit_rate=1.0, hit_rate_source="", notes=[]) is None  # nothing compiled: no estimate
+
+
+def random_trace(tokens=300, layers=2, experts=4, top_k=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.argsort(rng.random((tokens, layers, experts)) ** np.arange(1, experts + 1), axis=2)[:, :, :top_k]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_hit_rate_replayed_from_a_trace_equals_the_replay(policy):
+    trace = random_trace(layers=3, experts=8, top_k=2)
+    expected = replay(trace, 8, 4, make_policy(policy, 3, 8))["hit_rate"]
+    assert replayed_hit_rate(trace, policy, [4, 4, 4], 8) == pytest.approx(expected)
+    # per-layer caches: each group of layers replays with its own cache; a resident layer is not counted
+    parts = [replay(trace[:, [0], :], 8, 3, make_policy(policy, 1, 8))["hits"],
+             replay(trace[:, [2], :], 8, 6, make_policy(policy, 1, 8))["hits"]]
+    assert replayed_hit_rate(trace, policy, [3, None, 6], 8) == pytest.approx(sum(parts) / (2 * trace[:, 0].size))
+
+
+@pytest.fixture
+def no_compile_but_costs(monkeypatch):
+    """Plans whose "compiled" programs are fakes with a known cost analysis (compiling is tested elsewhere)."""
+    monkeypatch.setattr(planner, "compile_programs", lambda *args: fake_programs())
+
+
+def test_plan_estimate_from_a_trace_reaches_as_dict_report_and_cli(small_mixtral_dir, tmp_path, no_compile_but_costs,
+                                                                   capsys):
+    from jmoe.cli.plan import main
+
+    trace_file = tmp_path / "trace.npy"
+    np.save(trace_file, random_trace())
+    plan = jmoe.plan(small_mixtral_dir, cache=2, target="h100", trace=trace_file, policy="lru")
+    estimate = plan.as_dict()["estimate"]
+    assert estimate["hit_rate"] == pytest.approx(replay(random_trace(), 4, 2, make_policy("lru", 2, 4))["hit_rate"])
+    for key in ("decode_tokens_per_s", "decode_tokens_per_s_batch1", "prefill_tokens_per_s"):
+        low, high = estimate[key]
+        assert 0 < low < high
+    assert any("PCIe 5.0 x16" in line for line in estimate["assumptions"])
+    assert "speed estimate on h100" in plan.report() and "decode, batch 1" in plan.report()
+    main([str(small_mixtral_dir), "--target", "h100", "--cache", "2", "--hit-rate", "0.5", "--host-link-gbs", "25"])
+    out = capsys.readouterr().out
+    assert "hit rate 0.500 (given)" in out and "25 GB/s as given" in out
+
+
+def test_plan_estimate_inputs_are_checked(small_mixtral_dir, no_compile_but_costs):
+    with pytest.raises(InputError, match="3 MoE layers, the model 2"):
+        jmoe.plan(small_mixtral_dir, cache=2, target="h100", trace=random_trace(layers=3))
+    with pytest.raises(InputError, match="not both"):
+        jmoe.plan(small_mixtral_dir, cache=2, target="h100", trace=random_trace(), hit_rate=0.5)
+    with pytest.raises(InputError, match=r"hit_rate must be in \[0, 1\]"):
+        jmoe.plan(small_mixtral_dir, cache=2, target="h100", hit_rate=1.5)
+    assert jmoe.plan(small_mixtral_dir, target="h100").estimate.hit_rate == 1.0  # every expert resident
+    assert jmoe.plan(small_mixtral_dir, target="h100", compile=False).estimate is None
+
+
+@pytest.mark.skipif(not plugin_available(), reason="compiling for a GPU target needs the gpu-compile extra")
+def test_compiled_programs_carry_xla_cost_analysis(small_mixtral_dir):
+    plan = jmoe.plan(small_mixtral_dir, cache=2, target="h100", context=16)
+    for program in plan.programs.values():
+        assert program.cost_analysis["flops"] > 0 and program.cost_analysis["bytes accessed"] > 0
+    # the prefill of 16 tokens does more arithmetic than one decode token
+    assert plan.programs["prefill"].cost_analysis["flops"] > plan.programs["decode"].cost_analysis["flops"]
+    assert plan.estimate is not None and plan.estimate.hit_rate == 0.5  # uniform routing: 2 of 4 experts
