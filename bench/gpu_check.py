@@ -1,0 +1,158 @@
+"""One command for a lent GPU: check jmoe's numerics on the device and measure what a CPU cannot.
+
+  python -m bench.gpu_check                  # on the GPU: about 9 minutes -> bench/results/gpu_check_<device>.md/.json
+  python -m bench.gpu_check --small          # the same code paths at tiny shapes (runs on CPU; the suite does this)
+  python -m bench.gpu_check --smoke          # --small in a temporary directory, no result file, 200 s budget
+
+Sections, in order (each with a share of the time budget plus what earlier ones left; what that or the whole
+budget does not reach is recorded as "not run: out of time", never skipped silently):
+  environment  JAX version, devices, which optional packages the image has (jax-triton, torch, ...)
+  kernels      every kernel backend in every expert format against `reference` (bench.gpu_numerics)
+  families     every family's logits on the device against JAX's CPU backend (a child process)
+  offload      tokens and logits at caches 0, 2, E-1, E (fetch and host misses), prefetch, layer groups
+  bandwidth    host-to-device GB/s: the step's in-program expert copies, jax.device_put, a plain 1 GiB copy
+  decode       tokens/s of Mixtral- and DeepSeek-shaped bf16 models of a few GB, resident and at caches, with
+               device memory held against jmoe.plan and experts checked to be in pinned host memory
+It builds its own random-weight checkpoints under --workdir (bench.gpu_models) and needs only the image's
+packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
+--small (and --smoke) use one kernel shape, models of smoke size (bench.common.SMOKE_SIZES) and two caches per
+speed model; a smoke run's 200 s budget leaves items of the slower sections not run (recorded as such):
+tests/test_gpu_check.py runs every kernel check in full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.common import add_smoke_argument, smoke_run, write_result
+from bench.gpu_results import Budget, SectionResult, markdown, summary
+
+BUDGET_SECONDS = 540  # 9 minutes: a lent machine allows 10 per command
+SMOKE_BUDGET_SECONDS = 200  # tests/test_bench_smoke.py allows a module 300 s
+# Each section's share of the budget, plus what earlier ones left unused (the whole budget bounds the run).
+SHARES = {"environment": 0.02, "kernels": 0.15, "families": 0.12, "offload": 0.2, "bandwidth": 0.06, "decode": 0.45}
+OPTIONAL_PACKAGES = ("jax_triton", "triton", "torch", "transformers", "safetensors", "orbax", "jax_plugins")
+
+
+def environment(args, budget: Budget, log) -> SectionResult:
+    import jax
+
+    result = SectionResult()
+    device = jax.devices()[0]
+    result.measurements.update({"jax": jax.__version__, "backend": jax.default_backend(),
+                                "device": device.device_kind, "devices": jax.device_count(),
+                                "memory kinds": ", ".join(sorted(m.kind for m in device.addressable_memories()))})
+    stats = device.memory_stats()
+    result.measurements["device bytes_limit"] = stats.get("bytes_limit", "unknown") if stats else "no memory_stats()"
+    for package in OPTIONAL_PACKAGES:
+        result.measurements[f"package {package}"] = ("present" if importlib.util.find_spec(package) is not None
+                                                     else "missing")
+    return result
+
+
+def section_functions(args) -> dict:
+    from bench import gpu_numerics, gpu_speed
+
+    measured = {}
+
+    def bandwidth(args, budget, log):
+        measured["bandwidth"] = gpu_speed.bandwidth(args.workdir, args.small, budget, log)
+        return measured["bandwidth"]
+
+    def decode(args, budget, log):
+        copy_gbs = gpu_speed.measured_copy_gbs(measured["bandwidth"]) if "bandwidth" in measured else None
+        return gpu_speed.decode_speed(args.workdir, args.small, args.tokens, copy_gbs, budget, log)
+
+    return {"environment": environment,
+            "kernels": lambda args, budget, log: gpu_numerics.kernels(args.small, budget, log),
+            "families": lambda args, budget, log: gpu_numerics.families(args.workdir, budget, log),
+            "offload": lambda args, budget, log: gpu_numerics.offload(args.workdir, budget, log),
+            "bandwidth": bandwidth, "decode": decode}
+
+
+def run_sections(args) -> dict[str, SectionResult]:
+    budget = Budget(args.budget_s)
+
+    def log(message):
+        print(f"[{budget.elapsed():5.0f} s] {message}", file=sys.stderr, flush=True)
+
+    results = {}
+    for name, fn in section_functions(args).items():
+        if name not in args.sections:
+            continue
+        if budget.elapsed() >= budget.seconds:
+            results[name] = SectionResult(status="not run: out of time")
+            continue
+        budget.start_section(SHARES[name])
+        began = time.perf_counter()
+        try:
+            results[name] = fn(args, budget, log)
+        except Exception as error:  # one section's failure must not cost the others their turn
+            import traceback
+
+            traceback.print_exc()
+            results[name] = SectionResult(status=f"failed: {type(error).__name__}: {error}"[:600])
+        results[name].seconds = time.perf_counter() - began
+        log(f"{name}: {results[name].status}")
+    return results
+
+
+def write_report(args, results: dict[str, SectionResult]) -> Path:
+    import jax
+
+    device = jax.devices()[0].device_kind.replace(" ", "_").lower()
+    name = f"gpu_check_{'small_' if args.small else ''}{device}"
+    mode = "small (tiny shapes: checks the logic, measures nothing meaningful)" if args.small else "full"
+    header = (f"Mode: {mode}; time budget {args.budget_s:.0f} s. Kernel numerics, family logits against the "
+              f"CPU, the offload engine against all-resident, host-to-device bandwidth and decode speed on "
+              f"`{jax.devices()[0].device_kind}` (jax {jax.__version__}).")
+    path = write_result(f"{name}.md", "GPU check", markdown(results, header))
+    payload = {"mode": "small" if args.small else "full", "budget_s": args.budget_s, "summary": summary(results),
+               "sections": {n: r.as_dict() for n, r in results.items()}}
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="tiny shapes: the same code paths, runs on CPU")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"wall-clock budget (default {BUDGET_SECONDS} s; {SMOKE_BUDGET_SECONDS} s with --smoke)")
+    p.add_argument("--sections", default=",".join(SHARES), help=f"comma-separated subset of {', '.join(SHARES)}")
+    p.add_argument("--tokens", type=int, default=None, help="decode tokens per measurement (default 64; small 4)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_gpu_check"),
+                   help="where the random checkpoints are written (reused by later runs)")
+    p.add_argument("--cpu-reference", type=Path, default=None, help=argparse.SUPPRESS)  # the families' child
+    add_smoke_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cpu_reference is not None:
+        from bench.gpu_numerics import cpu_logits, family_checkpoints
+
+        cpu_logits(family_checkpoints(args.cpu_reference), args.cpu_reference / "cpu_logits.npz")
+        return 0
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(args.sections) - set(SHARES))
+    if unknown:
+        raise SystemExit(f"error: unknown sections {unknown}; expected a subset of {', '.join(SHARES)}")
+    args.small = args.small or args.smoke
+    args.budget_s = args.budget_s if args.budget_s is not None else (
+        SMOKE_BUDGET_SECONDS if args.smoke else BUDGET_SECONDS)
+    args.tokens = args.tokens or (4 if args.small else 64)
+    with smoke_run(args):
+        results = run_sections(args)
+        path = write_report(args, results)
+        print(path.with_suffix(".json").read_text() if args.smoke else path)
+    return 1 if summary(results)["failed"] or any(r.status.startswith("failed") for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""bench.gpu_check's correctness sections: kernel backends against `reference` in every expert format, every
+family's logits on the device against the CPU (a child process on JAX's CPU backend), and the offload engine
+against the all-resident model (tokens and logits at caches 0, 2, E-1 and E; miss modes fetch and host;
+prefetch; layer groups)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bench.gpu_models import FAMILY_CASES, hf_config, write_checkpoint
+from bench.gpu_results import Budget, SectionResult
+
+# Kernel shapes: (tokens, top-k, experts, d, f): one decode token and a prefill chunk. d and f are multiples of
+# 128 so that every format's blocks (fp8's 128 x 128) divide them (small: 64, fp8 then has one partial block).
+KERNEL_SHAPES = {"decode": (1, 2, 8, 256, 256), "prefill": (128, 4, 8, 256, 256)}
+SMALL_KERNEL_SHAPES = {"tokens": (4, 2, 4, 64, 64)}  # one shape: the same loops, half the compiles
+KERNEL_TOLERANCE = 3e-2  # bf16 inputs: h is rounded to bf16 before the down projection, at different sums
+# Device against CPU logits, relative to the largest |logit|: a GPU may compute float32 dots in TF32.
+FAMILY_TOLERANCE = 1e-2
+OFFLOAD_TOLERANCE = 1e-5  # the invariant: offloading never changes float32 logits beyond 1e-5
+PROMPT = [3, 17, 9, 42, 5, 11, 28, 7]
+NEW_TOKENS = 8
+
+
+def relative_error(y, y_ref) -> float:
+    y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
+    return float(np.abs(y - y_ref).max() / max(1.0, float(np.abs(y_ref).max())))
+
+
+def kernel_inputs(shape, fmt: str | None, seed: int = 0):
+    import jax.numpy as jnp
+
+    from jmoe.kernels.quantized import quantize
+
+    num_tokens, top_k, num_slots, d, f = shape
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(num_tokens, d)), jnp.bfloat16)
+    slot_ids = jnp.asarray(rng.integers(-1, num_slots, size=(num_tokens, top_k)), jnp.int32)  # -1: padding
+    weights = jnp.asarray(rng.random((num_tokens, top_k)), jnp.float32)
+    w_gate_up = rng.normal(size=(num_slots, d, 2 * f)).astype(np.float32) / d**0.5
+    w_down = rng.normal(size=(num_slots, f, d)).astype(np.float32) / f**0.5
+    if fmt is None:
+        return x, slot_ids, weights, jnp.asarray(w_gate_up, jnp.bfloat16), jnp.asarray(w_down, jnp.bfloat16)
+    return x, slot_ids, weights, quantize(w_gate_up, fmt), quantize(w_down, fmt)
+
+
+def kernels(small: bool, budget: Budget, log) -> SectionResult:
+    import jax
+
+    from jmoe.kernels import moe_ffn
+    from jmoe.kernels.dispatch import BACKENDS
+    from jmoe.kernels.quantized import FORMATS
+
+    result = SectionResult()
+    result.notes.append(f"inputs bf16, {'; '.join(f'{n} (T, k, S, d, f) = {s}' for n, s in _shapes(small).items())}"
+                        f"; some slot ids -1 (padding); pass = max |y - reference| <= {KERNEL_TOLERANCE} x "
+                        f"max(1, max |reference|)")
+    jitted = {b: jax.jit(functools.partial(moe_ffn, backend=b)) for b in BACKENDS}
+    for fmt in (None, *FORMATS):
+        for shape_name, shape in _shapes(small).items():
+            inputs = kernel_inputs(shape, fmt)
+            expected = None
+            for backend in BACKENDS:
+                if backend == "reference":
+                    continue
+                name = f"{backend} / {fmt or 'bf16'} / {shape_name}"
+
+                def run(backend=backend, inputs=inputs):
+                    nonlocal expected
+                    if expected is None:
+                        expected = jitted["reference"](*inputs)
+                    error = relative_error(jitted[backend](*inputs), expected)
+                    return error <= KERNEL_TOLERANCE, f"relative error {error:.2e}"
+
+                missing = _missing_package(backend)
+                if missing:
+                    result.check(name, None, missing)
+                else:
+                    result.attempt(name, budget, run)
+        log(f"kernels: {fmt or 'bf16'} done")
+    return result
+
+
+def _shapes(small: bool) -> dict:
+    return SMALL_KERNEL_SHAPES if small else KERNEL_SHAPES
+
+
+def _missing_package(backend: str) -> str | None:
+    """Why a backend cannot run here, when a package (not a bug) is the reason."""
+    if backend != "triton":
+        return None
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return "not run: backend 'triton' is GPU-only"
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        return "not run: jax-triton is not installed (carry its wheel to run it)"
+    return None
+
+
+def family_checkpoints(workdir: Path) -> dict[str, Path]:
+    return {family: write_checkpoint(workdir / "families" / family, hf_config(family, **overrides), "float32",
+                                     seed=1) for family, overrides in FAMILY_CASES.items()}
+
+
+def cpu_logits(directories: dict[str, Path], out: Path) -> None:
+    """Every family's logits on JAX's CPU backend, in this process (the child bench.gpu_check starts)."""
+    import jmoe
+
+    np.savez(out, **{family: np.asarray(jmoe.load(d, progress=False).logits([PROMPT]))
+                     for family, d in directories.items()})
+
+
+def families(workdir: Path, budget: Budget, log) -> SectionResult:
+    import jmoe
+
+    result = SectionResult()
+    result.notes.append(f"float32 random checkpoints, one per family; {len(PROMPT)}-token prompt; pass = max "
+                        f"|device - CPU| <= {FAMILY_TOLERANCE} x max(1, max |CPU logit|) (TF32 dots on a GPU) "
+                        f"and the same argmax at every position")
+    directories = family_checkpoints(workdir)
+    out = workdir / "cpu_logits.npz"
+    # The CPU reference runs in its own process, on JAX's CPU backend, while this one runs on the device.
+    child = subprocess.Popen([sys.executable, "-m", "bench.gpu_check", "--cpu-reference", str(workdir)],
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=Path(__file__).resolve().parents[1])
+    device = {}
+    for family, directory in directories.items():
+        if budget.out_of_time():
+            break
+        device[family] = np.asarray(jmoe.load(directory, progress=False).logits([PROMPT]))
+    returncode = child.wait()
+    if returncode != 0:
+        result.check("CPU reference", False, f"the CPU reference process exited with status {returncode}")
+        return result
+    reference = np.load(out)
+    for family in directories:
+        def compare(family=family):
+            error = relative_error(device[family], reference[family])
+            same_argmax = bool((device[family].argmax(-1) == reference[family].argmax(-1)).all())
+            return error <= FAMILY_TOLERANCE and same_argmax, f"relative error {error:.2e}, argmax equal: {same_argmax}"
+
+        if family in device:
+            result.attempt(family, budget, compare)
+        else:
+            result.check(family, None, "not run: out of time")
+    log("families done")
+    return result
+
+
+def offload_settings(num_experts: int) -> list[tuple[str, dict]]:
+    settings = [(f"cache {c}, miss {mode}", dict(cache=c, miss_mode=mode))
+                for c in (0, 2, num_experts - 1, num_experts) for mode in ("fetch", "host")]
+    return settings + [("cache 2, prefetch 2", dict(cache=2, prefetch=2)),
+                       ("cache 2, layer groups (2, 1)", dict(cache=2, offload_group_size=2, offload_num_in_group=1))]
+
+
+def offload(workdir: Path, budget: Budget, log) -> SectionResult:
+    import jmoe
+
+    family = "mixtral"
+    directory = write_checkpoint(workdir / "families" / family, hf_config(family, **FAMILY_CASES[family]), "float32",
+                                 seed=1)
+    resident = jmoe.load(directory, progress=False)
+    num_experts = resident.config.num_experts
+    tokens = resident.generate(PROMPT, NEW_TOKENS)
+    logits = np.asarray(resident.logits([PROMPT]))
+    result = SectionResult()
+    result.notes.append(f"{family} float32 ({num_experts} experts, top-{resident.config.num_experts_per_tok}, "
+                        f"{resident.config.num_layers} layers): {NEW_TOKENS} greedy tokens and the prompt's logits "
+                        f"against every expert resident; pass = same tokens, logits within {OFFLOAD_TOLERANCE} x "
+                        f"max(1, max |logit|)")
+    for name, options in offload_settings(num_experts):
+        def compare(options=options):
+            model = jmoe.load(directory, progress=False, **options)
+            same = model.generate(PROMPT, NEW_TOKENS) == tokens
+            error = relative_error(model.logits([PROMPT]), logits)
+            return same and error <= OFFLOAD_TOLERANCE, f"tokens equal: {same}, logits relative error {error:.1e}"
+
+        result.attempt(name, budget, compare)
+        log(f"offload: {name}")
+    return result

@@ -1,0 +1,98 @@
+"""What bench.gpu_check's sections record, the time budget they share, and the Markdown made of it.
+
+A section returns a SectionResult: checks (each passed, failed, or not run with the reason: out of time, a
+package missing), measurements (name -> number or text) and notes (what was not measured, and why). No item
+raises out of a section: an error is recorded as that item's failure, so one broken kernel cannot cost the
+rest of a lent machine's time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+OUT_OF_TIME = "not run: out of time"
+
+
+@dataclasses.dataclass
+class Budget:
+    """Wall-clock deadlines: the whole run's, and the current section's share of it."""
+
+    seconds: float
+    began: float = dataclasses.field(default_factory=time.perf_counter)
+    section_end: float = float("inf")
+    allotted: float = 0.0  # the shares of the sections started so far
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def start_section(self, share: float) -> None:
+        """The next section may use `share` of the whole budget, plus what earlier sections left of theirs (and
+        never more than the whole budget's rest)."""
+        self.allotted += share
+        self.section_end = max(time.perf_counter() + share * self.seconds, self.began + self.allotted * self.seconds)
+
+    def out_of_time(self) -> bool:
+        now = time.perf_counter()
+        return now >= self.section_end or now - self.began >= self.seconds
+
+
+@dataclasses.dataclass
+class SectionResult:
+    checks: list[dict] = dataclasses.field(default_factory=list)
+    measurements: dict = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    status: str = "ran"
+    seconds: float = 0.0
+
+    def check(self, name: str, passed: bool | None, detail: str = "") -> None:
+        """passed None = not run (detail says why)."""
+        self.checks.append({"name": name, "passed": passed, "detail": detail})
+
+    def attempt(self, name: str, budget: Budget, fn) -> None:
+        """Record fn() -> (passed, detail) as check `name`: not run when out of time, failed on an exception."""
+        if budget.out_of_time():
+            self.check(name, None, OUT_OF_TIME)
+            return
+        try:
+            passed, detail = fn()
+        except Exception as error:  # recorded, not raised: see the module docstring
+            passed, detail = False, f"{type(error).__name__}: {error}"[:600]
+            traceback.print_exc()
+        self.check(name, bool(passed), detail)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def summary(sections: dict[str, SectionResult]) -> dict:
+    checks = [c for s in sections.values() for c in s.checks]
+    return {"passed": sum(c["passed"] is True for c in checks), "failed": sum(c["passed"] is False for c in checks),
+            "not_run": sum(c["passed"] is None for c in checks),
+            "sections_not_run": [name for name, s in sections.items() if s.status != "ran"]}
+
+
+def markdown(sections: dict[str, SectionResult], header: str) -> str:
+    totals = summary(sections)
+    lines = [header, "", f"**{totals['passed']} checks passed, {totals['failed']} failed, {totals['not_run']} not "
+             f"run**" + (f"; sections not run: {', '.join(totals['sections_not_run'])}"
+                         if totals["sections_not_run"] else ""), ""]
+    for name, section in sections.items():
+        lines += [f"## {name}", "", f"{section.status}, {section.seconds:.0f} s", ""]
+        if section.checks:
+            lines += ["| check | result | detail |", "|---|---|---|"]
+            for c in section.checks:
+                result = {True: "pass", False: "**FAIL**", None: "not run"}[c["passed"]]
+                lines.append(f"| {c['name']} | {result} | {c['detail'].replace('|', '/')} |")
+            lines.append("")
+        if section.measurements:
+            lines += ["| measurement | value |", "|---|---|"]
+            lines += [f"| {key} | {_fmt(value)} |" for key, value in section.measurements.items()]
+            lines.append("")
+        lines += [f"- {note}" for note in section.notes]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,145 @@
+"""bench.gpu_check's measuring sections: host-to-device bandwidth three ways, and decode tokens/s of a model of a
+few GB (bf16, Mixtral- and DeepSeek-shaped) resident and at several caches, with the device memory each load
+holds against jmoe.plan's prediction and a check that offloaded experts live in pinned host memory."""
+
+from __future__ import annotations
+
+import gc
+import math
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import median_seconds
+from bench.decode import jmoe_decode
+from bench.gpu_models import hf_config, speed_models, write_checkpoint
+from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult
+
+PLAIN_COPY_BYTES = 1 << 30  # the link's peak: one plain 1 GiB copy (16 MiB in small mode)
+COPIED_EXPERTS = 8  # experts per timed in-program copy: enough bytes that launch overhead does not dominate
+
+
+def speed_checkpoint(workdir: Path, name: str, small: bool) -> Path:
+    spec = dict(speed_models(small)[name])
+    return write_checkpoint(workdir / "speed" / name, hf_config(spec.pop("model_type"), **spec), "bfloat16", seed=2)
+
+
+def host_experts(model):
+    """The first offloaded MoE layer's experts, in pinned host memory."""
+    return model.module().moe_blocks()[0].experts.weights()
+
+
+def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
+    import jax
+    import jmoe
+    from jmoe.memory import DEVICE, PINNED_HOST, sharding_for
+    from jmoe.offload.slots import device_copy
+
+    result = SectionResult()
+    model = jmoe.load(speed_checkpoint(workdir, "mixtral", small), cache=0, progress=False, check_finite=False)
+    host = host_experts(model).stacked()
+    count = min(COPIED_EXPERTS, host.num_experts)
+    expert_bytes = sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(host))
+
+    @jax.jit
+    def copy_experts(host):  # what a step does per missed expert: slice the host array, device_put the slice
+        return [device_copy(host, np.int32(e)) for e in range(count)]
+
+    seconds = median_seconds(lambda: jax.block_until_ready(copy_experts(host)), repeats=10)
+    result.measurements["in-program expert copies, GB/s"] = count * expert_bytes / seconds / 1e9
+    # The same bytes as pinned-host arrays of their own, moved by jax.device_put outside any program.
+    # (sliced in NumPy: an eager op on a pinned-host array would run as host compute, or fail, on a GPU)
+    pieces = jax.device_put([np.asarray(jax.device_get(leaf))[:count] for leaf in jax.tree.leaves(host)],
+                            sharding_for(PINNED_HOST))
+    seconds = median_seconds(lambda: jax.block_until_ready(jax.device_put(pieces, sharding_for(DEVICE))), repeats=10)
+    result.measurements["jax.device_put of the same bytes, GB/s"] = count * expert_bytes / seconds / 1e9
+    plain_bytes = PLAIN_COPY_BYTES // (64 if small else 1)
+    plain = jax.device_put(np.ones(plain_bytes // 4, np.float32), sharding_for(PINNED_HOST))
+    seconds = median_seconds(lambda: jax.block_until_ready(jax.device_put(plain, sharding_for(DEVICE))), repeats=5)
+    result.measurements[f"plain {plain_bytes >> 20} MiB pinned-host copy, GB/s"] = plain_bytes / seconds / 1e9
+    result.notes.append(f"{count} experts of {expert_bytes / 2**20:.1f} MiB (bf16 Mixtral-shaped model, first MoE "
+                        f"layer) per timed copy; medians of 10 (plain copy: 5) after a warm-up")
+    log("bandwidth done")
+    return result
+
+
+def device_bytes_in_use() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats or "bytes_in_use" not in stats else int(stats["bytes_in_use"])
+
+
+def caches_for(num_experts: int, top_k: int, small: bool) -> list[int | None]:
+    """Resident, then half the experts, then top-k: the cache range a user of a smaller GPU would pick from
+    (small mode: resident and top-k, the same code paths)."""
+    return [None, top_k] if small else [None, *sorted({max(top_k, num_experts // 2), top_k}, reverse=True)]
+
+
+def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None, budget: Budget, log) -> SectionResult:
+    import jax
+    import jmoe
+    from jmoe.memory import PINNED_HOST
+
+    result = SectionResult()
+    result.notes += [
+        f"batch 1, greedy, {tokens} new tokens after a 32-token prompt, bf16, each setting loaded afresh, "
+        f"one unmeasured generation first (compiles, warms the cache)",
+        "device memory: bytes_in_use after loading, minus before, against the plan's device weights + slots + "
+        "layer buffers (jmoe.plan without compiling; no KV cache or temporaries are held between generations)",
+        "overlap: inferred from step times, not profiled: 1 - (step time at the cache - resident step time) / "
+        "(bytes moved per step / the in-program copy bandwidth); a device profile (jax.profiler) is not taken",
+    ]
+    for name in speed_models(small):
+        directory = speed_checkpoint(workdir, name, small)
+        resident_step = None
+        for cache in caches_for(*_experts_and_top_k(directory), small):
+            label = f"{name}, {'resident' if cache is None else f'cache {cache}'}"
+            if budget.out_of_time():
+                result.check(label, None, OUT_OF_TIME)
+                continue
+            gc.collect()
+            before = device_bytes_in_use()
+            model = jmoe.load(directory, cache=cache, progress=False, check_finite=False)
+            held = device_bytes_in_use()
+            plan = jmoe.plan(directory, cache=cache, compile=False).needs
+            predicted = plan.device_weight_bytes + plan.slot_bytes + plan.fetch_buffer_bytes
+            if held is not None:
+                result.measurements[f"{label}: device bytes held / planned"] = (held - before) / predicted
+            offloaded = [leaf for leaf in jax.tree.leaves(model.params)
+                         if getattr(getattr(leaf, "sharding", None), "memory_kind", None) == PINNED_HOST]
+            if cache is not None:
+                result.check(f"{label}: experts in pinned host memory", len(offloaded) > 0,
+                             f"{len(offloaded)} parameter arrays with memory_kind {PINNED_HOST!r}, "
+                             f"{sum(a.nbytes for a in offloaded) / 2**30:.2f} GiB (planned "
+                             f"{plan.host_bytes / 2**30:.2f} GiB)")
+            before_stats = _bytes_moved(model)
+            tps, step = jmoe_decode(model, tokens)
+            moved = (_bytes_moved(model) - before_stats) / 2 / (tokens + 32)  # two generations; per token
+            result.measurements[f"{label}: decode tokens/s"] = tps
+            if cache is None:
+                resident_step = step
+            else:
+                result.measurements[f"{label}: MB moved per token"] = moved / 1e6
+                if copy_gbs and resident_step and moved:
+                    overlap = 1 - (step - resident_step) / (moved / (copy_gbs * 1e9))
+                    result.measurements[f"{label}: copy time overlapped (inferred)"] = min(1.0, max(0.0, overlap))
+            log(f"decode speed: {label}: {tps:.1f} tokens/s")
+            del model
+    return result
+
+
+def _experts_and_top_k(directory: Path) -> tuple[int, int]:
+    from jmoe.config import load_config
+
+    cfg = load_config(directory)
+    return cfg.num_experts, cfg.num_experts_per_tok
+
+
+def _bytes_moved(model) -> int:
+    return sum(layer["bytes_moved"] for layer in model.stats())
+
+
+def measured_copy_gbs(result: SectionResult) -> float | None:
+    value = result.measurements.get("in-program expert copies, GB/s")
+    return value if value is not None and math.isfinite(value) else None
