@@ -1,5 +1,5 @@
 """jmoe.plan on the published shapes of large MoE models, for an H100 and an RTX 4090, at a few caches: where
-the bytes go, what fits, and what planning costs (wall time, peak memory).
+the bytes go, what fits, the plan's speed estimate, and what planning costs (wall time, peak memory).
 
 No weights exist here: each model is a config.json with its published shape and a header-only safetensors
 file (every tensor jmoe expects, with its shape and dtype, and no data), written once under --workdir.
@@ -112,17 +112,24 @@ def smoke_check(row: dict) -> None:
         raise RuntimeError("programs not compiled: " + "; ".join(f"{n}: {e.strip()[-500:]}" for n, e in failed.items()))
     if not row["programs"]:
         raise RuntimeError("the plan compiled no program")
+    if row["estimate"] is None:
+        raise RuntimeError("the plan has no speed estimate")
 
 
 def gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.1f}"
 
 
+def speed(row: dict, key: str) -> str:
+    """An estimate's [low, high] tokens/s (jmoe.plan's speed estimate), or "-" without one."""
+    return "-" if row["estimate"] is None else "{:,.1f} - {:,.1f}".format(*row["estimate"][key])
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | target | cache | pinned host GiB | device weights GiB | slots GiB | KV GiB | decode prog. GiB "
-             "| prefill prog. GiB | device total GiB | device avail. GiB | fits | plan wall s | plan CPU s "
-             "| peak RSS MiB (plan / compilers) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| prefill prog. GiB | device total GiB | device avail. GiB | fits | est. decode tok/s | "
+             "est. prefill tok/s | plan wall s | plan CPU s | peak RSS MiB (plan / compilers) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         programs = r["programs"]
         prog = {name: (p["device_bytes"] if p["error"] is None else None) for name, p in programs.items()}
@@ -131,7 +138,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['name']} | {r['target']['name']} | {r['cache_label']} | {gib(r['host_bytes'])} | "
             f"{gib(r['device_weight_bytes'])} | {gib(r['slot_bytes'])} | {gib(r['kv_bytes'])} | "
             f"{gib(prog.get('decode'))} | {gib(prog.get('prefill'))} | {gib(r['device_bytes'])} | "
-            f"{gib(r['available']['device_bytes'])} | {fits} | {r['wall_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
+            f"{gib(r['available']['device_bytes'])} | {fits} | {speed(r, 'decode_tokens_per_s_batch1')} | "
+            f"{speed(r, 'prefill_tokens_per_s')} | {r['wall_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
             f"{r['peak_rss_bytes'] / 2**20:.0f} / {r['peak_rss_children_bytes'] / 2**20:.0f} |")
     return "\n".join(lines)
 
@@ -186,6 +194,9 @@ def report(args) -> None:
         f"{', '.join(f'{gb} GiB next to the {t}' for t, gb in HOST_GB.items())}, "
         f"{'programs compiled for each target' if not args.no_compile else 'programs not compiled'}.", "",
         table(rows), "",
+        "Estimates: batch-1 decode and a context-long prefill, [low, high] tokens/s, uniform routing (hit rate = "
+        "cache / experts); the assumptions (jmoe/plan/estimate.py), for the first row:", "",
+        *[f"- {line}" for line in ((rows[0]["estimate"] if rows else None) or {}).get("assumptions", [])], "",
         "Not yet possible on this branch: " + ", ".join(f"{m} (model_type {t})" for m, t in NOT_YET.items())
         + ": jmoe does not support these families yet.",
     ]
