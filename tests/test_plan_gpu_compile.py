@@ -1,10 +1,14 @@
 """jmoe.plan compiles jmoe's decode and prefill programs for an H100 on this CPU machine, in child processes,
 for every supported family (one tiny checkpoint each, from tests/hf_models.py FAMILY_CASES)."""
 
+import re
+
+import numpy as np
 import pytest
 
 import jmoe
 from hf_models import FAMILY_CASES
+from jmoe.plan.hlo import copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -50,3 +54,48 @@ def test_a_compiler_process_that_dies_becomes_an_error_of_that_program(hf_checkp
     # What is known: the prefill program's memory, and the estimate.
     assert plan.needs.program_bytes == plan.programs["prefill"].device_bytes
     assert plan.needs.device_bytes == max(plan.needs.estimate_bytes, plan.needs.program_bytes)
+
+
+def host_copies_every_step(hlo_text: str) -> int:
+    """Slices of host-memory arrays (S(5)) started by the entry computation: copies a step makes whatever
+    the data (the ones inside a loop run once per trip)."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    return len(re.findall(r"\{[^}]*:S\(5\)\}[^=]*\) fusion-start\(", entry))
+
+
+def routing_trace(cfg, tokens: int = 64) -> np.ndarray:
+    """int [tokens, MoE layers, k]: random distinct experts per step, a trace to fit the history predictor on."""
+    rng = np.random.default_rng(0)
+    return np.array([[rng.choice(cfg.num_experts, cfg.num_experts_per_tok, replace=False)
+                      for _ in range(cfg.num_moe_layers)] for _ in range(tokens)])
+
+
+@pytest.mark.parametrize("prefetch", ["router", "history"])
+def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, hf_checkpoints):
+    """Cache 4 of 8 experts, prefetch=2 or prefetch_trace, compiled for an H100: no conditional. Router prefetch
+    copies 2 experts into every offloaded layer after the first, unrolled (all wanted), next to one demand copy
+    loop per layer. History prefetch copies nothing unconditionally: its copies run in a loop per layer whose
+    trip count is the number its rule takes, the layer's second data-dependent loop (issue 33)."""
+    path = hf_checkpoints["qwen3_moe_headdim_tied"][0]
+    cfg = jmoe.load_config(path)
+    options = dict(prefetch=2) if prefetch == "router" else dict(prefetch_trace=routing_trace(cfg))
+    # backend "xla": no Triton kernels to compile; the copies and loops are the same for every backend.
+    plan = jmoe.plan(path, target="h100", context=32, cache=4, backend="xla", **options)
+    decode = plan.programs["decode"]
+    assert decode.error is None, decode.error
+    offloaded = len(plan.placement.offloaded_layers)
+    flow = decode.control_flow
+    assert flow.conditionals == 0 and flow.host_loops == 0
+    leaves = 2  # w_gate_up and w_down: one slice each per expert copied
+    if prefetch == "router":
+        assert flow.data_dependent_loops == offloaded
+        assert host_copies_every_step(decode.hlo_text) == 2 * (offloaded - 1) * leaves
+    else:
+        assert flow.data_dependent_loops == 2 * offloaded
+        assert host_copies_every_step(decode.hlo_text) == 0
+    # The loops write the donated cache slots in place: no slot buffer is copied whole.
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    slot_arrays = {(slots, d, 2 * f) for slots in (4, plan.placement.scratch)} | {
+        (slots, f, d) for slots in (4, plan.placement.scratch)}
+    assert not slot_arrays & set(copied_arrays(decode.hlo_text))
