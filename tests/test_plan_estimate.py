@@ -17,8 +17,8 @@ SPEEDS = est.DeviceSpeeds(memory_bytes_per_s=1e12, peak_flops=1e14, host_link_by
 
 
 def test_device_seconds_slow_adds_memory_compute_and_launches_fast_takes_the_larger():
-    slow, fast = est.device_seconds(flops=1e12, bytes_accessed=6e9, kernels=100, speeds=SPEEDS)
-    # slow: 6e9 / (1e12 x 0.6) + 1e12 / (1e14 x 0.4) + 100 x 5 us; fast: max(6e9 / 0.9e12, 1e12 / 0.8e14) + 100 x 1 us
+    slow, fast = est.device_seconds(flops=1e12, hbm_bytes=(6e9, 3e9), kernels=100, speeds=SPEEDS)
+    # slow: 6e9 / (1e12 x 0.6) + 1e12 / (1e14 x 0.4) + 100 x 5 us; fast: max(3e9 / 0.9e12, 1e12 / 0.8e14) + 100 x 1 us
     assert slow == pytest.approx(0.01 + 0.025 + 0.0005)
     assert fast == pytest.approx(0.0125 + 0.0001)
 
@@ -45,9 +45,12 @@ def test_device_bytes_replace_whole_expert_arrays_by_the_routed_experts():
 
 
 def test_estimate_by_hand():
-    speed = est.estimate(fake_programs(), SPEEDS, caches=[None, 4], num_experts=8, top_k=2, expert_bytes=10**7,
-                         expert_array_bytes=3 * 10**8, host_param_bytes=0, batch=1, rows=1, context=100,
-                         hit_rate=0.5, hit_rate_source="given", notes=[])
+    def speed_at(hit_rate):
+        return est.estimate(fake_programs(), SPEEDS, caches=[None, 4], num_experts=8, top_k=2, expert_bytes=10**7,
+                            expert_array_bytes=3 * 10**8, least_bytes=10**8, host_param_bytes=0, batch=1, rows=1,
+                            context=100, hit_rate=hit_rate, hit_rate_source="given", notes=[])
+
+    speed = speed_at(0.5)
     # decode: HBM 9e8 - 3e8 + 2 layers x 2 routed x 1e7 = 6.4e8 B -> 6.4e8 / 0.6e12 s slow, / 0.9e12 fast;
     # copies: 1 offloaded layer x 2 x 0.5 missed x 1e7 B -> 1e7 / 0.7e10 s slow, 1e7 / 0.9e10 fast (the larger)
     assert speed.decode_tokens_per_s == pytest.approx((1 / (6.4e8 / 0.6e12 + 1e7 / 0.7e10), 900.0))
@@ -57,8 +60,11 @@ def test_estimate_by_hand():
     assert speed.prefill_tokens_per_s == pytest.approx((100 / (1.66e9 / 0.6e12 + 8e7 / 0.7e10), 100 / (4e7 / 0.9e10)))
     low, high = speed.as_dict()["decode_tokens_per_s"]
     assert low < high
+    # every access a hit: no copies; fast HBM = 1e8 least + 4 routed x 1e7 = 1.4e8 B at 0.9e12 B/s
+    assert speed_at(1.0).decode_tokens_per_s == pytest.approx((0.6e12 / 6.4e8, 0.9e12 / 1.4e8))
     assert est.estimate({"decode": Program("decode", (1, 1))}, SPEEDS, caches=[4], num_experts=8, top_k=2,
-                        expert_bytes=1, expert_array_bytes=0, host_param_bytes=0, batch=1, rows=1, context=1,
+                        expert_bytes=1, expert_array_bytes=0, least_bytes=0, host_param_bytes=0, batch=1, rows=1,
+                        context=1,
                         hit_rate=1.0, hit_rate_source="", notes=[]) is None  # nothing compiled: no estimate
 
 

@@ -6,9 +6,12 @@ A step's time is its device time plus the host-to-device copies of the experts i
   compile_worker.cost_analysis) against the target's memory bandwidth and peak, at an achieved fraction of
   each, plus a launch cost per kernel the optimized program runs (XLA's cost analysis counts a while loop's
   body once, so a loop's repeats are not in it). The analysis counts every operand whole: the stacked expert
-  arrays (resident, slots, and the pinned-host ones the step slices) as if every expert were read, while
-  the grouped GEMM reads only the experts routed to, and host arrays cross the link (the copies below), not
-  HBM. So the expert arrays' bytes are replaced by the routed experts' bytes;
+  arrays (resident, slots, and the pinned-host ones the step slices) as if every expert were read, and an
+  in-place update of a slot buffer as a whole read and write, while the grouped GEMM reads only the experts
+  routed to and host arrays cross the link (the copies below), not HBM. So the slow end takes the analysis's
+  bytes with the expert arrays replaced by the routed experts (once; any further count of them stays), and
+  the fast end the least a step must read: the device's non-expert weights, the KV cache and the routed
+  experts;
 - copies: experts missed per step x bytes per expert / the host link (PCIe) at an achieved fraction. Misses
   come from a hit rate (given; replayed from a routing trace with the plan's policy and caches; or, without
   either, uniform routing: cache / experts); a batch of B rows needs E (1 - (1 - k/E)^B) distinct experts
@@ -67,11 +70,12 @@ def device_bytes(bytes_accessed: float, expert_array_bytes: int, routed_experts:
     return max(bytes_accessed - expert_array_bytes, 0.0) + routed_experts * expert_bytes
 
 
-def device_seconds(flops: float, bytes_accessed: float, kernels: int, speeds: DeviceSpeeds) -> tuple[float, float]:
-    """[slow, fast] seconds of one program on the device."""
-    slow = (bytes_accessed / (speeds.memory_bytes_per_s * MEMORY_EFFICIENCY[0])
+def device_seconds(flops: float, hbm_bytes: tuple[float, float], kernels: int,
+                   speeds: DeviceSpeeds) -> tuple[float, float]:
+    """[slow, fast] seconds of one program on the device, from its [slow, fast] HBM bytes."""
+    slow = (hbm_bytes[0] / (speeds.memory_bytes_per_s * MEMORY_EFFICIENCY[0])
             + flops / (speeds.peak_flops * COMPUTE_EFFICIENCY[0]) + kernels * LAUNCH_SECONDS[0])
-    fast = max(bytes_accessed / (speeds.memory_bytes_per_s * MEMORY_EFFICIENCY[1]),
+    fast = max(hbm_bytes[1] / (speeds.memory_bytes_per_s * MEMORY_EFFICIENCY[1]),
                flops / (speeds.peak_flops * COMPUTE_EFFICIENCY[1])) + kernels * LAUNCH_SECONDS[1]
     return slow, fast
 
@@ -132,10 +136,11 @@ def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds,
 
 
 def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], num_experts: int, top_k: int,
-             expert_bytes: int, expert_array_bytes: int, host_param_bytes: int, batch: int, rows: int, context: int,
-             hit_rate: float, hit_rate_source: str, notes: list[str]) -> Estimate | None:
+             expert_bytes: int, expert_array_bytes: int, least_bytes: int, host_param_bytes: int, batch: int,
+             rows: int, context: int, hit_rate: float, hit_rate_source: str, notes: list[str]) -> Estimate | None:
     """The speed estimate from the compiled "decode" and "prefill" programs; None when either has no cost
-    analysis. Batch 1 runs the batch's decode program's device time (the same weights; more KV cache and
+    analysis. expert_array_bytes: every expert array (resident, host, slots); least_bytes: what a step reads
+    besides experts (non-expert device weights + KV cache). Batch 1 runs the batch's decode program's device time (the same weights; more KV cache and
     activations, so batch 1 is underestimated when rows > 1) with one row's copies."""
     needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
     if any(p is None or not p.cost_analysis for p in needed.values()):
@@ -145,7 +150,8 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     def device(program, tokens):
         cost = program.cost_analysis
         routed = len(caches) * distinct_experts(num_experts, top_k, tokens)
-        hbm = device_bytes(cost.get("bytes accessed", 0.0), expert_array_bytes, routed, expert_bytes)
+        hbm = (device_bytes(cost.get("bytes accessed", 0.0), expert_array_bytes, routed, expert_bytes),
+               least_bytes + routed * expert_bytes)
         return device_seconds(cost.get("flops", 0.0), hbm, kernel_count(program.hlo_text or ""), speeds)
 
     def decode_rate(program, tokens):
@@ -157,7 +163,7 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
                            (link_seconds(slow_bytes, speeds)[0], link_seconds(fast_bytes, speeds)[1]))
     inputs = {"memory_bytes_per_s": speeds.memory_bytes_per_s, "peak_flops": speeds.peak_flops,
               "host_link_bytes_per_s": speeds.host_link_bytes_per_s, "hit_rate": hit_rate,
-              "expert_bytes": expert_bytes, "expert_array_bytes": expert_array_bytes,
+              "expert_bytes": expert_bytes, "expert_array_bytes": expert_array_bytes, "least_bytes": least_bytes,
               "offloaded_layers": len(offloaded),
               **{f"{name} {key}": value for name, program in needed.items()
                  for key, value in program.cost_analysis.items()},
@@ -165,8 +171,9 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     assumptions = [*notes, f"hit rate {hit_rate:.3f} ({hit_rate_source})",
                    f"achieved fractions [slow, fast]: HBM {MEMORY_EFFICIENCY}, compute {COMPUTE_EFFICIENCY}, host "
                    f"link {LINK_EFFICIENCY}; {LAUNCH_SECONDS[0] * 1e6:g} / {LAUNCH_SECONDS[1] * 1e6:g} us per kernel",
-                   "device time from XLA's cost analysis of the compiled programs (a while loop's body counted "
-                   "once), its whole expert arrays replaced by the routed experts' bytes",
+                   "device time: flops from XLA's cost analysis of the compiled programs (a while loop's body "
+                   "counted once); HBM bytes, slow: the analysis's, whole expert arrays replaced by the routed "
+                   "experts; fast: non-expert device weights + KV cache + routed experts, each read once",
                    "misses are copied (miss mode fetch); a batch's rows route independently and uniformly; "
                    "high = copies hidden behind compute, low = none hidden",
                    f"prefill: one prompt of {context} tokens per row streams every offloaded expert once"]
