@@ -21,7 +21,8 @@ COPIED_EXPERTS = 8  # experts per timed in-program copy: enough bytes that launc
 
 def speed_checkpoint(workdir: Path, name: str, small: bool) -> Path:
     spec = dict(speed_models(small)[name])
-    return write_checkpoint(workdir / "speed" / name, hf_config(spec.pop("model_type"), **spec), "bfloat16", seed=2)
+    directory = workdir / "speed" / (name + ("_small" if small else ""))  # a reused workdir keeps both apart
+    return write_checkpoint(directory, hf_config(spec.pop("model_type"), **spec), "bfloat16", seed=2)
 
 
 def host_experts(model):
