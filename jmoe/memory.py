@@ -15,8 +15,9 @@ MEMORY_KINDS = (DEVICE, PINNED_HOST)
 
 
 def sharding_for(memory_kind: str) -> jax.sharding.Sharding:
-    """The single-device sharding that puts an array in `memory_kind` on the first device."""
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+    """The single-device sharding that puts an array in `memory_kind` on this process's first device (in a
+    jax.distributed run, jax.devices() starts with another process's devices)."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind=memory_kind)
 
 
 def to_device(x):

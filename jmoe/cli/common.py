@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from jmoe.arguments import EXPERT_DTYPES
+from jmoe.distributed import DEFAULT_TIMEOUT_S, DistributedOptions, initialize
 from jmoe.errors import JmoeError
 from jmoe.kernels import BACKENDS
 from jmoe.offload.options import MISS_MODES, OffloadOptions
@@ -70,6 +71,23 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                        help="compile every program again")
 
 
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that join a jax.distributed run of several processes (jmoe.distributed)."""
+    g = parser.add_argument_group("several processes (jax.distributed)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT|auto",
+                   help="join a run of several processes: process 0 hosts the coordinator at HOST:PORT (give every "
+                        "process the same address); 'auto' = JAX's own cluster detection (SLURM, Open MPI, ...)")
+    g.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's number, 0 to N-1")
+    g.add_argument("--coordinator-timeout", type=int, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help="seconds to wait for every process to join, and for a silent process before ending the "
+                        "others (default: %(default)s)")
+
+
+def distributed_options(args: argparse.Namespace) -> DistributedOptions:
+    return DistributedOptions(args.coordinator, args.num_processes, args.process_id, args.coordinator_timeout)
+
+
 def add_expert_dtype_args(parser: argparse.ArgumentParser) -> None:
     """--expert-dtype and --expert-group-size: how routed experts are stored and moved (jmoe.load's)."""
     g = parser.add_argument_group("expert storage")
@@ -96,15 +114,18 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
                           args.expert_group_size)
 
 
-def load_for_cli(model_dir: Path, options: OffloadOptions, **load_kwargs):
+def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: DistributedOptions | None = None,
+                 **load_kwargs):
     """jmoe.load_with_options for a command line: first, before JAX's GPU backend starts, the pinned-host pool
-    limit is raised to what the placement needs (XLA reads it once, at start); then the model is loaded."""
+    limit is raised to what the placement needs (XLA reads it once, at start) and the process joins its
+    distributed run, if any; then the model is loaded."""
     from jmoe.api import load_with_options
     from jmoe.plan.planner import raise_pinned_pool_for
 
     setting = raise_pinned_pool_for(model_dir, options)
     if setting and load_kwargs.get("progress", True):
         print(f"set {setting} for the pinned experts", file=sys.stderr)
+    initialize(distributed or DistributedOptions())
     return load_with_options(model_dir, options, **load_kwargs)
 
 

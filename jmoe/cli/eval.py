@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from jmoe.cli.common import (add_model_arg, add_offload_args, load_for_cli, offload_options, resolve_model_dir,
-                             run_cli)
+from jmoe.cli.common import (add_distributed_args, add_model_arg, add_offload_args, distributed_options,
+                             load_for_cli, offload_options, resolve_model_dir, run_cli)
 from jmoe.eval.data import check_data_path
 from jmoe.eval.metrics import DEFAULT_BATCH_SIZE, DEFAULT_SEQ_LEN, evaluate_file
 
@@ -24,15 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"window length (default: min({DEFAULT_SEQ_LEN}, max_position_embeddings))")
     add_offload_args(p)
+    add_distributed_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
 
 def run(args: argparse.Namespace) -> dict:
-    options = offload_options(args)
+    options, distributed = offload_options(args), distributed_options(args)
     model_dir = resolve_model_dir(args.model)
     data_format = check_data_path(args.data)  # fail on a bad path before the (slow) model load
-    model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache)
+    model = load_for_cli(model_dir, options, distributed, backend=args.backend, compile_cache=args.compile_cache)
     result = evaluate_file(model, args.data, args.batch_size, args.seq_len, progress=True)
     return {"model": str(model_dir), "data": str(args.data), "data_format": data_format, "cache": args.cache,
             "policy": args.policy, "backend": args.backend, **result.as_dict()}

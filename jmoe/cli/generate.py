@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jmoe.cli.common import (add_model_arg, add_offload_args, load_for_cli, offload_options, resolve_model_dir,
-                             run_cli)
+from jmoe.cli.common import (add_distributed_args, add_model_arg, add_offload_args, distributed_options,
+                             load_for_cli, offload_options, resolve_model_dir, run_cli)
 from jmoe.errors import JmoeError
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json, else 1)")
     p.add_argument("--seed", type=int, default=0)
     add_offload_args(p)
+    add_distributed_args(p)
     p.add_argument("--stats", action="store_true", help="print a per-layer expert cache table after generation")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
@@ -45,11 +46,11 @@ def run(args: argparse.Namespace) -> dict:
 
     if not args.prompt:
         raise JmoeError("--prompt is empty; give some text to continue")
-    options = offload_options(args)
+    options, distributed = offload_options(args), distributed_options(args)
     checked_length_and_seed(args.max_new_tokens, args.seed)  # before anything is loaded or printed
     model_dir = resolve_model_dir(args.model)
     sampling = sampling_params(args, model_dir)
-    model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache,
+    model = load_for_cli(model_dir, options, distributed, backend=args.backend, compile_cache=args.compile_cache,
                          progress=not args.json)
     tokenizer = model.require_tokenizer()
     prompt_ids = tokenizer.encode(args.prompt)

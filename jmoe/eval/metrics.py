@@ -17,6 +17,11 @@ Routing: per MoE layer, the (token, choice) pairs each expert received over ever
 window's last token included: it is forwarded although it predicts nothing), so a layer's load sums to
 tokens x top_k. Entropy is that of the load distribution, in nats and divided by log(num_experts).
 
+Processes (a jax.distributed run, jmoe.distributed): each process evaluates its own contiguous share of the
+windows in whole batches, and the sums (NLL, tokens, expert load) are added up over the processes, so every
+process reports the same result as one process would; times are the slowest process's, so tokens/s is the
+aggregate rate; batch_shapes are the shapes this process ran.
+
 Data formats are described in jmoe.eval_data (.npy, .ids, text with the model's tokenizer.json).
 """
 
@@ -34,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jmoe.config import ModelConfig
+from jmoe.distributed import max_over_processes, process_share, sum_over_processes
 from jmoe.errors import InputError
 from jmoe.eval.data import read_tokens
 from jmoe.offload.policies import expert_counts
@@ -159,16 +165,18 @@ def evaluate(model, token_ids, batch_size: int = DEFAULT_BATCH_SIZE, seq_len: in
     seq_len = resolve_seq_len(cfg, batch_size, seq_len)
     stream = check_stream(cfg, token_ids, seq_len)
     windows, lengths = pack_windows(stream, seq_len)
+    mine = process_share(len(windows), batch_size)  # all of them in a single process
     nll_total, predicted = 0.0, 0
     load = np.zeros((cfg.num_moe_layers, cfg.num_experts), np.int64)
     shapes: list[tuple[int, int]] = []
     steady_tokens, steady_seconds = 0, 0.0
     start = time.perf_counter()
-    with tqdm(total=stream.size, unit="tok", desc="eval", disable=not progress, file=sys.stderr) as bar:
-        for first in range(0, len(windows), batch_size):
+    with tqdm(total=int(lengths[mine].sum()), unit="tok", desc="eval", disable=not progress, file=sys.stderr) as bar:
+        for first in range(mine.start, mine.stop, batch_size):
             batch_start = time.perf_counter()
-            real = lengths[first:first + batch_size]
-            tokens, mask = padded_batch(windows[first:first + batch_size], real, batch_size)
+            last = min(first + batch_size, mine.stop)
+            real = lengths[first:last]
+            tokens, mask = padded_batch(windows[first:last], real, batch_size)
             logits, routing = model.logits_and_routing(tokens)
             nll_total += float(_nll_sum(logits, jnp.asarray(tokens), jnp.asarray(mask)))
             predicted += int(mask[:, 1:].sum())
@@ -179,7 +187,11 @@ def evaluate(model, token_ids, batch_size: int = DEFAULT_BATCH_SIZE, seq_len: in
             else:
                 shapes.append(tokens.shape)
             bar.update(int(real.sum()))
-    seconds = time.perf_counter() - start
+    nll_total = float(sum_over_processes(np.array([nll_total]))[0])
+    steady_seconds = max_over_processes(steady_seconds)
+    counts = sum_over_processes(np.concatenate([[predicted, steady_tokens], load.ravel()]))
+    predicted, steady_tokens, load = int(counts[0]), int(counts[1]), counts[2:].reshape(load.shape)
+    seconds = max_over_processes(time.perf_counter() - start)
     nll = nll_total / predicted
     return EvalResult(
         perplexity=math.exp(nll), nll=nll, tokens=int(stream.size), predicted_tokens=predicted,
