@@ -4,6 +4,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile in fresh processes and must not write into the user's cache; tests of the cache set their own.
 os.environ.setdefault("JMOE_COMPILE_CACHE", "off")
 
+# Compiling dominates this suite's time (tiny models, many programs). These XLA:CPU options halve LLVM's share of
+# it, as bench.common.SMOKE_XLA_FLAGS does for the smoke runs: the same HLO programs (HLO passes, copies and fusion
+# are unchanged; what the tests' HLO checks read), only their machine code less optimized. They hold for this process
+# only: XLA reads XLA_FLAGS once, at its first compile, which happens here; the variable is then restored, so child
+# processes (GPU-target compile workers, servers, bench runs) compile exactly as they would outside the tests.
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_xla_flags = os.environ.get("XLA_FLAGS")
+os.environ["XLA_FLAGS"] = f"{_xla_flags or ''} {FAST_COMPILE_XLA_FLAGS}".strip()
+try:
+    import jax
+
+    jax.jit(lambda x: x + 1)(1).block_until_ready()
+finally:
+    if _xla_flags is None:
+        os.environ.pop("XLA_FLAGS")
+    else:
+        os.environ["XLA_FLAGS"] = _xla_flags
+
 import pytest
 
 import shutil
