@@ -2,12 +2,13 @@
 machine or a GPU target, without reading any weight.
 
     plan = jmoe.plan("path/to/model", target="h100", cache=16)
-    plan.fits, plan.reasons, plan.report(), plan.to_json(), plan.programs["decode"].hlo_text
+    plan.fits, plan.reasons, plan.report(), plan.to_json(), plan.programs["decode"].hlo_text, plan.estimate
 
 `jmoe.plan` is both this package and the function `plan`: calling the package calls the function, so
 `jmoe.plan(...)` and `from jmoe.plan import Plan` both work. Modules: headers (what the checkpoint holds),
 targets (GPU target configs), resources (memory available), budget (bytes needed, the fit check),
-programs + compile_worker (ahead-of-time compiles for a target), planner (plan, Plan), report.
+programs + compile_worker (ahead-of-time compiles for a target), estimate + hit_rate (tokens/s on the target),
+planner (plan, Plan), report.
 """
 
 import sys

@@ -89,7 +89,7 @@ def cost_analysis(compiled) -> dict | None:
         try:
             modules = compiled._executable.xla_executable.hlo_modules()
             found = xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, modules[0])
-        except (AttributeError, IndexError, RuntimeError):  # private API moved: the estimate says so
+        except Exception:  # a private API that moved or an analysis that fails costs the estimate, not the memory
             return None
     found = found[0] if isinstance(found, (list, tuple)) else found
     return {key: float(found[key]) for key in ("flops", "bytes accessed") if key in found}
