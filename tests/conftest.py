@@ -9,7 +9,8 @@ os.environ.setdefault("JMOE_COMPILE_CACHE", "off")
 # are unchanged; what the tests' HLO checks read), only their machine code less optimized. They hold for this process
 # only: XLA reads XLA_FLAGS once, at its first compile, which happens here; the variable is then restored, so child
 # processes (GPU-target compile workers, servers, bench runs) compile exactly as they would outside the tests.
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from hf_models import FAST_COMPILE_XLA_FLAGS  # noqa: E402
+
 _xla_flags = os.environ.get("XLA_FLAGS")
 os.environ["XLA_FLAGS"] = f"{_xla_flags or ''} {FAST_COMPILE_XLA_FLAGS}".strip()
 try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jmoe
-from hf_models import write_checkpoint, write_word_tokenizer
+from hf_models import FAST_COMPILE_XLA_FLAGS, write_checkpoint, write_word_tokenizer
 from jmoe.cli.common import DEFAULT_MODEL_DIR
 
 
@@ -132,6 +132,7 @@ def test_generation_reports_compilation_apart_from_decoding(model):
 
 def test_persistent_compile_cache_serves_a_second_process(tmp_path):
     """A second process with the same model and shapes loads its programs from the cache directory."""
+    import os
     import subprocess
     import sys
 
@@ -146,9 +147,10 @@ def test_persistent_compile_cache_serves_a_second_process(tmp_path):
         "print(len(hits), result.compile_seconds)\n"
     )
 
-    def run():
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                             env={**__import__("os").environ, "JMOE_COMPILE_CACHE": "off"})
+    def run():  # both processes compile as the suite does (the flags are part of the cache key)
+        env = {**os.environ, "JMOE_COMPILE_CACHE": "off",
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_XLA_FLAGS}".strip()}
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stderr
         hits, seconds = out.stdout.split()
         return int(hits), float(seconds)
