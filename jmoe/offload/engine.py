@@ -6,7 +6,7 @@ back updated; between steps the SlotManager reads the step's routing and the new
 the step's single device-to-host read) and writes the next victim order and plan.
 
 A decode step (one token per row) serves a layer's experts from its cache slots and, for the misses,
-by miss mode: "fetch" copies them in (the one copy loop whose trip count depends on the data; a batch
+by miss mode: "fetch" copies them in (a copy loop whose trip count is the number of misses; a batch
 that misses more than the scratch slots hold computes the rest on the host); "host" computes them on
 the host and the manager admits them at the start of the next step (`plan`, a loop over the planned
 copies that admit something). History prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) copies

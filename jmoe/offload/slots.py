@@ -212,10 +212,10 @@ def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel:
 
 def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int):
     """Copy the `count` highest-scoring experts (scores [E]) that are not cached into the first `count`
-    victim cache slots, ahead of the layer that will use them: always `count` copies (unrolled: all are
-    wanted unless fewer than `count` experts are uncached or the policy offers fewer victims, and a loop
-    would add one to the step's demand copy loop of each layer). Returns (slots, the victim order left,
-    evicted)."""
+    victim cache slots, ahead of the layer that will use them: always `count` copies, unrolled. All are
+    wanted unless fewer than `count` experts are uncached or the policy offers fewer victims, so a loop
+    (`copy_wanted`) would save nothing and add a second data-dependent loop to each layer. Returns (slots,
+    the victim order left, evicted)."""
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
     # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already
     # and admit nothing.
