@@ -6,7 +6,7 @@ file (every tensor jmoe expects, with its shape and dtype, and no data), written
 Each plan runs in a fresh process (`python -m jmoe.plan --json`), so its peak RSS is its own; the decode and
 prefill programs are compiled for the target in that process's children.
 
-    python -m bench.plan [--workdir /tmp/jmoe_plan_bench] [--models mixtral-8x7b,qwen3-30b-a3b]
+    python -m bench.plan [--workdir /tmp/jmoe_plan_bench] [--models "mixtral-8x7b,deepseek-v3 (fp8)"]
         [--targets h100,rtx4090] [--context 4096] [--no-compile]
     python -m bench.plan --smoke   # Mixtral-8x7B at smoke size, h100, cache 4, context 64, no result file
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 
 # Published config.json values (Hugging Face hub: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B,
-# Qwen/Qwen3-235B-A22B), with the keys jmoe reads.
+# Qwen/Qwen3-235B-A22B, and the repositories named below), with the keys jmoe reads.
 MODELS = {
     "mixtral-8x7b": {
         "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
@@ -42,10 +42,50 @@ MODELS = {
 # Qwen3-235B-A22B differs from Qwen3-30B-A3B only in these.
 MODELS["qwen3-235b-a22b"] = {**MODELS["qwen3-30b-a3b"], "hidden_size": 4096, "intermediate_size": 12288,
                              "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64}
-# Families jmoe does not support on this branch yet (issue 12 adds them): reported as not yet possible.
-NOT_YET = {"gpt-oss-120b": "gpt_oss", "deepseek-v3": "deepseek_v3"}
+# openai/gpt-oss-120b (its experts ship MXFP4: planned as bf16 headers quantized to mxfp4 at load, the same bytes).
+MODELS["gpt-oss-120b"] = {
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "truncate": False, "original_max_position_embeddings": 4096},
+    "swiglu_limit": 7.0, "attention_bias": True, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+# deepseek-ai/DeepSeek-V3 (experts ship fp8 in 128 x 128 blocks; planned in fp8 and in int4).
+MODELS["deepseek-v3"] = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 3, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture with 384 experts, 64 heads, one expert group.
+MODELS["kimi-k2"] = {**MODELS["deepseek-v3"], "model_type": "kimi_k2", "vocab_size": 163840,
+                     "first_k_dense_replace": 1, "num_attention_heads": 64, "num_key_value_heads": 64,
+                     "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+                     "max_position_embeddings": 131072, "rope_theta": 50000,
+                     "rope_scaling": {**MODELS["deepseek-v3"]["rope_scaling"], "factor": 32.0}}
+# zai-org/GLM-4.5-Air.
+MODELS["glm-4.5-air"] = {
+    "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 46, "first_k_dense_replace": 1, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "n_routed_experts": 128,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True, "use_qk_norm": False, "attention_bias": True, "max_position_embeddings": 131072,
+    "rope_theta": 1000000, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# Rows: name -> (model, expert_dtype or None = as the checkpoint stores them).
+ROWS = {"mixtral-8x7b": ("mixtral-8x7b", None), "qwen3-30b-a3b": ("qwen3-30b-a3b", None),
+        "qwen3-235b-a22b": ("qwen3-235b-a22b", None), "gpt-oss-120b (mxfp4)": ("gpt-oss-120b", "mxfp4"),
+        "deepseek-v3 (fp8)": ("deepseek-v3", "fp8"), "deepseek-v3 (int4)": ("deepseek-v3", "int4"),
+        "kimi-k2 (int4)": ("kimi-k2", "int4"), "glm-4.5-air": ("glm-4.5-air", None)}
 # Caches per model: all experts resident, nothing cached, and one size in between.
-CACHES = {"mixtral-8x7b": [None, 0, 4], "qwen3-30b-a3b": [None, 0, 16], "qwen3-235b-a22b": [None, 0, 16]}
+CACHES = {"mixtral-8x7b": [None, 0, 4], "qwen3-30b-a3b": [None, 0, 16], "qwen3-235b-a22b": [None, 0, 16],
+          "gpt-oss-120b": [None, 0, 16], "deepseek-v3": [None, 0, 16], "kimi-k2": [None, 0, 16],
+          "glm-4.5-air": [None, 0, 16]}
 # Host RAM assumed next to each GPU (the plan's host_gb): a one-H100 cloud machine, a desktop with an RTX 4090.
 HOST_GB = {"h100": 256, "rtx4090": 128}
 SMOKE_MODEL, SMOKE_CACHE = "mixtral-8x7b", 4  # a smoke run plans this model at smoke size, this cache only
@@ -93,10 +133,13 @@ print(json.dumps(out))
 """
 
 
-def plan_row(directory: Path, target: str, cache, context: int, compile_programs: bool) -> dict:
+def plan_row(directory: Path, target: str, cache, context: int, compile_programs: bool,
+             expert_dtype: str | None = None) -> dict:
     argv = [str(directory), "--target", target, "--context", str(context), "--host-gb", str(HOST_GB[target])]
     if cache is not None:
         argv += ["--cache", str(cache)]
+    if expert_dtype is not None:
+        argv += ["--expert-dtype", expert_dtype]
     if not compile_programs:
         argv.append("--no-compile")
     done = subprocess.run([sys.executable, "-c", PLAN_IN_A_PROCESS, *argv], capture_output=True, text=True)
@@ -147,7 +190,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_plan_bench"))
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(ROWS), help=f"rows to plan: {', '.join(ROWS)}")
     parser.add_argument("--targets", default="h100,rtx4090")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--no-compile", action="store_true")
@@ -161,24 +204,29 @@ def main() -> int:
 
 
 def models_to_plan(args) -> dict:
-    """{name: (config, caches)} of the models in `args.models`; a smoke run's at smoke size, one cache."""
+    """{row name: (model name, config, caches, expert_dtype)} of the rows in `args.models`; a smoke run's at smoke
+    size, one cache."""
+    unknown = sorted(set(args.models.split(",")) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"error: unknown --models {unknown}; expected some of {', '.join(ROWS)}")
+    rows = {row: ROWS[row] for row in args.models.split(",")}
     if args.smoke:
-        return {name: (smoke_spec(MODELS[name]), [SMOKE_CACHE]) for name in args.models.split(",")}
-    return {name: (MODELS[name], CACHES[name]) for name in args.models.split(",")}
+        return {row: (model, smoke_spec(MODELS[model]), [SMOKE_CACHE], dtype) for row, (model, dtype) in rows.items()}
+    return {row: (model, MODELS[model], CACHES[model], dtype) for row, (model, dtype) in rows.items()}
 
 
 def report(args) -> None:
     began = time.perf_counter()
     load_before = open("/proc/loadavg").read().split()[:3]
     rows, errors = [], []
-    for name, (config, caches) in models_to_plan(args).items():
-        directory = write_header_only_checkpoint(args.workdir / name, config)
+    for name, (model, config, caches, expert_dtype) in models_to_plan(args).items():
+        directory = write_header_only_checkpoint(args.workdir / model, config)
         for target in args.targets.split(","):
             for cache in caches:
                 print(f"[{time.perf_counter() - began:6.0f} s] {name} {target} cache={cache}", file=sys.stderr,
                       flush=True)
                 try:
-                    row = plan_row(directory, target, cache, args.context, not args.no_compile)
+                    row = plan_row(directory, target, cache, args.context, not args.no_compile, expert_dtype)
                     if args.smoke:  # a real run reports what failed; a smoke run fails on it
                         smoke_check(row)
                 except RuntimeError as e:
@@ -193,13 +241,13 @@ def report(args) -> None:
         f"{time.perf_counter() - began:.0f} s; context {args.context} tokens, batch 1, bfloat16, host RAM assumed "
         f"{', '.join(f'{gb} GiB next to the {t}' for t, gb in HOST_GB.items())}, "
         f"{'programs compiled for each target' if not args.no_compile else 'programs not compiled'}.", "",
-        table(rows), "",
-        "Estimates: batch-1 decode and a context-long prefill, [low, high] tokens/s, uniform routing (hit rate = "
-        "cache / experts); the assumptions (jmoe/plan/estimate.py), for the first row:", "",
-        *[f"- {line}" for line in ((rows[0]["estimate"] if rows else None) or {}).get("assumptions", [])], "",
-        "Not yet possible on this branch: " + ", ".join(f"{m} (model_type {t})" for m, t in NOT_YET.items())
-        + ": jmoe does not support these families yet.",
+        table(rows),
     ]
+    estimated = [row for row in rows if row["estimate"] is not None]
+    if estimated:
+        body += ["", "Estimates: batch-1 decode and a context-long prefill, [low, high] tokens/s, uniform routing (hit "
+                 "rate = cache / experts); the assumptions (jmoe/plan/estimate.py), for the first such row:", "",
+                 *[f"- {line}" for line in estimated[0]["estimate"]["assumptions"]]]
     if errors:
         body += ["", "Failed plans:", *[f"- {e}" for e in errors]]
     (args.workdir / "plan_rows.json").write_text(json.dumps(rows))
