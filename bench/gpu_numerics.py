@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.gpu_models import FAMILY_CASES, hf_config, write_checkpoint
-from bench.gpu_results import Budget, SectionResult
+from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult
 
 # Kernel shapes: (tokens, top-k, experts, d, f): one decode token and a prefill chunk. d and f are multiples of
 # 128 so that every format's blocks (fp8's 128 x 128) divide them (small: 64, fp8 then has one partial block).
@@ -150,7 +150,7 @@ def families(workdir: Path, budget: Budget, log) -> SectionResult:
         if family in device:
             result.attempt(family, budget, compare)
         else:
-            result.check(family, None, "not run: out of time")
+            result.check(family, None, OUT_OF_TIME)
     log("families done")
     return result
 
