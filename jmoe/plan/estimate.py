@@ -126,7 +126,8 @@ def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds,
     if host_link_gbs is not None:
         link, link_what = host_link_gbs * 1e9, f"{host_link_gbs:g} GB/s as given"
     elif target.host_link_bytes_per_s is not None:
-        link, link_what = target.host_link_bytes_per_s, f"{target.host_link}, {target.host_link_bytes_per_s / 1e9:g} GB/s"
+        link = target.host_link_bytes_per_s
+        link_what = f"{target.host_link}, {link / 1e9:g} GB/s"
     else:
         link, link_what = 31.5e9, "PCIe 4.0 x16, 31.5 GB/s (assumed: the target file names no host link)"
         notes.append("host link assumed PCIe 4.0 x16: pass host_link_gbs for this target")
@@ -140,8 +141,9 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
              rows: int, context: int, hit_rate: float, hit_rate_source: str, notes: list[str]) -> Estimate | None:
     """The speed estimate from the compiled "decode" and "prefill" programs; None when either has no cost
     analysis. expert_array_bytes: every expert array (resident, host, slots); least_bytes: what a step reads
-    besides experts (non-expert device weights + KV cache). Batch 1 runs the batch's decode program's device time (the same weights; more KV cache and
-    activations, so batch 1 is underestimated when rows > 1) with one row's copies."""
+    besides experts (non-expert device weights + KV cache). Batch 1 takes the batch's decode program's device
+    time (the same weights; more KV cache and activations, so batch 1 is underestimated when rows > 1) with
+    one row's copies."""
     needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
     if any(p is None or not p.cost_analysis for p in needed.values()):
         return None

@@ -152,7 +152,8 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
         groups = placement.group_totals().items()
         host_params = sum(nbytes for (group, kind), (_, nbytes) in groups if kind == PINNED_HOST and group != "experts")
         expert_arrays = sum(nbytes for (group, _), (_, nbytes) in groups if group == "experts") + placement.slot_bytes
-        resident_experts = sum(nbytes for (group, kind), (_, nbytes) in groups if group == "experts" and kind != PINNED_HOST)
+        resident_experts = sum(nbytes for (group, kind), (_, nbytes) in groups
+                               if group == "experts" and kind != PINNED_HOST)
         speed = estimate(programs, speeds, caches=caches, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                          expert_bytes=placement.expert_bytes, expert_array_bytes=expert_arrays,
                          least_bytes=needs.device_weight_bytes - resident_experts + needs.kv_bytes,

@@ -50,7 +50,7 @@ def load_target(target: str | Path) -> Target:
     speeds = json.loads(SPEEDS.read_text()).get(str(target), {}) if path == shipped else {}
     return Target(target if path == shipped else str(path), text, kind.group(1) if kind else path.stem,
                   int(memory.group(1)), _number(text, "memory_bandwidth"),
-                  2 * _number(text, "core_count") * _number(text, "fpus_per_core") * _number(text, "clock_rate_ghz") * 1e9,
+                  2e9 * _number(text, "core_count") * _number(text, "fpus_per_core") * _number(text, "clock_rate_ghz"),
                   speeds["bf16_tflops"] * 1e12 if speeds else None, speeds.get("host_link"),
                   speeds["host_link_gbs"] * 1e9 if speeds else None)
 
