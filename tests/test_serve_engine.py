@@ -83,23 +83,6 @@ def test_a_padded_last_chunk_reaching_past_the_context_writes_only_its_real_toke
     assert tokens_of(request) == expected
 
 
-def test_prefill_steps_compute_little_padding(model):
-    """A burst of eight prompts of 20-190 tokens is prefilled in chunks that pad little (each entry padded to the
-    longest prompt computed 2,048 positions for its 860 tokens); a long prompt alone takes the longest chunk, a
-    short one the shortest."""
-    engine = ServingEngine(model, max_batch=8, context=512)
-    remaining = [20, 40, 60, 100, 120, 150, 180, 190]
-    positions = steps = 0
-    while any(remaining):
-        entries, chunk = engine._prefill_shape([r for r in remaining if r])
-        positions += entries * chunk
-        remaining = [max(r - chunk, 0) for r in remaining]
-        steps += 1
-    assert positions <= 1280 and steps <= 3, (positions, steps)  # 8 x 64, 8 x 64 (five prompts left), 4 x 64
-    assert engine._prefill_shape([500]) == (1, 256)
-    assert engine._prefill_shape([10]) == (1, 16)
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3_qlora_groups", "gpt_oss_e4k2_window"])
 def test_other_families_serve_their_generate_tokens(family, hf_checkpoints):
     """Latent attention's compressed cache (per-row writes into both of its arrays), and attention sinks with

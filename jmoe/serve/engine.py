@@ -35,13 +35,8 @@ from jmoe.serve.params import QueueFullError, RequestError, RequestParams
 from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_prefill_fn
 from jmoe.serve.text import StopText
 
-# Prompt tokens per prefill entry and step (chosen per step, _prefill_shape); a shorter piece is padded to it.
+# Prompt tokens per prefill entry and step; shorter chunks are padded up to the next of these.
 CHUNK_BUCKETS = (16, 64, 256)
-# What one more prefill step costs a prompt beyond its positions, in positions, for choosing the chunk: its own fixed
-# cost (1 x 16, 1 x 64 and 1 x 256 positions took 5.4, 12.0 and 52.7 ms at cache 4, default model, Zen 4 pair: ~3 ms
-# a step plus ~0.19 ms a position, so ~16 positions) and the decode step of the other rows that follows it (~7.6 ms
-# at 8 rows, ~40 positions).
-STEP_COST_POSITIONS = 64
 # The fewest cache columns a decode step's attention reads (then powers of two up to the context).
 MIN_VISIBLE = 64
 
@@ -308,7 +303,9 @@ class ServingEngine:
 
     def _prefill_step(self, prefilling: list[Request]) -> None:
         batch = prefilling[:self.entry_buckets[-1]]
-        entries, chunk = self._prefill_shape([len(r.prompt) - r.prefilled for r in batch])
+        entries = next(b for b in self.entry_buckets if b >= len(batch))
+        remaining = max(len(r.prompt) - r.prefilled for r in batch)
+        chunk = next((c for c in self.chunks if c >= remaining), self.chunks[-1])
         tokens = np.zeros((entries, chunk), np.int32)
         rows = np.full(entries, self.max_batch, np.int32)
         start = np.zeros(entries, np.int32)
@@ -332,19 +329,6 @@ class ServingEngine:
         for i, request in enumerate(complete):
             if request is not None:
                 self._accept(request, chosen, i)
-
-    def _prefill_shape(self, remaining: list[int]) -> tuple[int, int]:
-        """(entries, chunk) of a prefill step over prompts with `remaining` tokens each: the chunk bucket that
-        computes the fewest positions per prompt token written (padding included, and STEP_COST_POSITIONS a step), the
-        longer chunk on a tie. Padding every entry to the longest prompt cost 2.5x the positions of a burst of
-        eight 16-192 token prompts; a long prompt now takes several shorter chunks, each followed by a decode
-        step of the other rows."""
-        entries = next(b for b in self.entry_buckets if b >= len(remaining))
-
-        def positions_per_token(chunk: int) -> float:
-            return (entries * chunk + STEP_COST_POSITIONS) / sum(min(r, chunk) for r in remaining)
-
-        return entries, min(self.chunks, key=lambda chunk: (positions_per_token(chunk), -chunk))
 
     def _decode_step(self) -> None:
         # The first R rows (an entry bucket) hold every generating request: rows are filled lowest first.
