@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jmoe.compile_cache import with_fast_compile
+
 RESULTS = Path(__file__).resolve().parent / "results"
 _results_dir = RESULTS  # where write_result writes: a smoke run points it at its temporary directory
 # The sizes of a smoke run's random checkpoints: every width small, two layers. A spec keeps its other keys
@@ -22,10 +24,6 @@ _results_dir = RESULTS  # where write_result writes: a smoke run points it at it
 SMOKE_SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, q_lora_rank=32, kv_lora_rank=16,
                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-# XLA:CPU options of a smoke run: compiling dominates its run time, and these halve LLVM's share of it (the
-# programs stay the same; only their machine code is less optimized). Set in the environment, so that child
-# processes (bench/compare_cpu.py's workers) compile the same way.
-SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
@@ -37,15 +35,17 @@ def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def smoke_run(args: argparse.Namespace):
     """Around a benchmark's run. With `args.smoke`: yields a fresh temporary directory (removed afterwards), set
-    as `args.workdir`, where write_result then writes instead of bench/results, with SMOKE_XLA_FLAGS added to
-    XLA_FLAGS (they take effect where JAX has not started its CPU backend yet, as at a module's start).
+    as `args.workdir`, where write_result then writes instead of bench/results, with
+    jmoe.compile_cache.FAST_COMPILE_XLA_FLAGS added to XLA_FLAGS (they take effect where JAX has not started its
+    CPU backend yet, as at a module's start).
     Otherwise yields None and changes nothing."""
     global _results_dir
     if not args.smoke:
         yield None
         return
     flags = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{flags or ''} {SMOKE_XLA_FLAGS}".strip()
+    # In the environment, so that child processes (bench/compare_cpu.py's workers) compile the same way.
+    os.environ["XLA_FLAGS"] = with_fast_compile(flags)
     with tempfile.TemporaryDirectory(prefix="jmoe_smoke_") as directory:
         args.workdir = Path(directory)
         _results_dir = args.workdir / "results"

@@ -15,6 +15,15 @@ import jax
 from jmoe.errors import InputError
 
 ENV_VAR = "JMOE_COMPILE_CACHE"  # a directory, or "off"
+# XLA:CPU options that roughly halve LLVM's share of compiling: the same HLO programs (passes, fusion, copies),
+# less optimized machine code. For runs where compiling dominates and speed does not count: the tests and the
+# benchmarks' smoke runs.
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def with_fast_compile(xla_flags: str | None) -> str:
+    """An XLA_FLAGS value: `xla_flags` (the current value, or None) plus FAST_COMPILE_XLA_FLAGS."""
+    return f"{xla_flags or ''} {FAST_COMPILE_XLA_FLAGS}".strip()
 
 
 def default_directory() -> Path:

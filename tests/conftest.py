@@ -4,15 +4,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile in fresh processes and must not write into the user's cache; tests of the cache set their own.
 os.environ.setdefault("JMOE_COMPILE_CACHE", "off")
 
-# Compiling dominates this suite's time (tiny models, many programs). These XLA:CPU options halve LLVM's share of
-# it, as bench.common.SMOKE_XLA_FLAGS does for the smoke runs: the same HLO programs (HLO passes, copies and fusion
+# Compiling dominates this suite's time (tiny models, many programs). jmoe.compile_cache.FAST_COMPILE_XLA_FLAGS
+# (as the bench smoke runs use them) halve LLVM's share of it: the same HLO programs (HLO passes, copies and fusion
 # are unchanged; what the tests' HLO checks read), only their machine code less optimized. They hold for this process
 # only: XLA reads XLA_FLAGS once, at its first compile, which happens here; the variable is then restored, so child
-# processes (GPU-target compile workers, servers, bench runs) compile exactly as they would outside the tests.
-from hf_models import FAST_COMPILE_XLA_FLAGS  # noqa: E402
+# processes (GPU-target compile workers, bench runs) compile as they would outside the tests unless a test asks.
+from jmoe.compile_cache import with_fast_compile  # noqa: E402
 
 _xla_flags = os.environ.get("XLA_FLAGS")
-os.environ["XLA_FLAGS"] = f"{_xla_flags or ''} {FAST_COMPILE_XLA_FLAGS}".strip()
+os.environ["XLA_FLAGS"] = with_fast_compile(_xla_flags)
 try:
     import jax
 

@@ -9,10 +9,6 @@ import json
 from pathlib import Path
 
 VOCAB = 96
-# XLA:CPU options the tests compile with (conftest sets them for the pytest processes; a test passes them to a
-# child process of its own that compiles): less optimized machine code of the same HLO programs, as
-# bench.common.SMOKE_XLA_FLAGS, since compiling is most of the suite's time.
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 # name -> (model_type, config overrides). Shapes vary: experts, top-k, GQA ratio, tied/untied,
 # shared expert, dense layers, sliding window, per-head vs full q/k norm, qkv clipping; DeepSeek-V3's latent

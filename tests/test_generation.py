@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jmoe
-from hf_models import FAST_COMPILE_XLA_FLAGS, write_checkpoint, write_word_tokenizer
+from hf_models import write_checkpoint, write_word_tokenizer
+from jmoe.compile_cache import with_fast_compile
 from jmoe.cli.common import DEFAULT_MODEL_DIR
 
 
@@ -149,7 +150,7 @@ def test_persistent_compile_cache_serves_a_second_process(tmp_path):
 
     def run():  # both processes compile as the suite does (the flags are part of the cache key)
         env = {**os.environ, "JMOE_COMPILE_CACHE": "off",
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_XLA_FLAGS}".strip()}
+               "XLA_FLAGS": with_fast_compile(os.environ.get("XLA_FLAGS"))}
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stderr
         hits, seconds = out.stdout.split()

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 import jmoe
+from jmoe.compile_cache import with_fast_compile
 from jmoe.cli.common import DEFAULT_MODEL_DIR
 
 CONTEXT, MAX_BATCH, MAX_QUEUE = 256, 4, 8
@@ -45,7 +46,10 @@ class Server:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "jmoe.serve", "--port", str(self.port), "--max-batch", str(MAX_BATCH),
                  "--max-queue", str(MAX_QUEUE), "--context", str(CONTEXT), "--compile-cache", str(cache)],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                stdout=out, stderr=subprocess.STDOUT,
+                # Compiled as the in-process reference model is (tests/conftest.py): its warm-up compiles ~60 programs.
+                env={**os.environ, "JAX_PLATFORMS": "cpu",
+                     "XLA_FLAGS": with_fast_compile(os.environ.get("XLA_FLAGS"))})
 
     def wait_ready(self) -> "Server":
         end = time.monotonic() + READY_DEADLINE
