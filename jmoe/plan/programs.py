@@ -78,13 +78,15 @@ class Program:
 
 
 def plugin_available() -> bool:
-    """Whether the CUDA PJRT plugin (the `gpu-compile` extra) is installed."""
-    import importlib.util
+    """Whether a CUDA PJRT plugin is installed: the `gpu-compile` extra's CUDA 12 one, or a GPU machine's own
+    (jax 0.11 images carry jax_plugins.xla_cuda13)."""
+    import pkgutil
 
     try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins package at all
+        import jax_plugins
+    except ModuleNotFoundError:  # no plugin at all
         return False
+    return any(module.name.startswith("xla_cuda") for module in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backend: str, batch: int, context: int,
