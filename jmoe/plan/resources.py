@@ -98,7 +98,7 @@ def local_device_bytes() -> tuple[int | None, str]:
     where "device" arrays live in host RAM next to the pinned ones. Starts JAX's backend."""
     import jax
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # jax.devices()[0] belongs to process 0 in a multi-process run
     if device.platform == "cpu":
         return None, "this machine's CPU (device arrays live in host RAM)"
     stats = device.memory_stats() or {}
