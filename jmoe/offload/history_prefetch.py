@@ -26,15 +26,21 @@ from jmoe.offload.predictors import MultiLagPredictor, make_predictor
 BEST = {"count": 8, "min_score": 0.0, "budget": 4, "min_gain": 2.0}
 
 
+def routing_trace_array(trace, argument: str) -> np.ndarray:
+    """`trace` itself, or the array in the .npy file it names (`argument`: the parameter, for the error)."""
+    if not isinstance(trace, (str, Path)):
+        return trace
+    path = Path(trace)
+    if path.suffix != ".npy" or not path.is_file():
+        raise InputError(f"{argument}: expected a .npy routing trace [tokens, MoE layers, k], found {str(path)!r}; "
+                         f"record one from the model's routing (Model.logits_and_routing)")
+    return np.load(path)
+
+
 def best_predictor(trace, num_experts: int) -> MultiLagPredictor:
     """The `best` setting's predictor fitted on a routing trace of the model: an int array (or a .npy file)
     [tokens, MoE layers, k], tokens in decode order."""
-    if isinstance(trace, (str, Path)):
-        path = Path(trace)
-        if path.suffix != ".npy" or not path.is_file():
-            raise InputError(f"prefetch_trace: expected a .npy routing trace [tokens, MoE layers, k], found "
-                             f"{str(path)!r}; record one from the model's routing (Model.logits_and_routing)")
-        trace = np.load(path)
+    trace = routing_trace_array(trace, "prefetch_trace")
     try:
         return make_predictor("lags", count=BEST["count"], min_score=BEST["min_score"]).fit(trace, num_experts)
     except ValueError as e:

@@ -4,11 +4,10 @@ without either, what uniform routing gives (a cache of c of E experts holds a ne
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from jmoe.errors import InputError
+from jmoe.offload.history_prefetch import routing_trace_array
 from jmoe.offload.policies import CachePolicy, make_policy
 from jmoe.traces.load import TraceError, check_trace, frequency_table
 from jmoe.traces.replay import replay
@@ -16,14 +15,8 @@ from jmoe.traces.replay import replay
 
 def load_routing_trace(trace, num_moe_layers: int, num_experts: int) -> np.ndarray:
     """An int array [tokens, MoE layers, k] of this model's routing, or a .npy file of one, checked."""
-    if isinstance(trace, (str, Path)):
-        path = Path(trace)
-        if path.suffix != ".npy" or not path.is_file():
-            raise InputError(f"trace: expected a .npy routing trace [tokens, MoE layers, k], found {str(path)!r}; "
-                             f"record one from the model's routing (Model.logits_and_routing)")
-        trace = np.load(path)
     try:
-        trace = check_trace(trace, num_experts)
+        trace = check_trace(routing_trace_array(trace, "trace"), num_experts)
     except TraceError as e:
         raise InputError(f"trace: {e}") from None
     if trace.shape[1] != num_moe_layers:
