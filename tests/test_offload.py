@@ -192,13 +192,15 @@ def test_orbax_checkpoint_restores_into_placement(olmoe_dir, tmp_path):
                                rtol=0)
 
 
+def first_four_experts(moe_layers: int):
+    """A routing override that sends every token of every MoE layer to experts 0-3."""
+    return lambda step, shape: np.broadcast_to(np.array([0, 1, 2, 3], np.int32), (moe_layers, *shape, 4))
+
+
 def test_forced_routing_drives_the_cache(olmoe_dir):
     """Trace-forced routing (a benchmark option): the engine sees exactly the forced experts."""
     model = jmoe.load(olmoe_dir, cache=2, progress=False)
-    moe_layers = model.config.num_moe_layers
-    def forced(step, shape):
-        return np.broadcast_to(np.array([0, 1, 2, 3], np.int32), (moe_layers, *shape, 4))
-
+    forced = first_four_experts(model.config.num_moe_layers)
     model.set_policy("lru")
     prompt = PROMPTS[1]
     out = model.generate_detailed([prompt], 6, SamplingParams(), routing_override=forced).tokens[0]
@@ -288,10 +290,7 @@ def test_host_miss_mode_admits_misses_into_the_cache_for_later_steps(olmoe_dir):
     """A decode step in host mode computes its misses on the host and reads only slots filled before it;
     the manager then admits one missed expert per layer, copied as the next step starts."""
     model = jmoe.load(olmoe_dir, cache=2, policy="lru", miss_mode="host", progress=False)
-    moe_layers = model.config.num_moe_layers
-
-    def forced(step, shape):
-        return np.broadcast_to(np.array([0, 1, 2, 3], np.int32), (moe_layers, *shape, 4))
+    forced = first_four_experts(model.config.num_moe_layers)
 
     prompt = PROMPTS[1]
     out = model.generate_detailed([prompt], 6, SamplingParams(), routing_override=forced).tokens[0]
@@ -311,10 +310,7 @@ def test_host_miss_mode_copies_only_planned_admissions(olmoe_dir):
     """Host mode plans one admission per layer and step; once the cache holds every expert the steps use, the
     plans admit nothing and the steps copy nothing (before issue 33 each step copied one expert regardless)."""
     model = jmoe.load(olmoe_dir, cache=4, policy="lru", miss_mode="host", progress=False)
-    moe_layers, expert_bytes = model.config.num_moe_layers, model.placement_plan.expert_bytes
-
-    def forced(step, shape):
-        return np.broadcast_to(np.array([0, 1, 2, 3], np.int32), (moe_layers, *shape, 4))
+    forced, expert_bytes = first_four_experts(model.config.num_moe_layers), model.placement_plan.expert_bytes
 
     prompt = PROMPTS[1]
     out = model.generate_detailed([prompt], 9, SamplingParams(), routing_override=forced).tokens[0]
