@@ -1,6 +1,6 @@
 """Expert FFNs computed on the host, where offloaded expert weights live (miss mode "host").
 
-Inside a jitted step, `compute_on("device_host")` runs a sub-computation on the host CPU. Only the
+Inside a jitted step, `compute_on(compute_type="device_host")` runs a sub-computation on the host CPU. Only the
 activations, routing and the list of experts cross to the host and the result comes back: the expert
 weights stay in pinned host memory and are read there. JAX types every array with its memory space
 and refuses operations that mix host and device arrays, so everything the host computation builds is
@@ -13,7 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as compute_on_module
 
 from jmoe.kernels import ExpertWeights
 from jmoe.kernels.activations import get_activation
@@ -21,9 +21,11 @@ from jmoe.kernels.bias import bias_rows
 from jmoe.kernels.quantized import materialize
 from jmoe.memory import to_device, to_host
 
+# The function-transform spelling: jax 0.10 calls it compute_on2 (its compute_on is a context manager); jax 0.11
+# renamed it compute_on and dropped the context manager.
+_compute_on = getattr(compute_on_module, "compute_on2", compute_on_module.compute_on)
 
-@compute_on("device_host")
-@functools.partial(jax.jit, static_argnames=("activation",))
+
 def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, activation: str):
     act = get_activation(activation)
     f = host.w_down.shape[1]
@@ -57,5 +59,7 @@ def experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, act
     steps; big prefill steps stream experts to the device instead (jmoe.offload.slots).
     """
     x, ids, weights, experts, count = to_host((x, ids, weights, experts, count))
-    y = _experts_on_host(x, ids, weights, experts, count, host, activation=activation)
+    on_host = _compute_on(functools.partial(_experts_on_host, activation=activation), compute_type="device_host",
+                          out_memory_spaces=jax.memory.Space.Host)
+    y = on_host(x, ids, weights, experts, count, host)
     return to_device(y)
