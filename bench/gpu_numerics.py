@@ -23,6 +23,7 @@ SMALL_KERNEL_SHAPES = {"tokens": (4, 2, 4, 64, 64)}  # one shape: the same loops
 KERNEL_TOLERANCE = 3e-2  # bf16 inputs: h is rounded to bf16 before the down projection, at different sums
 # Device against CPU logits, relative to the largest |logit|: a GPU may compute float32 dots in TF32.
 FAMILY_TOLERANCE = 1e-2
+ARGMAX_TIE = 1e-3
 OFFLOAD_TOLERANCE = 1e-5  # the invariant: offloading never changes float32 logits beyond 1e-5
 PROMPT = [3, 17, 9, 42, 5, 11, 28, 7]
 NEW_TOKENS = 8
@@ -31,6 +32,17 @@ NEW_TOKENS = 8
 def relative_error(y, y_ref) -> float:
     y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
     return float(np.abs(y - y_ref).max() / max(1.0, float(np.abs(y_ref).max())))
+
+
+def argmax_agrees(y, y_ref) -> tuple[bool, int]:
+    """(the device's argmax is the reference's at every position that is not a near tie, how many were near ties).
+    A near tie: the reference's top two logits within ARGMAX_TIE x max(1, max |logit|), a few times the TF32
+    differences seen on an H100 (3e-4), where either token is a right answer (a random checkpoint's tiny
+    vocabulary has some: the qwen2_moe case has a 1e-4 margin)."""
+    y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
+    top_two = np.sort(y_ref, -1)[..., -2:]
+    tie = top_two[..., 1] - top_two[..., 0] <= ARGMAX_TIE * max(1.0, float(np.abs(y_ref).max()))
+    return bool(((y.argmax(-1) == y_ref.argmax(-1)) | tie).all()), int(tie.sum())
 
 
 def kernel_inputs(shape, fmt: str | None, seed: int = 0):
@@ -78,9 +90,9 @@ def kernels(small: bool, budget: Budget, log) -> SectionResult:
                     error = relative_error(jitted[backend](*inputs), expected)
                     return error <= KERNEL_TOLERANCE, f"relative error {error:.2e}"
 
-                missing = _missing_package(backend)
-                if missing:
-                    result.check(name, None, missing)
+                not_applicable = _not_applicable(backend, fmt)
+                if not_applicable:
+                    result.check(name, None, not_applicable)
                 else:
                     result.attempt(name, budget, run)
         log(f"kernels: {fmt or 'bf16'} done")
@@ -91,10 +103,12 @@ def _shapes(small: bool) -> dict:
     return SMALL_KERNEL_SHAPES if small else KERNEL_SHAPES
 
 
-def _missing_package(backend: str) -> str | None:
-    """Why a backend cannot run here, when a package (not a bug) is the reason."""
+def _not_applicable(backend: str, fmt: str | None) -> str | None:
+    """Why a backend does not run a case, when the reason is a package or its design (not a bug)."""
     if backend != "triton":
         return None
+    if fmt is not None:  # moe_ffn_triton refuses quantized experts; auto sends them to the Pallas kernel
+        return "not run: backend 'triton' takes plain float weights by design (quantized: 'pallas', 'auto')"
     import jax
 
     if jax.default_backend() != "gpu":
@@ -125,7 +139,8 @@ def families(workdir: Path, budget: Budget, log) -> SectionResult:
     result = SectionResult()
     result.notes.append(f"float32 random checkpoints, one per family; {len(PROMPT)}-token prompt; pass = max "
                         f"|device - CPU| <= {FAMILY_TOLERANCE} x max(1, max |CPU logit|) (TF32 dots on a GPU) "
-                        f"and the same argmax at every position")
+                        f"and the same argmax at every position but near ties (the CPU's top two logits within "
+                        f"{ARGMAX_TIE} x max(1, max |CPU logit|): either is right)")
     directories = family_checkpoints(workdir)
     out = workdir / "cpu_logits.npz"
     # The CPU reference runs in its own process, on JAX's CPU backend, while this one runs on the device.
@@ -144,8 +159,9 @@ def families(workdir: Path, budget: Budget, log) -> SectionResult:
     for family in directories:
         def compare(family=family):
             error = relative_error(device[family], reference[family])
-            same_argmax = bool((device[family].argmax(-1) == reference[family].argmax(-1)).all())
-            return error <= FAMILY_TOLERANCE and same_argmax, f"relative error {error:.2e}, argmax equal: {same_argmax}"
+            same_argmax, near_ties = argmax_agrees(device[family], reference[family])
+            return (error <= FAMILY_TOLERANCE and same_argmax,
+                    f"relative error {error:.2e}, argmax equal: {same_argmax} ({near_ties} near ties)")
 
         if family in device:
             result.attempt(family, budget, compare)

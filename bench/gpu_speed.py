@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import median_seconds
-from bench.decode import jmoe_decode
+from bench.decode import PROMPT, jmoe_decode
+from bench.gpu_profile import step_split, step_timer, traced_steps
 from bench.gpu_models import hf_config, speed_models, write_checkpoint
 from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult
 
@@ -32,6 +33,7 @@ def host_experts(model):
 
 def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     import jax
+    import jax.numpy as jnp
     import jmoe
     from jmoe.memory import DEVICE, PINNED_HOST, sharding_for
     from jmoe.offload.slots import device_copy
@@ -48,6 +50,19 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
 
     seconds = median_seconds(lambda: jax.block_until_ready(copy_experts(host)), repeats=10)
     result.measurements["in-program expert copies, GB/s"] = count * expert_bytes / seconds / 1e9
+
+    @jax.jit
+    def copy_listed(host, ids):  # as a step's miss loop: experts the device chose, a trip count it computed
+        def copy_one(i, out):
+            return jax.tree.map(lambda o, piece: jax.lax.dynamic_update_slice_in_dim(o, piece, i, 0), out,
+                                device_copy(host, ids[i]))
+
+        empty = jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), host.stacked())
+        return jax.lax.fori_loop(0, jnp.sum(ids >= 0), copy_one, empty)
+
+    ids = jax.device_put(np.arange(count, dtype=np.int32)[::-1].copy(), sharding_for(DEVICE))
+    seconds = median_seconds(lambda: jax.block_until_ready(copy_listed(host, ids)), repeats=10)
+    result.measurements["in-program copies in a data-dependent loop, GB/s"] = count * expert_bytes / seconds / 1e9
     # The same bytes as pinned-host arrays of their own, moved by jax.device_put outside any program.
     # (sliced in NumPy: an eager op on a pinned-host array would run as host compute, or fail, on a GPU)
     pieces = jax.device_put([np.asarray(jax.device_get(leaf))[:count] for leaf in jax.tree.leaves(host)],
@@ -59,7 +74,9 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     seconds = median_seconds(lambda: jax.block_until_ready(jax.device_put(plain, sharding_for(DEVICE))), repeats=5)
     result.measurements[f"plain {plain_bytes >> 20} MiB pinned-host copy, GB/s"] = plain_bytes / seconds / 1e9
     result.notes.append(f"{count} experts of {expert_bytes / 2**20:.1f} MiB (bf16 Mixtral-shaped model, first MoE "
-                        f"layer) per timed copy; medians of 10 (plain copy: 5) after a warm-up")
+                        f"layer) per timed copy; medians of 10 (plain copy: 5) after a warm-up; the in-program "
+                        f"copies once with constant expert indices, unrolled, once as a step's miss loop does them "
+                        f"(indices and trip count computed on the device)")
     log("bandwidth done")
     return result
 
@@ -88,13 +105,17 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
         f"one unmeasured generation first (compiles, warms the cache)",
         "device memory: bytes_in_use after loading, minus before, against the plan's device weights + slots + "
         "layer buffers (jmoe.plan without compiling; no KV cache or temporaries are held between generations)",
-        "overlap: inferred from step times, not profiled: 1 - (step time at the cache - resident step time) / "
-        "(bytes moved per step / the in-program copy bandwidth); a device profile (jax.profiler) is not taken",
+        "overlap: inferred from step times: 1 - (step time at the cache - resident step time) / (bytes moved per "
+        "step / the in-program copy bandwidth); and measured, for the first model's smallest cache, from a "
+        "jax.profiler trace of one more generation (copies' busy time that overlaps kernels)",
+        "step / host ms: a third generation's medians of the compiled step (dispatch until its outputs are ready) "
+        "and of the host work after it (finish_step: routing back, the cache manager)",
     ]
     for name in speed_models(small):
         directory = speed_checkpoint(workdir, name, small)
         resident_step = None
-        for cache in caches_for(*_experts_and_top_k(directory), small):
+        caches = caches_for(*_experts_and_top_k(directory), small)
+        for cache in caches:
             label = f"{name}, {'resident' if cache is None else f'cache {cache}'}"
             if budget.out_of_time():
                 result.check(label, None, OUT_OF_TIME)
@@ -118,6 +139,16 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
             tps, step = jmoe_decode(model, tokens)
             moved = (_bytes_moved(model) - before_stats) / 2 / (tokens + 32)  # two generations; per token
             result.measurements[f"{label}: decode tokens/s"] = tps
+            with step_timer(model) as times:
+                _generate(model, tokens)
+            for part, ms in step_split(times).items():
+                result.measurements[f"{label}: {part}"] = ms
+            if name == next(iter(speed_models(small))) and cache == caches[-1]:  # one trace: the most copying
+                summary = traced_steps(lambda: _generate(model, tokens), workdir / "trace" / label.replace(", ", "_"),
+                                       tokens)
+                top = summary.pop("top device events", [])
+                result.measurements.update({f"{label}, profiled: {key}": value for key, value in summary.items()})
+                result.notes += [f"{label}, profiled, top device event: {line}" for line in top]
             if cache is None:
                 resident_step = step
             else:
@@ -128,6 +159,12 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
             log(f"decode speed: {label}: {tps:.1f} tokens/s")
             del model
     return result
+
+
+def _generate(model, tokens: int) -> None:
+    from jmoe.decode.sampling import SamplingParams
+
+    model.generate_detailed([PROMPT], tokens, SamplingParams())  # jmoe_decode's length: no new compile
 
 
 def _experts_and_top_k(directory: Path) -> tuple[int, int]:
