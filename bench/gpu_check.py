@@ -4,6 +4,9 @@
   python -m bench.gpu_check --small          # the same code paths at tiny shapes (runs on CPU; the suite does this)
   python -m bench.gpu_check --smoke          # --small in a temporary directory, no result file, 90 s budget
 
+On a lent machine nothing is installed: run from the repository root after `ln -sfn ../kernels jmoe/kernels`
+(the package maps jmoe.kernels to kernels/), carrying jax-triton's wheel (bench/results/gpu_check_*.md says how).
+
 Sections, in order (each with a share of the time budget plus what earlier ones left; what that or the whole
 budget does not reach is recorded as "not run: out of time", never skipped silently):
   environment  JAX version, devices, which optional packages the image has (jax-triton, torch, ...)
