@@ -28,6 +28,7 @@ from jmoe.memory import sharding_for
 from jmoe.model import MoETransformer
 from jmoe.model.params import flat_params
 from jmoe.offload.engine import make_engine
+from jmoe.offload.expert_parallel import ExpertParallelEngine, device_placement, expert_mesh, param_sharding
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement, plan_placement
 from jmoe.offload.policies import CachePolicy
@@ -54,8 +55,9 @@ class Model:
         self.engine = engine
         self.tokenizer = tokenizer
         self.source = source
-        for block in module.moe_blocks():
-            block.experts.hold_per_expert_arrays()
+        if engine.mesh is None:  # the CPU kernels' per-expert views are of one device's whole arrays
+            for block in module.moe_blocks():
+                block.experts.hold_per_expert_arrays()
         engine.attach(module.moe_layer_views())
         self.graphdef, self.params = nnx.split(module)
         self.kv_dtype = module.embed[...].dtype
@@ -206,7 +208,8 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          offload_prefetch_step: int = 1, cpu_moe_layers: int = 0, prefetch_trace=None,
          expert_dtype: str | None = None, expert_group_size: int | None = None, dtype: str | None = None,
          backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
-         check_memory: bool = True, check_finite: bool | None = None) -> Model:
+         check_memory: bool = True, check_finite: bool | None = None, devices: int | None = None,
+         mesh: jax.sharding.Mesh | None = None) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -248,10 +251,15 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     check_finite: refuse weights holding NaN or inf (CheckpointError naming the parameter). None = check
         Hugging Face checkpoints of up to CHECK_FINITE_BYTES (4 GiB) of weights, where the extra pass costs
         little; True / False = always / never. Converted checkpoints were checked when converted.
+    devices: expert parallelism: split every MoE layer's experts evenly over this process's first N devices
+        (N must divide the number of experts); each device keeps its own `cache` slots per layer (`cache`,
+        device_budget_gb and the placement summary count per device) and its own cache policy, and stats()
+        has a row per device and layer. Results equal one device's. None or 1 = one device.
+    mesh: the same over a jax.sharding.Mesh whose one axis is named "expert" (jmoe.offload.expert_parallel).
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
-                             prefetch_trace, expert_dtype, expert_group_size)
+                             prefetch_trace, expert_dtype, expert_group_size, devices, mesh)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 
@@ -265,10 +273,20 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
     # config and checkpoint headers, checked; no tensor data read yet
     headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     model_dir, config, dtype = headers.directory, headers.config, headers.dtype
-    placement = plan_placement(config, headers.abstract, options)
+    mesh = expert_mesh(options, config)  # None: one device
+    placement = (plan_placement(config, headers.abstract, options) if mesh is None
+                 else device_placement(config, headers.abstract, options, mesh))
+
+    def sharding(path):
+        kind = placement.memory_kind_of(path)
+        return sharding_for(kind) if mesh is None else param_sharding(mesh, path, kind)
+
     if check_memory:
         refuse_if_unfit(headers, placement)
     if headers.format == "jmoe-orbax":
+        if mesh is not None:
+            raise InputError(f"{model_dir} is in jmoe's Orbax format, which does not load over an expert mesh yet; "
+                             f"load its Hugging Face checkpoint with devices={mesh.devices.size}, or use one device")
         module = restore_model(model_dir, config, dtype=dtype, memory_kind_of=placement.memory_kind_of,
                                progress=progress)
     else:
@@ -277,11 +295,12 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
         if check_finite is None:
             check_finite = headers.stored_bytes <= CHECK_FINITE_BYTES
         module = load_model(model_dir, config, dtype=dtype, progress=progress, check_finite=check_finite,
-                            place=lambda p, host: jax.device_put(host, sharding_for(placement.memory_kind_of(p))))
+                            place=lambda p, host: jax.device_put(host, sharding(p)))
     if progress:
         print(placement.summary(), file=sys.stderr)
-    return Model(module, config, make_engine(config, placement, options, backend), load_tokenizer(model_dir),
-                 model_dir)
+    engine = (make_engine(config, placement, options, backend) if mesh is None
+              else ExpertParallelEngine(config, placement, options, backend, mesh))
+    return Model(module, config, engine, load_tokenizer(model_dir), model_dir)
 
 
 def random_model(config: ModelConfig, seed: int = 0, backend: str = "auto") -> Model:

@@ -20,13 +20,20 @@ from jmoe.model import empty_kv_cache
 def forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
             forced_routing=None, visible_len=None, valid_len=None):
     """The model's forward inside a jitted program, its experts computed by `engine` (MoETransformer.__call__
-    says what each argument means); returns (ForwardOut, the engine's updated state)."""
-    model = nnx.merge(graphdef, engine.prepare_params(params))
-    compute, finish = engine.bind(engine_state, model.moe_layer_views(), tokens_shape=tokens.shape)
-    out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, last_only=last_only,
-                forced_routing=forced_routing, before_layer=engine.layer_hook(model), visible_len=visible_len,
-                valid_len=valid_len)
-    return out, finish()
+    says what each argument means); returns (ForwardOut, the engine's updated state). The engine's `spmd`
+    runs it on every device of its mesh when the experts are split over several."""
+
+    def run(params, engine_state, inputs):
+        tokens, kv_cache, write_index, pad_len, forced_routing, valid_len = inputs
+        model = nnx.merge(graphdef, engine.prepare_params(params))
+        compute, finish = engine.bind(engine_state, model.moe_layer_views(), tokens_shape=tokens.shape)
+        out = model(tokens, kv_cache, write_index, pad_len, expert_compute=compute, last_only=last_only,
+                    forced_routing=forced_routing, before_layer=engine.layer_hook(model), visible_len=visible_len,
+                    valid_len=valid_len)
+        return out, finish()
+
+    inputs = (tokens, kv_cache, write_index, pad_len, forced_routing, valid_len)
+    return engine.spmd(run, params)(params, engine_state, inputs)
 
 
 def make_logits_fn(graphdef, engine, kv_dtype):

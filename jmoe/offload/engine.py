@@ -62,57 +62,59 @@ class OffloadEngine(ResidentEngine):
         self.caches = placement.caches  # cache slots of each offloaded layer
         # Copies the manager plans per layer and step: host mode admits one of the last step's misses.
         self.plan_width = 1 if self.miss_mode == "host" else 0
-        self._policy = options.policy
+        self.initial_policy = options.policy
         self._history_predictor = (None if options.prefetch_trace is None
                                    else best_predictor(options.prefetch_trace, config.num_experts))
         self.history = None  # HistoryPrefetch, made fresh by reset
-        self._host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
+        self.host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
-        self._install = jax.jit(self._install_fn, donate_argnums=(0,))
+        self._install = jax.jit(self.filled_slots, donate_argnums=(0,))
 
     def attach(self, layers: list[MoELayerView]) -> None:
         """Take the offloaded layers' expert arrays in pinned host memory (copies come from them) and
         allocate the slots."""
-        self._host_experts = [layers[i].experts for i in self.layers]
-        self.reset(self._policy)
+        self.host_experts = [layers[i].experts for i in self.layers]
+        self.reset(self.initial_policy)
 
     def reset(self, policy: str | CachePolicy) -> None:
         """Empty every slot and start over with `policy` (same compiled programs: only data changes)."""
         self.state = None  # release the old slot buffers before allocating new ones
+        self.start_managing(policy)
+        self.state = self.empty_state()
+        self.install_pinned()  # a static policy installs its experts now
+
+    def start_managing(self, policy: str | CachePolicy) -> None:
+        """reset's host side: a fresh manager with `policy` (and history predictor); no device memory."""
         if self._history_predictor is not None:
             self.history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
         self.manager = SlotManager(policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
                                    self.plan_width)
-        self.state = self._empty_state()
-        self.install_pinned()  # a static policy installs its experts now
 
-    def _empty_state(self) -> EngineState:
+    def empty_state(self) -> EngineState:
         lo = len(self.layers)
         return EngineState(
-            buffers=tuple(empty_slots(host, cache) for host, cache in zip(self._host_experts, self.caches)),
-            scratch=empty_slots(self._host_experts[0], self.placement.scratch),
+            buffers=tuple(empty_slots(host, cache) for host, cache in zip(self.host_experts, self.caches)),
+            scratch=empty_slots(self.host_experts[0], self.placement.scratch),
             slot_of_expert=jnp.full((lo, self.config.num_experts), -1, jnp.int32),
             expert_in_slot=tuple(jnp.full((cache,), -1, jnp.int32) for cache in self.caches),
-            **self._manager_tables(),
+            **{name: jnp.asarray(table) for name, table in self.manager_tables().items()},
             counts=jnp.zeros((lo, 4), jnp.int32),
         )
 
-    def _manager_tables(self) -> dict:
+    def manager_tables(self) -> dict[str, np.ndarray]:
+        """The state's fields the manager writes between steps, as NumPy arrays."""
         victim_order, plan_experts, plan_slots = self.manager.next_step()
         base = (np.zeros((0, self.config.num_experts), np.float32) if self.history is None
                 else self.history.base())
-        return {"victim_order": jnp.asarray(victim_order), "plan_experts": jnp.asarray(plan_experts),
-                "plan_slots": jnp.asarray(plan_slots), "predict_base": jnp.asarray(base)}
+        return {"victim_order": victim_order, "plan_experts": plan_experts, "plan_slots": plan_slots,
+                "predict_base": base}
 
     def abstract_state(self, layers: list[MoELayerView]) -> EngineState:
         """The state's shapes and dtypes for the (abstract) MoE layers `layers`, allocating nothing: what
         the steps take when they are compiled ahead of time for another device (jmoe.plan)."""
-        self._host_experts = [layers[i].experts for i in self.layers]
-        self.manager = SlotManager(self._policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
-                                   self.plan_width)
-        if self._history_predictor is not None:
-            self.history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
-        return jax.eval_shape(self._empty_state)
+        self.host_experts = [layers[i].experts for i in self.layers]
+        self.start_managing(self.initial_policy)
+        return jax.eval_shape(self.empty_state)
 
     # ---- inside the jitted step -------------------------------------------------------------------
     def bind(self, state: EngineState, layers: list[MoELayerView], tokens_shape: tuple[int, int]):
@@ -150,13 +152,14 @@ class OffloadEngine(ResidentEngine):
         if decode and self.history is not None:
             predict_into(0)  # from the tokens before this one only
 
-        def compute(moe_index, x, ids, weights):
+        def compute(moe_index, x, routed, weights):
             layer = layers[moe_index]
             if decode and self.history is not None:
-                token_ids[moe_index] = ids
+                token_ids[moe_index] = routed
                 predict_into(moe_index + 1)
+            ids = self.owned(routed)
             if moe_index not in position:
-                return self.resident_experts(layer, x, ids, weights)
+                return self.combine(self.resident_experts(layer, x, ids, weights), x)
             i = position[moe_index]
             nxt = position.get(moe_index + 1)
             prefetch_count = 0 if nxt is None else min(self.prefetch, self.caches[nxt])  # only into cache slots
@@ -165,8 +168,8 @@ class OffloadEngine(ResidentEngine):
                 # independent of this layer's compute, so they can overlap it.
                 upcoming = layers[moe_index + 1]
                 # A layer group may not have fetched that router yet: to_device is a no-op if it has.
-                probs = router_probabilities(cfg, to_device(upcoming.router), x)
-                scores = jnp.max(jnp.where((ids >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
+                probs = self.own_scores(router_probabilities(cfg, to_device(upcoming.router), x))
+                scores = jnp.max(jnp.where((routed >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
                 layer_slots[nxt], victim_order[nxt], ahead_evicted = prefetch(
                     layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, count=prefetch_count)
                 copied[nxt] = copied[nxt] + prefetch_count
@@ -179,7 +182,7 @@ class OffloadEngine(ResidentEngine):
             else:
                 y, counts[i] = prefill_experts(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel,
                                                chunk_size=self.placement.scratch)
-            return y.astype(x.dtype)  # the one rounding of the float32 partial outputs
+            return self.combine(y, x)  # the one rounding of the float32 partial outputs
 
         def finish() -> EngineState:
             if not lo:
@@ -198,14 +201,20 @@ class OffloadEngine(ResidentEngine):
 
     def after_step(self, state: EngineState, tables, routing: np.ndarray) -> None:
         """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed."""
+        first_observation = self.observe(tables, routing)
+        self.state = state._replace(**{name: jnp.asarray(table) for name, table in self.manager_tables().items()})
+        if first_observation:  # policy="static": its table comes from this first step
+            self.install_pinned()
+
+    def observe(self, tables, routing: np.ndarray) -> bool:
+        """after_step's host side: the manager (and history predictor) record the step. Returns whether it
+        was the first step a static policy saw (its experts are to be installed now)."""
         slot_of_expert, counts = tables
         first_observation = self.manager.policy is None
         if self.history is not None:
             self.history.observe(routing)
         self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert), np.asarray(counts))
-        self.state = state._replace(**self._manager_tables())
-        if first_observation:  # policy="static": its table comes from this first step
-            self.install_pinned()
+        return first_observation
 
     def install_pinned(self) -> None:
         """A policy that never admits misses (static) gets its pinned experts installed up front."""
@@ -216,14 +225,18 @@ class OffloadEngine(ResidentEngine):
     def install(self, experts: list[np.ndarray]) -> None:
         """Fill every offloaded layer's cache slots with `experts` (per layer, int [S_l]; a donated update)."""
         experts = [np.asarray(e, np.int32) for e in experts]
-        self.state = self._install(self.state, self._host_experts, tuple(jnp.asarray(e) for e in experts))
+        self.state = self._install(self.state, self.host_experts, tuple(jnp.asarray(e) for e in experts))
+        self.note_installed(experts)
+
+    def note_installed(self, experts: list[np.ndarray]) -> None:
+        """The manager's table once `experts` (per layer, int [S_l]) fill the slots."""
         slot_of_expert = np.full((len(self.layers), self.config.num_experts), -1, np.int32)
         for row, layer_experts in zip(slot_of_expert, experts):
             row[layer_experts] = np.arange(len(layer_experts))
         self.manager.slot_of_expert = slot_of_expert
 
     @staticmethod
-    def _install_fn(state: EngineState, host, experts: tuple):
+    def filled_slots(state: EngineState, host, experts: tuple):
         buffers, slot_of_expert = [], []
         num_experts = state.slot_of_expert.shape[1]
         for layer_buffers, layer_host, layer_experts in zip(state.buffers, host, experts):

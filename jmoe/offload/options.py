@@ -50,6 +50,10 @@ class OffloadOptions:
     # int4's rows per scale (None = 64).
     expert_dtype: str | None = None
     expert_group_size: int | None = None
+    # Expert parallelism (jmoe.offload.expert_parallel): split every MoE layer's experts over this process's
+    # first `devices` devices, or over `mesh` (a jax.sharding.Mesh with one axis, "expert"); None = one device.
+    devices: int | None = None
+    mesh: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -99,6 +103,14 @@ class OffloadOptions:
         elif not isinstance(self.policy, CachePolicy):
             raise InputError(f"policy must be a policy name or a jmoe.offload.policies.CachePolicy, found "
                              f"{type(self.policy).__name__}")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", whole_number("devices", self.devices, 1,
+                                                             "devices the experts are split over"))
+            if self.mesh is not None:
+                raise InputError(f"give either devices={self.devices} or mesh, not both: the mesh names its devices")
+        if self.prefetch_trace is not None and (self.mesh is not None or (self.devices or 1) > 1):
+            raise InputError("prefetch_trace (history prefetch) does not run over several devices yet; use "
+                             "prefetch=N (the router's guess) there, or one device")
         self.layer_groups  # checks the group settings
         checked_expert_dtype(self.expert_dtype)
         if self.expert_group_size is not None:

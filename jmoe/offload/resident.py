@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmoe.kernels import ExpertKernel
@@ -29,6 +30,11 @@ class ResidentEngine:
     """Every expert on the device, read from the model's own stacked weights: no state, nothing to manage.
     Parameters the placement keeps in pinned host memory (not experts) are copied in during each step: at
     its start, or, for layer groups, when the layer `prefetch_step` before theirs starts."""
+
+    # Expert parallelism (jmoe.offload.expert_parallel sets these on the engine of each device): the mesh and
+    # its axis the experts are split over; config.num_experts is then one device's share. None: one device.
+    mesh = None
+    expert_axis: str | None = None
 
     def __init__(self, config, placement: Placement, backend: str = "auto"):
         self.config = config
@@ -70,13 +76,41 @@ class ResidentEngine:
         return layer_fetch_hook(self.placement.layer_groups, self.placement.fetched_keys, model)
 
     def resident_experts(self, layer: MoELayerView, x, ids, weights) -> jax.Array:
-        """The MoE FFN of x [N, d] over experts held whole on the device."""
-        return self.kernel(x, ids, weights, layer.experts)
+        """The MoE FFN of x [N, d] over experts held whole on the device (ids this engine's, `owned`):
+        float32 [N, d], for `combine`."""
+        return self.kernel(x, ids, weights, layer.experts, out_dtype=jnp.float32)
+
+    def owned(self, ids: jax.Array) -> jax.Array:
+        """The router's expert ids [N, k] as this engine's: under an expert axis, the device at position d owns
+        experts [d*E_d, (d+1)*E_d) (E_d = config.num_experts) and every other expert becomes -1, none here."""
+        if self.expert_axis is None:
+            return ids
+        local = ids - jax.lax.axis_index(self.expert_axis) * self.config.num_experts
+        return jnp.where((local >= 0) & (local < self.config.num_experts), local, -1)
+
+    def own_scores(self, scores: jax.Array) -> jax.Array:
+        """Per-expert scores [..., E] of every expert -> [..., E_d] of the experts this engine owns."""
+        if self.expert_axis is None:
+            return scores
+        first = jax.lax.axis_index(self.expert_axis) * self.config.num_experts
+        return jax.lax.dynamic_slice_in_dim(scores, first, self.config.num_experts, axis=-1)
+
+    def combine(self, y: jax.Array, x: jax.Array) -> jax.Array:
+        """A MoE layer's routed output from this engine's float32 partial output `y`: added up over the expert
+        axis (one all-reduce of activations), then rounded once to x's dtype, as one device would."""
+        if self.expert_axis is not None:
+            y = jax.lax.psum(y, self.expert_axis)
+        return y.astype(x.dtype)
+
+    def spmd(self, fn: Callable, params) -> Callable:
+        """`fn(params, state, inputs)` as the step runs it: here as is; the expert-parallel engine runs it on
+        every device of its mesh (jmoe.offload.expert_parallel)."""
+        return fn
 
     def bind(self, state, layers: list[MoELayerView],
              tokens_shape: tuple[int, int]) -> tuple[ExpertCompute, Callable[[], tuple]]:
         def compute(moe_index, x, ids, weights):
-            return self.resident_experts(layers[moe_index], x, ids, weights)
+            return self.combine(self.resident_experts(layers[moe_index], x, self.owned(ids), weights), x)
 
         return compute, lambda: state
 

@@ -1,0 +1,77 @@
+"""Run by tests/test_expert_parallel.py in a process of its own with several CPU devices (JAX_NUM_CPU_DEVICES):
+loads each checkpoint on one device and over an expert mesh in every case given, generates and computes logits
+with both, tries loading the `refused` ones, and prints one JSON report.
+Usage: python tests/expert_parallel_child.py ARGUMENTS_JSON"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+import jmoe
+from jmoe.errors import InputError
+
+PROMPTS = [[3, 5, 7, 9, 11, 2], [4, 1, 8]]  # two rows of different lengths: a padded prompt, then decode
+LOGIT_TOKENS = [[3, 5, 7, 9, 11, 2, 6], [1, 1, 4, 9, 2, 3, 8]]
+NEW_TOKENS = 5
+
+
+def accesses(model) -> dict[int, int]:
+    """Expert accesses per MoE layer, added up over the devices."""
+    out: dict[int, int] = {}
+    for row in model.stats():
+        out[row["layer"]] = out.get(row["layer"], 0) + row["hits"] + row["misses"]
+    return out
+
+
+def run(model):
+    tokens = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    return tokens, np.asarray(model.logits(LOGIT_TOKENS))
+
+
+def expert_shards(model) -> list[dict]:
+    """Per MoE layer, how its w_down is laid out: experts per addressable shard, devices, memory kind."""
+    out = []
+    for block in model.module().moe_blocks():
+        array = block.experts.w_down.get_value()
+        out.append({"experts_per_shard": [s.data.shape[0] for s in array.addressable_shards],
+                    "devices": len(array.sharding.device_set), "memory_kind": array.sharding.memory_kind})
+    return out
+
+
+def main(cases: list[dict], refused: list[dict]) -> None:
+    runs = []
+    for case in cases:
+        reference = jmoe.load(case["path"], cache=1, progress=False)
+        ref_tokens, ref_logits = run(reference)
+        scale = float(np.abs(ref_logits).max())
+        for options in case["options"]:
+            kwargs = dict(options)
+            if "mesh_devices" in kwargs:
+                kwargs["mesh"] = jax.make_mesh((kwargs.pop("mesh_devices"),), ("expert",))
+            model = jmoe.load(case["path"], progress=False, **kwargs)
+            tokens, logits = run(model)
+            runs.append({"case": case["name"], "options": options, "tokens_equal": tokens == ref_tokens,
+                         "logits_error": float(np.abs(logits - ref_logits).max()) / scale,
+                         "accesses": accesses(model), "reference_accesses": accesses(reference),
+                         "stats_devices": sorted({row["device"] for row in model.stats()}),
+                         "shards": expert_shards(model)})
+    refusals = [refusal(**r) for r in refused]
+    print(json.dumps({"runs": runs, "refusals": refusals}))
+
+
+def refusal(path: str, devices: int) -> str:
+    """The InputError loading `path` over `devices` raises ("" if it loads)."""
+    try:
+        jmoe.load(path, cache=1, devices=devices, progress=False)
+    except InputError as e:
+        return str(e)
+    return ""
+
+
+if __name__ == "__main__":
+    arguments = json.loads(sys.argv[1])
+    main(arguments["cases"], arguments["refused"])

@@ -1,0 +1,115 @@
+"""Expert parallelism inside one process (jmoe.offload.expert_parallel): over 4 CPU devices (and a 2-device mesh)
+the tokens and logits equal the one-device model's for a Mixtral-like model, Qwen2-MoE with a shared expert and
+a dense layer, and DeepSeek-V3 (latent attention, grouped router, top-3 of 2 experts per device), in both miss
+modes and at per-device caches of 0, 1 and all of a device's experts; each device holds only its share of the
+experts and keeps its own statistics; bad settings are clear errors. The multi-device runs share one child
+process (tests/expert_parallel_child.py), since the device count is fixed when JAX starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jmoe
+from hf_models import write_checkpoint
+from jmoe.compile_cache import with_fast_compile
+from jmoe.errors import InputError
+
+DEVICES = 4
+SMALL = dict(hidden_size=32, num_hidden_layers=2)
+CASES = {
+    # 8 experts, top-2: 2 per device
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24,
+                                num_attention_heads=2, num_key_value_heads=1), [
+        dict(devices=DEVICES, cache=[0, 1]),
+        dict(mesh_devices=2, cache=3, miss_mode="host", policy="lru"),
+    ]),
+    # shared expert with its gate, a dense layer between the MoE layers
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    shared_expert_intermediate_size=24, intermediate_size=32, mlp_only_layers=[1],
+                                    num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2), [
+        dict(devices=DEVICES, cache=[1, None], miss_mode="host", prefetch=1),
+    ]),
+    # top-3 when a device owns 2: the grouped router picks over all 8, each device computes its share
+    "deepseek_v3": ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                        moe_intermediate_size=16, n_shared_experts=1, intermediate_size=32,
+                                        first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=2,
+                                        num_key_value_heads=2, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+                                        qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5), [
+        dict(devices=DEVICES, cache=[1, 0], policy="static"),
+    ]),
+}
+CHILD_TIMEOUT_S = 400
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("expert_parallel")
+    cases = []
+    for i, (name, (model_type, overrides, options)) in enumerate(CASES.items()):
+        write_checkpoint(root / name, model_type, seed=i, **overrides)
+        cases.append({"name": name, "path": str(root / name), "options": options})
+    write_checkpoint(root / "six", "mixtral", num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,
+                     num_attention_heads=2, num_key_value_heads=1)
+    arguments = {"cases": cases, "refused": [{"path": str(root / "six"), "devices": DEVICES}]}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(DEVICES), "JMOE_COMPILE_CACHE": "off",
+           "XLA_FLAGS": with_fast_compile(os.environ.get("XLA_FLAGS"))}
+    child = Path(__file__).with_name("expert_parallel_child.py")
+    done = subprocess.run([sys.executable, str(child), json.dumps(arguments)], env=env, capture_output=True,
+                          text=True, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def runs_of(report, case: str) -> list[dict]:
+    runs = [r for r in report["runs"] if r["case"] == case]
+    assert len(runs) == len(CASES[case][2])
+    return runs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tokens_and_logits_equal_one_device(report, case):
+    for run in runs_of(report, case):
+        assert run["tokens_equal"], run["options"]
+        assert run["logits_error"] <= 1e-5, run
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_device_holds_its_share_and_counts_its_accesses(report, case):
+    experts = 8
+    for run in runs_of(report, case):
+        options = run["options"]
+        devices = options.get("devices") or options["mesh_devices"]
+        caches = options["cache"] if isinstance(options["cache"], list) else [options["cache"]] * 2
+        for layer, cache in zip(run["shards"], caches):
+            assert layer["devices"] == devices and layer["experts_per_shard"] == [experts // devices] * devices
+            assert layer["memory_kind"] == ("device" if cache is None else "pinned_host")
+        # Every device's manager saw only its own experts' accesses: together, the one-device model's.
+        assert run["stats_devices"] == list(range(devices))
+        offloaded = {layer: n for layer, n in run["reference_accesses"].items() if layer in run["accesses"]}
+        assert run["accesses"] == offloaded and len(offloaded) == sum(c is not None for c in caches)
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_refused(report):
+    [message] = report["refusals"]
+    assert "4 devices" in message and "6 experts" in message and "1, 2, 3, 6" in message and "devices=" in message
+
+
+@pytest.mark.parametrize("options, message", [  # options made when the test runs (a Mesh starts JAX)
+    (lambda: dict(devices=0), "devices must be a whole number >= 1"),
+    (lambda: dict(devices=2, mesh=object()), "either devices=2 or mesh"),
+    (lambda: dict(mesh=object()), "mesh must be a jax.sharding.Mesh"),
+    (lambda: dict(mesh=jax.make_mesh((1,), ("data",))), r"axes \('data',\)"),
+    (lambda: dict(devices=len(jax.local_devices()) + 1), "this process sees"),
+    (lambda: dict(devices=2, prefetch_trace=np.zeros((4, 2, 2), np.int32)), "prefetch_trace"),
+])
+def test_bad_expert_parallel_settings_are_clear_errors(small_mixtral_dir, options, message):
+    with pytest.raises(InputError, match=message):
+        jmoe.load(small_mixtral_dir, cache=1, progress=False, **options())
