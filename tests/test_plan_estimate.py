@@ -24,13 +24,17 @@ def test_device_seconds_slow_adds_memory_compute_and_launches_fast_takes_the_lar
 
 
 def test_copies_experts_and_tokens_per_second():
-    assert est.link_seconds(7e9, SPEEDS) == pytest.approx((1.0, 7 / 9))
+    assert est.link_seconds(1e9, SPEEDS) == pytest.approx((1 / 2.5, 1 / 8.5))
     assert est.distinct_experts(8, 2, 1) == pytest.approx(2.0)
     assert est.distinct_experts(8, 2, 2) == pytest.approx(3.5)  # 8 x (1 - (6/8)^2)
     # 3 offloaded layers x 2 experts x 0.75 missed x 1000 bytes + 500 host-kept bytes
     assert est.decode_copy_bytes([2, 2, 2], 8, 2, 1000, 0.25, 1, 500) == pytest.approx(5000)
     assert est.prefill_copy_bytes([2, 4], 8, 1000) == (16000, 10000)
     assert est.tokens_per_s(4, (0.5, 0.2), (0.3, 0.4)) == pytest.approx((5.0, 10.0))
+    assert est.tokens_per_s(4, (0.5, 0.2), (0.3, 0.4), host=(0.2, 0.1)) == pytest.approx((4.0, 8.0))
+    # 1.6 / 0.9 ms a step plus 0.3 / 0.15 ms per offloaded layer
+    assert est.host_seconds(0) == pytest.approx((1.6e-3, 0.9e-3))
+    assert est.host_seconds(4) == pytest.approx((2.8e-3, 1.5e-3))
 
 
 def fake_programs(decode_bytes=9e8, prefill_bytes=1.8e9, flops=0.0):
@@ -51,17 +55,21 @@ def test_estimate_by_hand():
                             context=100, hit_rate=hit_rate, hit_rate_source="given", notes=[])
 
     speed = speed_at(0.5)
+    slow_host, fast_host = 1.9e-3, 1.05e-3  # 1.6 / 0.9 ms a step + 0.3 / 0.15 ms for the one offloaded layer
     # decode: HBM 9e8 - 3e8 + 2 layers x 2 routed x 1e7 = 6.4e8 B -> 6.4e8 / 0.6e12 s slow, / 0.9e12 fast;
-    # copies: 1 offloaded layer x 2 x 0.5 missed x 1e7 B -> 1e7 / 0.7e10 s slow, 1e7 / 0.9e10 fast (the larger)
-    assert speed.decode_tokens_per_s == pytest.approx((1 / (6.4e8 / 0.6e12 + 1e7 / 0.7e10), 900.0))
+    # copies: 1 offloaded layer x 2 x 0.5 missed x 1e7 B -> 1e7 / 0.25e10 s slow, 1e7 / 0.85e10 fast (the larger)
+    assert speed.decode_tokens_per_s == pytest.approx((1 / (6.4e8 / 0.6e12 + 1e7 / 0.25e10 + slow_host),
+                                                       1 / (1e7 / 0.85e10 + fast_host)))
     assert speed.decode_tokens_per_s_batch1 == speed.decode_tokens_per_s
     # prefill of 100 tokens: every expert routed (8 x (1 - 0.75^100) = 8 per layer): HBM 1.5e9 + 1.6e8 B; streams
-    # 8 experts slow (8e7 B / 0.7e10), the 4 uncached fast (4e7 B / 0.9e10, more than 1.66e9 / 0.9e12)
-    assert speed.prefill_tokens_per_s == pytest.approx((100 / (1.66e9 / 0.6e12 + 8e7 / 0.7e10), 100 / (4e7 / 0.9e10)))
+    # 8 experts slow (8e7 B / 0.25e10), the 4 uncached fast (4e7 B / 0.85e10, more than 1.66e9 / 0.9e12)
+    assert speed.prefill_tokens_per_s == pytest.approx((100 / (1.66e9 / 0.6e12 + 8e7 / 0.25e10 + slow_host),
+                                                        100 / (4e7 / 0.85e10 + fast_host)))
     low, high = speed.as_dict()["decode_tokens_per_s"]
     assert low < high
     # every access a hit: no copies; fast HBM = 1e8 least + 4 routed x 1e7 = 1.4e8 B at 0.9e12 B/s
-    assert speed_at(1.0).decode_tokens_per_s == pytest.approx((0.6e12 / 6.4e8, 0.9e12 / 1.4e8))
+    assert speed_at(1.0).decode_tokens_per_s == pytest.approx((1 / (6.4e8 / 0.6e12 + slow_host),
+                                                               1 / (1.4e8 / 0.9e12 + fast_host)))
     assert est.estimate({"decode": Program("decode", (1, 1))}, SPEEDS, caches=[4], num_experts=8, top_k=2,
                         expert_bytes=1, expert_array_bytes=0, least_bytes=0, host_param_bytes=0, batch=1, rows=1,
                         context=1,
@@ -128,3 +136,21 @@ def test_compiled_programs_carry_xla_cost_analysis(small_mixtral_dir):
     # the prefill of 16 tokens does more arithmetic than one decode token
     assert plan.programs["prefill"].cost_analysis["flops"] > plan.programs["decode"].cost_analysis["flops"]
     assert plan.estimate is not None and plan.estimate.hit_rate == 0.5  # uniform routing: 2 of 4 experts
+
+
+def test_calibration_reads_the_settings_a_gpu_check_run_measured(tmp_path):
+    import json
+    from pathlib import Path
+
+    from bench.plan_calibration import measured_settings
+
+    results = json.loads((Path(__file__).resolve().parents[1] / "bench/results/gpu_check_nvidia_h100_80gb_hbm3.json")
+                         .read_text())
+    settings = measured_settings(results)
+    assert [(s["model"], s["cache"]) for s in settings] == [("mixtral", None), ("mixtral", 4), ("mixtral", 2),
+                                                            ("deepseek_v3", None), ("deepseek_v3", 32),
+                                                            ("deepseek_v3", 6)]
+    assert settings[1]["tokens_per_s"] == pytest.approx(94.47, abs=0.01)
+    assert settings[1]["mb_per_token"] == pytest.approx(129.4, abs=0.1) and settings[0]["mb_per_token"] == 0.0
+    with pytest.raises(SystemExit, match="full gpu_check run"):
+        measured_settings({**results, "mode": "small"})

@@ -16,7 +16,15 @@ A step's time is its device time plus the host-to-device copies of the experts i
   come from a hit rate (given; replayed from a routing trace with the plan's policy and caches; or, without
   either, uniform routing: cache / experts); a batch of B rows needs E (1 - (1 - k/E)^B) distinct experts
   per layer under independent uniform routing. Prefill streams every offloaded expert once.
-High = the fast ends with copies hidden behind compute (max); low = the slow ends with none hidden (sum).
+- host: the work between steps (routing back to the host, the cache manager, the generation loop): a time per
+  step plus one per offloaded layer, as measured on the lent H100's host.
+High = the fast ends with copies hidden behind compute (max); low = the slow ends with none hidden (sum); the host
+work adds to both (a step is dispatched after the manager has planned it).
+
+Calibration (bench/results/plan_calibration_h100.md, from bench/results/gpu_check_nvidia_h100_80gb_hbm3.md): with
+the nominal link fractions (0.7-0.9) and no host term, every measured decode speed fell below the range (0.37-0.58
+of its low end). The measured host work (1.2 ms a step resident, 2.1 ms at 4 offloaded layers) and the link rate
+a step's own copies reached (about 16 GB/s of 63, against 53 for a plain copy) put every one inside it.
 """
 
 from __future__ import annotations
@@ -25,11 +33,16 @@ import dataclasses
 import re
 
 # Achieved fractions of the nominal peaks, [slow, fast]: decode kernels that stream weights reach 60-90% of HBM
-# bandwidth; MoE GEMMs 40-80% of the tensor-core peak; pinned-host copies 70-90% of the PCIe link.
+# bandwidth; MoE GEMMs 40-80% of the tensor-core peak. Pinned-host copies: a decode step's own copies reached 25%
+# of an H100's PCIe 5.0 x16 (measured, see the module docstring), a plain copy 85%.
 MEMORY_EFFICIENCY = (0.6, 0.9)
 COMPUTE_EFFICIENCY = (0.4, 0.8)
-LINK_EFFICIENCY = (0.7, 0.9)
+LINK_EFFICIENCY = (0.25, 0.85)
 LAUNCH_SECONDS = (5e-6, 1e-6)  # per kernel, [slow, fast]: a launch each, or CUDA graphs
+# Host work per step, [slow, fast] seconds: measured 1.23 ms (resident) and 2.13 ms (4 offloaded layers) on the lent
+# H100's 16-core Xeon, whose runs varied by 15%; the range spans that and a somewhat faster host.
+HOST_SECONDS_PER_STEP = (1.6e-3, 0.9e-3)
+HOST_SECONDS_PER_OFFLOADED_LAYER = (0.3e-3, 0.15e-3)
 _KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
 
 
@@ -108,9 +121,17 @@ def prefill_copy_bytes(offloaded_caches: list[int], num_experts: int, expert_byt
     return slow + host_param_bytes, fast + host_param_bytes
 
 
-def tokens_per_s(tokens: int, device: tuple[float, float], copies: tuple[float, float]) -> tuple[float, float]:
-    """[low, high]: low = slow device time + slow copies, none hidden; high = fast ones, copies hidden."""
-    return tokens / (device[0] + copies[0]), tokens / max(device[1], copies[1])
+def host_seconds(offloaded_layers: int) -> tuple[float, float]:
+    """[slow, fast] seconds of host work after a step with this many offloaded MoE layers."""
+    return tuple(step + offloaded_layers * layer
+                 for step, layer in zip(HOST_SECONDS_PER_STEP, HOST_SECONDS_PER_OFFLOADED_LAYER))
+
+
+def tokens_per_s(tokens: int, device: tuple[float, float], copies: tuple[float, float],
+                 host: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+    """[low, high]: low = slow device time + slow copies, none hidden; high = fast ones, copies hidden; the host
+    work between steps adds to both."""
+    return tokens / (device[0] + copies[0] + host[0]), tokens / (max(device[1], copies[1]) + host[1])
 
 
 def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds, list[str]]:
@@ -148,6 +169,7 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     if any(p is None or not p.cost_analysis for p in needed.values()):
         return None
     offloaded = [c for c in caches if c is not None]
+    host = host_seconds(len(offloaded))
 
     def device(program, tokens):
         cost = program.cost_analysis
@@ -158,11 +180,11 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
 
     def decode_rate(program, tokens):
         copied = decode_copy_bytes(offloaded, num_experts, top_k, expert_bytes, hit_rate, tokens, host_param_bytes)
-        return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds))
+        return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds), host)
 
     slow_bytes, fast_bytes = prefill_copy_bytes(offloaded, num_experts, expert_bytes, host_param_bytes)
     prefill = tokens_per_s(rows * context, device(needed["prefill"], rows * context),
-                           (link_seconds(slow_bytes, speeds)[0], link_seconds(fast_bytes, speeds)[1]))
+                           (link_seconds(slow_bytes, speeds)[0], link_seconds(fast_bytes, speeds)[1]), host)
     inputs = {"memory_bytes_per_s": speeds.memory_bytes_per_s, "peak_flops": speeds.peak_flops,
               "host_link_bytes_per_s": speeds.host_link_bytes_per_s, "hit_rate": hit_rate,
               "expert_bytes": expert_bytes, "expert_array_bytes": expert_array_bytes, "least_bytes": least_bytes,
@@ -173,6 +195,8 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     assumptions = [*notes, f"hit rate {hit_rate:.3f} ({hit_rate_source})",
                    f"achieved fractions [slow, fast]: HBM {MEMORY_EFFICIENCY}, compute {COMPUTE_EFFICIENCY}, host "
                    f"link {LINK_EFFICIENCY}; {LAUNCH_SECONDS[0] * 1e6:g} / {LAUNCH_SECONDS[1] * 1e6:g} us per kernel",
+                   f"host work per step [slow, fast]: {host[0] * 1e3:.2f} / {host[1] * 1e3:.2f} ms (measured on one "
+                   f"H100 machine's host; it scales with the host CPU)",
                    "device time: flops from XLA's cost analysis of the compiled programs (a while loop's body "
                    "counted once); HBM bytes, slow: the analysis's, whole expert arrays replaced by the routed "
                    "experts; fast: non-expert device weights + KV cache + routed experts, each read once",

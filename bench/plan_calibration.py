@@ -1,0 +1,97 @@
+"""jmoe.plan's speed estimate against what a lent GPU measured: plan the models bench.gpu_check decoded (the same
+configs, as header-only checkpoints) for that GPU at the same caches and batch, with the hit rate the run measured
+(its bytes moved per token), and record each estimate's [low, high] next to the measured tokens/s.
+
+  python -m bench.plan_calibration [--results bench/results/gpu_check_nvidia_h100_80gb_hbm3.json] [--target h100]
+
+Needs the gpu-compile extra (the estimate comes from the programs compiled for the target). Writes
+bench/results/plan_calibration_<target>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from bench.common import write_result
+from bench.gpu_models import SPEED_MODELS, hf_config
+from bench.plan import write_header_only_checkpoint
+
+CONTEXT = 128  # gpu_check's decode: a 32-token prompt and 64 new tokens, in a KV cache of 128 columns
+LABEL = re.compile(r"^(\w+), (resident|cache (\d+)): decode tokens/s$")
+
+
+def measured_settings(results: dict) -> list[dict]:
+    """[{model, cache, tokens_per_s, mb_per_token}] from a full gpu_check run's decode section."""
+    if results.get("mode") != "full":
+        raise SystemExit(f"error: expected a full gpu_check run's JSON, found mode {results.get('mode')!r}")
+    measurements = results["sections"]["decode"]["measurements"]
+    settings = []
+    for key, value in measurements.items():
+        match = LABEL.match(key)
+        if match:
+            model, cache = match.group(1), None if match.group(3) is None else int(match.group(3))
+            label = key.removesuffix(": decode tokens/s")
+            settings.append({"model": model, "cache": cache, "tokens_per_s": value,
+                             "mb_per_token": measurements.get(f"{label}: MB moved per token", 0.0)})
+    return settings
+
+
+def hit_rate(setting: dict, plan) -> float:
+    """The offloaded layers' hit rate that moves the measured bytes: 1 - misses / accesses."""
+    estimate_inputs = plan.estimate.inputs
+    accesses = estimate_inputs["offloaded_layers"] * plan.config.num_experts_per_tok
+    misses = setting["mb_per_token"] * 1e6 / estimate_inputs["expert_bytes"]
+    return max(0.0, 1.0 - misses / accesses) if accesses else 1.0
+
+
+def calibrate(results_path: Path, target: str, workdir: Path) -> list[dict]:
+    import jmoe
+
+    rows = []
+    for setting in measured_settings(json.loads(results_path.read_text())):
+        spec = dict(SPEED_MODELS[setting["model"]])
+        directory = write_header_only_checkpoint(workdir / setting["model"],
+                                                 {**hf_config(spec.pop("model_type"), **spec), "dtype": "bfloat16",
+                                                  "torch_dtype": "bfloat16"})
+        plan = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT)
+        if setting["cache"] is not None:  # again, at the measured hit rate (the first plan gives the bytes per expert)
+            plan = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT,
+                             hit_rate=hit_rate(setting, plan))
+        low, high = plan.estimate.decode_tokens_per_s_batch1
+        measured = setting["tokens_per_s"]
+        rows.append({**setting, "hit_rate": plan.estimate.hit_rate, "low": low, "high": high,
+                     "within": low <= measured <= high, "measured / low": measured / low})
+    return rows
+
+
+def markdown(rows: list[dict], results_path: Path, target: str) -> str:
+    lines = [f"jmoe.plan's batch-1 decode estimate for `{target}` (compiled programs, header-only checkpoints of "
+             f"bench.gpu_models.SPEED_MODELS, context {CONTEXT}, the hit rate each setting measured) against the "
+             f"tokens/s measured in `{results_path}`.", "",
+             "| model | cache | hit rate | estimate low | estimate high | measured | in range | measured / low |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {'resident' if r['cache'] is None else r['cache']} | {r['hit_rate']:.3f} | "
+                     f"{r['low']:.1f} | {r['high']:.1f} | {r['tokens_per_s']:.1f} | {'yes' if r['within'] else 'NO'} "
+                     f"| {r['measured / low']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.plan_calibration", description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=Path("bench/results/gpu_check_nvidia_h100_80gb_hbm3.json"))
+    p.add_argument("--target", default="h100")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as workdir:
+        rows = calibrate(args.results, args.target, Path(workdir))
+    text = markdown(rows, args.results, args.target)
+    print(text)
+    print(write_result(f"plan_calibration_{args.target}.md", "Plan speed estimate against a GPU's measurements", text))
+
+
+if __name__ == "__main__":
+    main()
