@@ -61,6 +61,9 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-num-in-group", type=int, default=1, metavar="N", help="offloaded layers per group")
     g.add_argument("--offload-prefetch-step", type=int, default=1, metavar="K",
                    help="fetch an offloaded layer's weights when the layer K before it starts")
+    g.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="expert parallelism: split every MoE layer's experts over this process's first N devices "
+                        "(N must divide the number of experts); --cache counts per device (default: one device)")
     add_expert_dtype_args(parser)
     parser.add_argument("--backend", default="auto", help=f"expert kernel backend: {', '.join(BACKENDS)} (jmoe.kernels)")
     cache = parser.add_mutually_exclusive_group()
@@ -111,7 +114,7 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
     return OffloadOptions(args.cache, args.policy, args.offload_params, args.device_budget_gb, args.prefetch,
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
                           args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace, args.expert_dtype,
-                          args.expert_group_size)
+                          args.expert_group_size, args.devices)
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: DistributedOptions | None = None,

@@ -61,7 +61,7 @@ def expert_mesh(options: OffloadOptions, config: ModelConfig) -> Mesh | None:
         fits = [k for k in range(1, experts + 1) if experts % k == 0]
         raise InputError(f"the expert axis has {n} devices, but the model's {experts} experts per MoE layer do not "
                          f"split evenly over them: expected a device count that divides {experts} "
-                         f"({', '.join(map(str, fits))}), found {n}; change devices= (or the mesh)")
+                         f"({', '.join(map(str, fits))}), found {n}; change devices (--devices) or the mesh")
     return mesh
 
 
