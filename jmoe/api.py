@@ -194,7 +194,8 @@ class Model:
         self.engine.reset(OffloadOptions(policy=policy).policy)
 
     def stats(self) -> list[dict]:
-        """Per MoE layer: hits, misses, evictions, bytes moved (empty when every expert is resident)."""
+        """Per MoE layer: hits, misses, evictions, bytes moved (empty when every expert is resident). Over an
+        expert mesh, one row per device and layer, its position on the expert axis under "device"."""
         return self.engine.stats()
 
 

@@ -1,0 +1,83 @@
+"""Expert parallelism over CPU devices in one process: decode tokens/s, per-device bytes and hit rates at 1, 2 and 4
+devices.
+
+  python -m bench.scale           # -> bench/results/scale_cpu.md
+  python -m bench.scale --smoke   # toy size, 2 new tokens, no result file
+
+A Mixtral-shaped random checkpoint (16 experts, top-2) with its own (near-uniform) router, batch 4. Rows: the
+experts split over N = 1, 2, 4 devices (`jmoe.load(..., devices=N)`), first with the same cache per device (the
+total grows N-fold), then with the same total cache (split over the devices). Each row: a load, an unmeasured
+generation (compiles, warms the caches), then the same generation measured. Hit rate: accesses whose expert sat
+in its device's slots, over every device, prompt and decode of the measured generation. Bytes are per device:
+its slots, its share of the pinned experts, its device-resident weights (dense weights are replicated).
+The 4 CPU devices share this machine's cores and its RAM (a copy is a memcpy): the times show the step's
+overheads, not a speed-up; the bytes and hit rates are the result. The issue's 8xH100 plan table needs
+jmoe.plan to plan over devices, which it does not yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
+
+DEVICES = (1, 2, 4)
+SPEC = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=512)
+CACHE_PER_DEVICE = 2  # of each device's 16 / N experts per layer
+TOTAL_CACHE = 4  # the same slots per layer over all devices
+BATCH, PROMPT_LEN = 4, 16
+TABLE_HEAD = ("| devices | cache per device (total) | decode tok/s | hit rate | slots MB / device | "
+              "pinned experts MB / device | device MB / device |\n|---|---|---|---|---|---|---|")
+
+
+def totals(stats: list[dict]) -> np.ndarray:
+    """[hits, misses] over every device and layer."""
+    return np.array([sum(row["hits"] for row in stats), sum(row["misses"] for row in stats)])
+
+
+def measure(path: Path, devices: int, cache: int, prompts: list[list[int]], tokens: int) -> str:
+    import jmoe
+    from jmoe.decode.sampling import SamplingParams
+
+    model = jmoe.load(path, cache=cache, devices=devices, progress=False, compile_cache=False)
+    model.generate(prompts, max_new_tokens=tokens)  # compiles, warms the caches
+    before = totals(model.stats())
+    result = model.generate_detailed(prompts, tokens, SamplingParams())
+    hits, misses = totals(model.stats()) - before
+    placed = model.placement_plan.totals()
+    tok_s = result.decode_steps * len(prompts) / result.decode_seconds
+    return (f"| {devices} | {cache} ({cache * devices}) | {tok_s:.1f} | {hits / max(1, hits + misses):.1%} | "
+            f"{model.placement_plan.slot_bytes / 2**20:.2f} | {placed['host_bytes'] / 2**20:.2f} | "
+            f"{placed['device_bytes'] / 2**20:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_scale_bench"))
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per row of the measured generation")
+    add_smoke_argument(parser)
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", max(DEVICES))  # before JAX's CPU backend starts
+    with smoke_run(args):
+        spec = smoke_spec(SPEC) if args.smoke else SPEC
+        tokens = 2 if args.smoke else args.tokens
+        path = write_random_checkpoint(args.workdir / ("scale_smoke" if args.smoke else "scale"), "mixtral", **spec)
+        prompts = np.random.default_rng(0).integers(0, spec["vocab_size"], (BATCH, PROMPT_LEN)).tolist()
+        same_per_device = [measure(path, n, CACHE_PER_DEVICE, prompts, tokens) for n in DEVICES]
+        same_total = [measure(path, n, TOTAL_CACHE // n, prompts, tokens) for n in DEVICES]
+        body = (f"Mixtral-shaped random checkpoint: {spec['num_hidden_layers']} layers, hidden "
+                f"{spec['hidden_size']}, {spec['num_local_experts']} experts of width {spec['intermediate_size']}, "
+                f"top-{spec['num_experts_per_tok']}, float32; batch {BATCH}, {PROMPT_LEN}-token random prompts, "
+                f"{tokens} new tokens, greedy, LFRU, miss mode fetch. {__doc__.split(chr(10) * 2, 2)[2]}\n"
+                f"## Same cache per device\n\n{TABLE_HEAD}\n" + "\n".join(same_per_device) +
+                f"\n\n## Same total cache\n\n{TABLE_HEAD}\n" + "\n".join(same_total) + "\n")
+        print(write_result("scale_cpu.md", "Expert parallelism over CPU devices", body))
+
+
+if __name__ == "__main__":
+    main()
