@@ -6,6 +6,7 @@ Usage: python tests/expert_parallel_child.py ARGUMENTS_JSON"""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import jax
@@ -43,6 +44,20 @@ def expert_shards(model) -> list[dict]:
     return out
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "ragged-all-to-all", "collective-permute", "reduce-scatter")
+
+
+def collectives(model) -> list[dict]:
+    """Per compiled generation step: its tokens shape and every collective in its HLO as [op, result shape]."""
+    pattern = re.compile(r"= (.+?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+    out = []
+    for step in model.compiled_steps():
+        ops = [[m.group(2), re.sub(r"\{[^}]*\}", "", m.group(1))]
+               for m in map(pattern.search, step["hlo"].splitlines()) if m]
+        out.append({"tokens": list(step["tokens"]), "ops": ops})
+    return out
+
+
 def main(cases: list[dict]) -> None:
     runs = []
     for case in cases:
@@ -63,7 +78,7 @@ def main(cases: list[dict]) -> None:
                          "accesses": accesses(model),
                          "routed_accesses": ROUTED_TOKENS * model.config.num_experts_per_tok,
                          "stats_devices": sorted({row["device"] for row in model.stats()}),
-                         "shards": expert_shards(model)})
+                         "shards": expert_shards(model), "collectives": collectives(model)})
     print(json.dumps(runs))
 
 

@@ -2,7 +2,8 @@
 the tokens and logits equal the one-device model's for a Mixtral-like model, Qwen2-MoE with a shared expert and
 a dense layer, and DeepSeek-V3 (latent attention, grouped router, top-3 of 2 experts per device), in both miss
 modes and at per-device caches of 0, 1 and all of a device's experts; each device holds only its share of the
-experts and keeps its own statistics; bad settings are clear errors. The multi-device runs share one child
+experts and keeps its own statistics; the compiled steps' only collectives are one all-reduce of activations
+per MoE layer; bad settings are clear errors. The multi-device runs share one child
 process (tests/expert_parallel_child.py), since the device count is fixed when JAX starts."""
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ def test_each_device_holds_its_share_and_counts_its_accesses(runs, case):
         assert run["stats_devices"] == list(range(devices))
         assert len(run["accesses"]) == sum(c is not None for c in caches)
         assert set(run["accesses"].values()) == {run["routed_accesses"]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_moe_layer_exchanges_one_all_reduce_of_activations(runs, case):
+    """Prompt and decode programs: no expert weight crosses between devices, only each MoE layer's output."""
+    hidden, moe_layers = 32, 2
+    for run in runs_of(runs, case):
+        programs = run["collectives"]
+        assert {tuple(p["tokens"]) for p in programs} >= {(2, 1)}, programs  # a decode step was compiled
+        for program in programs:
+            rows = program["tokens"][0] * program["tokens"][1]
+            assert program["ops"] == [["all-reduce", f"f32[{rows},{hidden}]"]] * moe_layers, program
 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_refused(tmp_path):
