@@ -12,7 +12,8 @@ compute, prefill streaming), and one psum per MoE layer adds the float32 partial
 rounding (`ResidentEngine.combine`). The engine state has a leading device axis sharded over the mesh;
 between steps each device's manager reads its own row of the step's tables.
 
-Not under a mesh: the CPU kernels' per-expert views of resident experts (Experts.hold_per_expert_arrays; the
+In a jax.distributed run each process splits the experts over its own devices (a mesh spanning processes is
+refused). Not under a mesh: the CPU kernels' per-expert views of resident experts (Experts.hold_per_expert_arrays; the
 CPU kernels read the stacked arrays instead), history prefetch (`prefetch_trace`), jmoe's Orbax format, and
 compiling for a GPU target (jmoe.plan).
 """
@@ -47,6 +48,11 @@ def expert_mesh(options: OffloadOptions, config: ModelConfig) -> Mesh | None:
                      else type(mesh).__name__)
             raise InputError(f"mesh must be a jax.sharding.Mesh with one axis named {EXPERT_AXIS!r}, found {found}; "
                              f"make it with jax.make_mesh((N,), ({EXPERT_AXIS!r},)) or pass devices=N instead")
+        others = sorted({d.process_index for d in mesh.devices.flat} - {jax.process_index()})
+        if others:
+            raise InputError(f"the mesh has devices of other processes ({others}); experts are split over one "
+                             f"process's devices only (each process of a jax.distributed run holds the whole model): "
+                             f"build the mesh from jax.local_devices(), or pass devices=N")
     elif options.devices is None or options.devices == 1:
         return None
     else:
