@@ -125,7 +125,7 @@ class ExpertParallelEngine:
         self.engines = [make_engine(device_config(config, mesh), placement, options, backend)
                         for _ in range(mesh.devices.size)]
         for engine in self.engines:
-            engine.mesh, engine.expert_axis = mesh, EXPERT_AXIS
+            engine.expert_axis = EXPERT_AXIS
         self.offloading = isinstance(self.engines[0], OffloadEngine)
         self.sharding = NamedSharding(mesh, P(EXPERT_AXIS))
         self.replicated = NamedSharding(mesh, P())
@@ -188,12 +188,13 @@ class ExpertParallelEngine:
         for engine in self.engines:
             engine.start_managing(policy)
         n, first = len(self.engines), self.engines[0]
+
+        def empty():
+            return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), first.empty_state())
+
         # Each device allocates its own slots: the stacked empty state is made sharded, never whole on one device.
-        shapes = jax.eval_shape(lambda: jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)),
-                                                     first.empty_state()))
-        empty = jax.jit(lambda: jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), first.empty_state()),
-                        out_shardings=jax.tree.map(self.placed, shapes))()
-        self.state = empty._replace(**self._manager_tables())
+        shardings = jax.tree.map(self.placed, jax.eval_shape(empty))
+        self.state = jax.jit(empty, out_shardings=shardings)()._replace(**self._manager_tables())
         self.install_pinned()
 
     def _manager_tables(self) -> dict:

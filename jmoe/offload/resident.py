@@ -6,7 +6,9 @@ callback the model runs at the start of every decoder layer (to fetch weights ah
 MoE layers' weights and routers (`MoELayerView`s) and returns the ExpertCompute for that state plus a
 `finish` giving the updated state. Between steps, `after_step` gets the new state, the host copy of
 `readback(state)` and the step's routing (read together in one device-to-host read). `abstract_state`
-gives the state's shapes without allocating it, so the steps can be compiled for another device.
+gives the state's shapes without allocating it, so the steps can be compiled for another device. `spmd`
+wraps the step's forward: as is here; the expert-parallel engine (jmoe.offload.expert_parallel) runs it on
+every device of its mesh, each device's engine computing its own experts' share (`owned`, `combine`).
 The offload engine (jmoe.offload.engine) implements the same methods.
 """
 
@@ -31,8 +33,8 @@ class ResidentEngine:
     Parameters the placement keeps in pinned host memory (not experts) are copied in during each step: at
     its start, or, for layer groups, when the layer `prefetch_step` before theirs starts."""
 
-    # Expert parallelism (jmoe.offload.expert_parallel sets these on the engine of each device): the mesh and
-    # its axis the experts are split over; config.num_experts is then one device's share. None: one device.
+    # The mesh the experts are split over (ExpertParallelEngine's; None: one device), and, set by it on each
+    # device's engine, the mesh axis: that engine's config.num_experts is then one device's share.
     mesh = None
     expert_axis: str | None = None
 
