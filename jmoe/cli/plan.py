@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"machine)")
     p.add_argument("--no-compile", action="store_true",
                    help="with --target, skip compiling the programs (faster; their temporaries are not counted)")
+    p.add_argument("--extrapolate-layers", action="store_true",
+                   help="compile a deep model (16+ repeating layers) at two shallow depths and extrapolate the "
+                        "programs' sizes and cost (several times faster; temporaries not counted)")
     p.add_argument("--batch", type=int, default=1, help="rows planned for (default 1)")
     p.add_argument("--context", type=int, default=None,
                    help="KV-cache tokens planned for (default: 4096, capped by the model)")
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         result = plan_with_options(args.model, offload_options(args), target=args.target, batch=args.batch,
                                    context=args.context, host_gb=args.host_gb, device_gb=args.device_gb,
                                    compile=not args.no_compile, dtype=args.dtype, backend=args.backend,
-                                   hit_rate=args.hit_rate, trace=args.trace, host_link_gbs=args.host_link_gbs)
+                                   hit_rate=args.hit_rate, trace=args.trace, host_link_gbs=args.host_link_gbs,
+                                   extrapolate_layers=args.extrapolate_layers)
         print(result.to_json() if args.json else result.report())
         return 0 if result.fits else 1
 

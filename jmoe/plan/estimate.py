@@ -30,7 +30,6 @@ a step's own copies reached (about 16 GB/s of 63, against 53 for a plain copy) p
 from __future__ import annotations
 
 import dataclasses
-import re
 
 # Achieved fractions of the nominal peaks, [slow, fast]: decode kernels that stream weights reach 60-90% of HBM
 # bandwidth; MoE GEMMs 40-80% of the tensor-core peak. Pinned-host copies: a decode step's own copies reached 25%
@@ -43,7 +42,6 @@ LAUNCH_SECONDS = (5e-6, 1e-6)  # per kernel, [slow, fast]: a launch each, or CUD
 # H100's 16-core Xeon, whose runs varied by 15%; the range spans that and a somewhat faster host.
 HOST_SECONDS_PER_STEP = (1.6e-3, 0.9e-3)
 HOST_SECONDS_PER_OFFLOADED_LAYER = (0.3e-3, 0.15e-3)
-_KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +67,6 @@ class Estimate:
             out[key] = list(out[key])
         out["assumptions"] = list(self.assumptions)
         return out
-
-
-def kernel_count(hlo_text: str) -> int:
-    """Kernels an optimized XLA:GPU module launches, roughly: its fusions, custom calls (Triton, cuBLAS), slices,
-    asynchronous copies and unfused dots (each loop body counted once)."""
-    return len(_KERNEL.findall(hlo_text))
 
 
 def device_bytes(bytes_accessed: float, expert_array_bytes: int, routed_experts: float, expert_bytes: int) -> float:
@@ -176,7 +168,7 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
         routed = len(caches) * distinct_experts(num_experts, top_k, tokens)
         hbm = (device_bytes(cost.get("bytes accessed", 0.0), expert_array_bytes, routed, expert_bytes),
                least_bytes + routed * expert_bytes)
-        return device_seconds(cost.get("flops", 0.0), hbm, kernel_count(program.hlo_text or ""), speeds)
+        return device_seconds(cost.get("flops", 0.0), hbm, program.kernels, speeds)
 
     def decode_rate(program, tokens):
         copied = decode_copy_bytes(offloaded, num_experts, top_k, expert_bytes, hit_rate, tokens, host_param_bytes)
@@ -191,7 +183,7 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
               "offloaded_layers": len(offloaded),
               **{f"{name} {key}": value for name, program in needed.items()
                  for key, value in program.cost_analysis.items()},
-              **{f"{name} kernels": kernel_count(program.hlo_text or "") for name, program in needed.items()}}
+              **{f"{name} kernels": program.kernels for name, program in needed.items()}}
     assumptions = [*notes, f"hit rate {hit_rate:.3f} ({hit_rate_source})",
                    f"achieved fractions [slow, fast]: HBM {MEMORY_EFFICIENCY}, compute {COMPUTE_EFFICIENCY}, host "
                    f"link {LINK_EFFICIENCY}; {LAUNCH_SECONDS[0] * 1e6:g} / {LAUNCH_SECONDS[1] * 1e6:g} us per kernel",

@@ -15,6 +15,7 @@ _KNOWN_TRIP_COUNT = '"known_trip_count":{"n":"'
 _HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on)
 _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
 # A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
+_KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
 _COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:copy|copy-start|fusion)\(")
 
 
@@ -44,6 +45,12 @@ def control_flow(hlo_text: str) -> ControlFlow:
             data_dependent += 1
     conditionals = sum(1 for line in hlo_text.splitlines() if _CONDITIONAL.search(line))
     return ControlFlow(conditionals, known, data_dependent, on_host, hlo_text.count(_TRITON_CALL))
+
+
+def kernel_count(hlo_text: str) -> int:
+    """Kernels an optimized XLA:GPU module launches, roughly: its fusions, custom calls (Triton, cuBLAS), slices,
+    asynchronous copies and unfused dots (each loop body counted once)."""
+    return len(_KERNEL.findall(hlo_text))
 
 
 def copied_arrays(hlo_text: str) -> list[tuple[int, ...]]:

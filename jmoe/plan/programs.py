@@ -22,8 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from jmoe.config import ModelConfig
+from jmoe.model.params import abstract_params
 from jmoe.offload.options import OffloadOptions
-from jmoe.plan.hlo import ControlFlow, control_flow
+from jmoe.offload.placement import plan_placement
+from jmoe.plan.depth import Reduction, extrapolated_flow, plan_reduction, reduced_config
+from jmoe.plan.hlo import ControlFlow, control_flow, kernel_count
 
 COMPILE_TIMEOUT_SECONDS = 3600
 PLUGIN_HINT = ('compiling for a GPU target needs the CUDA PJRT plugin and ptxas: pip install -e ".[gpu-compile]" '
@@ -54,6 +57,12 @@ class Program:
     compile_seconds: float | None = None
     hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO
     error: str | None = None  # why it did not compile
+    # A deep model's program extrapolated from two shallow ones (jmoe.plan.depth): the decoder layers those had,
+    # its control flow and kernel count (hlo_text is then the deeper shallow program's); its memory analysis
+    # lacks the temporaries (temp_size_in_bytes, peak_memory_in_bytes), which do not scale with depth.
+    compiled_layers: tuple[int, int] | None = None
+    extrapolated_flow: ControlFlow | None = None
+    extrapolated_kernels: int | None = None
 
     @property
     def device_bytes(self) -> int | None:
@@ -62,19 +71,29 @@ class Program:
             return None
         m = self.memory_analysis
         return (m["argument_size_in_bytes"] + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
-                + m["temp_size_in_bytes"])
+                + m.get("temp_size_in_bytes", 0))
 
     @property
     def control_flow(self) -> ControlFlow | None:
         """Conditionals, loops and Triton kernels of the compiled program (None: it did not compile)."""
+        if self.extrapolated_flow is not None:
+            return self.extrapolated_flow
         return None if self.hlo_text is None else control_flow(self.hlo_text)
+
+    @property
+    def kernels(self) -> int:
+        """Kernels the program launches, roughly (jmoe.plan.hlo.kernel_count)."""
+        if self.extrapolated_kernels is not None:
+            return self.extrapolated_kernels
+        return kernel_count(self.hlo_text or "")
 
     def as_dict(self) -> dict:
         flow = self.control_flow
         return {"tokens": list(self.tokens), "memory_analysis": self.memory_analysis, "device_bytes": self.device_bytes,
                 "cost_analysis": self.cost_analysis,
                 "control_flow": None if flow is None else flow.as_dict(),
-                "lower_seconds": self.lower_seconds, "compile_seconds": self.compile_seconds, "error": self.error}
+                "lower_seconds": self.lower_seconds, "compile_seconds": self.compile_seconds, "error": self.error,
+                "compiled_layers": None if self.compiled_layers is None else list(self.compiled_layers)}
 
 
 def plugin_available() -> bool:
@@ -90,35 +109,69 @@ def plugin_available() -> bool:
 
 
 def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backend: str, batch: int, context: int,
-                     target_config: str) -> dict[str, Program]:
-    """Compile "decode" and "prefill" for the target, side by side in two child processes."""
+                     target_config: str, extrapolate_layers: bool = False) -> dict[str, Program]:
+    """Compile "decode" and "prefill" for the target, side by side in child processes: the whole model, or (a deep
+    one, with `extrapolate_layers`) two shallow ones extrapolated to its depth (jmoe.plan.depth)."""
     shapes = {"decode": 1, "prefill": context}
     if not plugin_available():
         return {name: Program(name, (batch, t), error=PLUGIN_HINT) for name, t in shapes.items()}
     # The policy only steers the manager between steps, never the compiled program; a policy object may
     # not survive pickling, so the child gets the default by name.
     options = dataclasses.replace(options, policy="lfru")
+    reduction = None if not extrapolate_layers else plan_reduction(
+        config, options, lambda cfg: plan_placement(cfg, abstract_params(cfg, dtype), options))
+    depths = [config.num_layers] if reduction is None else list(reduction.layers)
     with tempfile.TemporaryDirectory(prefix="jmoe-plan-") as tmp:
         running = {}
         try:
             for name, num_tokens in shapes.items():
-                work = Path(tmp) / name
-                work.mkdir()
-                with open(work / "job.pickle", "wb") as f:
-                    pickle.dump(CompileJob(config, np.dtype(dtype), options, backend, batch, num_tokens, context,
-                                           target_config), f)
-                log = open(work / "output.txt", "w+")
-                process = subprocess.Popen([sys.executable, "-m", "jmoe.plan.compile_worker", str(work / "job.pickle"),
-                                            str(work)], stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
-                running[name] = (process, log, work, (batch, num_tokens))
-            return {name: _collect(name, *run) for name, run in running.items()}
+                for layers in depths:
+                    work = Path(tmp) / f"{name}-{layers}"
+                    work.mkdir()
+                    with open(work / "job.pickle", "wb") as f:
+                        pickle.dump(CompileJob(reduced_config(config, layers), np.dtype(dtype), options, backend, batch,
+                                               num_tokens, context, target_config), f)
+                    log = open(work / "output.txt", "w+")
+                    process = subprocess.Popen([sys.executable, "-m", "jmoe.plan.compile_worker",
+                                                str(work / "job.pickle"), str(work)], stdout=log,
+                                               stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                    running[name, layers] = (process, log, work, (batch, num_tokens))
+            compiled = {key: _collect(key[0], *run) for key, run in running.items()}
         finally:  # interrupted (or failed): no compiler is left running
             for process, log, _, _ in running.values():
                 if process.poll() is None:
                     process.kill()
                     process.wait()
                 log.close()
+    if reduction is None:
+        return {name: compiled[name, config.num_layers] for name in shapes}
+    return {name: extrapolated(reduction, *(compiled[name, layers] for layers in reduction.layers))
+            for name in shapes}
+
+
+# What a shallow program's temporaries say of a deep one's: nothing reliable. XLA's scheduler overlaps more of a
+# short program (Qwen3-30B's prefill at 1024 tokens: 2.5 and 3.6 GB of temporaries at 2 and 3 layers, 1.4 GB at
+# all 48), and a deep one's can grow with depth (the default model's: 3 MB a layer); bench/results/plan_depth.md.
+TEMPORARIES = ("temp_size_in_bytes", "peak_memory_in_bytes")
+
+
+def extrapolated(reduction: Reduction, small: Program, large: Program) -> Program:
+    """The deep model's program from its two shallow compiles."""
+    if small.error or large.error:
+        return dataclasses.replace(large, error=large.error or small.error, compiled_layers=reduction.layers)
+
+    def each(a: dict | None, b: dict | None, whole: bool) -> dict | None:
+        if a is None or b is None:
+            return None
+        return {key: (round if whole else float)(reduction.extrapolate(a[key], b[key])) for key in a
+                if key in b and key not in TEMPORARIES}
+
+    return Program(large.name, large.tokens, each(small.memory_analysis, large.memory_analysis, True),
+                   each(small.cost_analysis, large.cost_analysis, False),
+                   small.lower_seconds + large.lower_seconds, small.compile_seconds + large.compile_seconds,
+                   large.hlo_text, compiled_layers=reduction.layers,
+                   extrapolated_flow=extrapolated_flow(reduction, small.control_flow, large.control_flow),
+                   extrapolated_kernels=round(reduction.extrapolate(small.kernels, large.kernels)))
 
 
 def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tuple[int, int]) -> Program:
