@@ -283,7 +283,7 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
         return sharding_for(kind) if mesh is None else param_sharding(mesh, path, kind)
 
     if check_memory:
-        refuse_if_unfit(headers, placement)
+        refuse_if_unfit(headers, placement, 1 if mesh is None else mesh.devices.size)
     if headers.format == "jmoe-orbax":
         if mesh is not None:
             raise InputError(f"{model_dir} is in jmoe's Orbax format, which does not load over an expert mesh yet; "

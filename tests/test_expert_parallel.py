@@ -135,3 +135,16 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused(tmp_path):
 def test_bad_expert_parallel_settings_are_clear_errors(small_mixtral_dir, options, message):
     with pytest.raises(InputError, match=message):
         jmoe.load(small_mixtral_dir, cache=1, progress=False, **options())
+
+
+def test_cache_statistics_of_a_mesh_name_their_device_in_the_table_and_the_metrics():
+    from jmoe.cli.generate import format_stats
+    from jmoe.serve.metrics import _cache_metrics
+
+    row = dict(layer=0, cache_slots=1, hits=3, misses=1, hit_rate=0.75, evictions=0, bytes_moved=2**20)
+    table = format_stats([{**row, "device": 0}, {**row, "device": 1}]).splitlines()
+    assert table[0].split()[:2] == ["device", "layer"] and [line.split()[0] for line in table[1:3]] == ["0", "1"]
+    assert format_stats([row]).splitlines()[0].split()[0] == "layer"  # one device: no device column
+    hits = _cache_metrics([{**row, "device": 0}, {**row, "device": 1}])[1]
+    assert [sample.labels for sample in hits.samples] == [{"layer": "0", "device": "0"}, {"layer": "0", "device": "1"}]
+    assert _cache_metrics([row])[1].samples[0].labels == {"layer": "0"}

@@ -198,6 +198,25 @@ def test_plan_bad_input(olmoe_dir, tmp_path):
         jmoe.plan(olmoe_dir, host_gb=-1)
     with pytest.raises(jmoe.InputError, match="cache lists 1 values"):
         jmoe.plan(olmoe_dir, cache=[1])
+    with pytest.raises(jmoe.InputError, match=r"expert parallelism \(devices / mesh / --devices\) is not planned"):
+        jmoe.plan(olmoe_dir, cache=2, devices=2)
+
+
+def test_load_check_counts_every_device_of_an_expert_mesh(olmoe_dir, monkeypatch):
+    """Under an expert mesh the placement is one device's; this host holds every device's share."""
+    from jmoe.offload.options import OffloadOptions
+    from jmoe.offload.placement import plan_placement
+    from jmoe.plan.budget import memory_needs
+    from jmoe.plan.headers import read_headers
+    from jmoe.plan.planner import checked_context, refuse_if_unfit
+
+    headers = read_headers(olmoe_dir, None, None, None)
+    placement = plan_placement(headers.config, headers.abstract, OffloadOptions(2))
+    needs = memory_needs(headers.config, placement, 1, checked_context(headers.config, None), headers.dtype)
+    monkeypatch.setattr(resources, "host_available_bytes", lambda: int(1.5 * (needs.host_bytes + needs.device_bytes)))
+    refuse_if_unfit(headers, placement)  # one device's share fits
+    with pytest.raises(jmoe.InsufficientMemoryError, match="host memory"):
+        refuse_if_unfit(headers, placement, devices=2)
 
 
 def test_cli_prints_the_plan_and_exits_1_when_it_does_not_fit(olmoe_dir, capsys):

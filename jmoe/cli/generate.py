@@ -88,13 +88,17 @@ def sampling_params(args: argparse.Namespace, model_dir: Path) -> SamplingParams
 
 
 def format_stats(stats: list[dict]) -> str:
-    """Per-layer hit-rate table; says so when every expert is resident."""
+    """Per-layer hit-rate table (a row per device and layer under an expert mesh); says so when every expert is
+    resident."""
     if not stats:
         return "expert cache: every expert is resident on the device (no --cache given), nothing to report"
-    lines = [f"{'layer':>5} {'slots':>6} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"]
+    per_device = any("device" in s for s in stats)
+    device = (lambda s: f"{s['device']:>6} ") if per_device else (lambda s: "")
+    lines = [(f"{'device':>6} " if per_device else "")
+             + f"{'layer':>5} {'slots':>6} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"]
     for s in stats:
         rate = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}"
-        lines.append(f"{s['layer']:>5} {s['cache_slots']:>6} {s['hits']:>8} {s['misses']:>8} {rate:>9} "
+        lines.append(f"{device(s)}{s['layer']:>5} {s['cache_slots']:>6} {s['hits']:>8} {s['misses']:>8} {rate:>9} "
                      f"{s['evictions']:>10} {s['bytes_moved'] / 2**20:>10.2f}")
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     lines.append(f"total hit rate {hits / max(1, hits + misses):.1%}")

@@ -88,7 +88,7 @@ class Plan:
 def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batch: int = 1,
          context: int | None = None, host_gb: float | None = None, device_gb: float | None = None,
          compile: bool = True, dtype: str | None = None, backend: str = "auto", hit_rate: float | None = None,
-         trace=None, host_link_gbs: float | None = None, **offload) -> Plan:
+         trace=None, host_link_gbs: float | None = None, extrapolate_layers: bool = False, **offload) -> Plan:
     """Plan a model's memory without loading it: see jmoe.plan for the result.
 
     path: a Hugging Face or jmoe-Orbax checkpoint directory; only config.json and the headers are read.
@@ -106,6 +106,9 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
         expert-cache hit rate of the offloaded layers, or a routing trace of the model ([tokens, MoE layers, k],
         an int array or a .npy file) replayed with the plan's policy and caches (default: uniform routing,
         cache / experts); the host link's GB/s instead of the target's (PCIe 5.0 x16 for an H100).
+    extrapolate_layers: a deep model (16+ layers) whose layers repeat is compiled at two shallow depths and its
+        programs' sizes, flops, bytes, loops and kernels extrapolated to its depth (jmoe.plan.depth): several times
+        faster, exact for everything but temporaries, which are then not counted.
     """
     try:
         options = OffloadOptions(cache, **offload)
@@ -114,14 +117,19 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
         raise InputError(f"plan: {e}; the load options are {fields}, dtype, backend") from None
     return plan_with_options(path, options, target=target, batch=batch, context=context, host_gb=host_gb,
                              device_gb=device_gb, compile=compile, dtype=dtype, backend=backend, hit_rate=hit_rate,
-                             trace=trace, host_link_gbs=host_link_gbs)
+                             trace=trace, host_link_gbs=host_link_gbs, extrapolate_layers=extrapolate_layers)
 
 
 def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None, batch: int = 1, context=None,
                       host_gb=None, device_gb=None, compile: bool = True, dtype=None, backend: str = "auto",
-                      hit_rate: float | None = None, trace=None, host_link_gbs: float | None = None) -> Plan:
+                      hit_rate: float | None = None, trace=None, host_link_gbs: float | None = None,
+                      extrapolate_layers: bool = False) -> Plan:
     """`plan` with the offload settings already gathered in an OffloadOptions (the command line uses this)."""
     check_backend(backend)
+    if options.mesh is not None or (options.devices or 1) > 1:
+        raise InputError("plan: expert parallelism (devices / mesh / --devices) is not planned yet: jmoe.plan plans "
+                         "one device; drop the option (each device of an N-device expert mesh holds the dense "
+                         "weights and 1/N of the experts and slots)")
     host_gb = None if host_gb is None else positive_finite("host_gb", host_gb)
     device_gb = None if device_gb is None else positive_finite("device_gb", device_gb)
     host_link_gbs = None if host_link_gbs is None else positive_finite("host_link_gbs", host_link_gbs)
@@ -136,13 +144,18 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     hit = plan_hit_rate(hit_rate, trace, options.policy, caches, cfg.num_experts)  # checked before compiling
     programs = {}
     if target is not None and compile:
-        programs = compile_programs(cfg, headers.dtype, options, backend, rows, context, target.config_text)
+        programs = compile_programs(cfg, headers.dtype, options, backend, rows, context, target.config_text,
+                                    extrapolate_layers)
     compiled = [p.device_bytes for p in programs.values() if p.device_bytes is not None]
     needs = memory_needs(cfg, placement, rows, context, headers.dtype, max(compiled) if compiled else None)
     available = resources(target, host_gb, device_gb)
     reasons, notes = check_fit(needs, available, placement, cfg.num_experts, pool_fixed=False)
     notes += [f"{name} program: not compiled ({p.error}); its temporaries are not counted"
               for name, p in programs.items() if p.error]
+    notes += [f"{name} program: compiled with {p.compiled_layers[0]} and {p.compiled_layers[1]} of the "
+              f"{cfg.num_layers} decoder layers, its sizes, cost and kernels extrapolated to all of them "
+              f"(extrapolate_layers); its temporaries are not counted (they do not scale with depth)"
+              for name, p in programs.items() if p.compiled_layers and not p.error]
     if target is None or not compile:
         notes.append("device bytes count weights, slots, KV cache and stream buffers, not the programs' "
                      "temporaries: give a target (and compile) to count those")
@@ -181,12 +194,19 @@ def checked_context(cfg, context: int | None) -> int:
     return context
 
 
-def refuse_if_unfit(headers: CheckpointHeaders, placement: Placement) -> None:
+def refuse_if_unfit(headers: CheckpointHeaders, placement: Placement, devices: int = 1) -> None:
     """jmoe.load's check before it reads any weight: the plan for this machine (batch 1, default context)
-    must fit, else InsufficientMemoryError with the numbers and what to change."""
+    must fit, else InsufficientMemoryError with the numbers and what to change. Under an expert mesh of
+    `devices`, `placement` is one device's: this host holds every device's pinned share (and, on a CPU
+    backend, every device's arrays)."""
     cfg = headers.config
+    available = resources()
     needs = memory_needs(cfg, placement, 1, checked_context(cfg, None), headers.dtype)
-    reasons, _ = check_fit(needs, resources(), placement, cfg.num_experts, pool_fixed=True)
+    if devices > 1:
+        fields = (["host_bytes"] + (["device_weight_bytes", "slot_bytes", "fetch_buffer_bytes", "kv_bytes",
+                                      "stream_bytes"] if available.device_bytes is None else []))
+        needs = dataclasses.replace(needs, **{field: getattr(needs, field) * devices for field in fields})
+    reasons, _ = check_fit(needs, available, placement, cfg.num_experts, pool_fixed=True)
     if reasons:
         raise InsufficientMemoryError(
             f"{headers.directory} does not fit in this machine's memory as placed (planned from the checkpoint "

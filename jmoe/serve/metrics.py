@@ -94,20 +94,21 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 
 def _cache_metrics(stats: list[dict]):
-    """Per offloaded MoE layer: hit rate, hits and misses, host-to-device bytes and evictions (nothing when every
-    expert is resident)."""
+    """Per offloaded MoE layer (and device, under an expert mesh): hit rate, hits and misses, host-to-device bytes
+    and evictions (nothing when every expert is resident)."""
+    labels = ["layer", "device"] if any("device" in s for s in stats) else ["layer"]
     hit_rate = GaugeMetricFamily("jmoe:expert_cache_hit_rate", "Expert cache hits / lookups per MoE layer",
-                                 labels=["layer"])
+                                 labels=labels)
     hits = CounterMetricFamily("jmoe:expert_cache_hits", "Expert lookups served from a device slot per MoE layer",
-                               labels=["layer"])
+                               labels=labels)
     misses = CounterMetricFamily("jmoe:expert_cache_misses", "Expert lookups not in a device slot per MoE layer",
-                                 labels=["layer"])
+                                 labels=labels)
     moved = CounterMetricFamily("jmoe:expert_cache_host_to_device_bytes", "Expert bytes copied to the device per "
-                                "MoE layer", labels=["layer"])
+                                "MoE layer", labels=labels)
     evictions = CounterMetricFamily("jmoe:expert_cache_evictions", "Experts evicted from device slots per MoE layer",
-                                    labels=["layer"])
+                                    labels=labels)
     for s in stats:
-        layer = [str(s["layer"])]
+        layer = [str(s[label]) for label in labels]
         if s["hit_rate"] is not None:
             hit_rate.add_metric(layer, s["hit_rate"])
         hits.add_metric(layer, s["hits"])
