@@ -3,6 +3,7 @@ configs, as header-only checkpoints) for that GPU at the same caches and batch, 
 (its bytes moved per token), and record each estimate's [low, high] next to the measured tokens/s.
 
   python -m bench.plan_calibration [--results bench/results/gpu_check_nvidia_h100_80gb_hbm3.json] [--target h100]
+  python -m bench.plan_calibration --smoke   # one offloaded setting, its model at smoke size, no result file
 
 Needs the gpu-compile extra (the estimate comes from the programs compiled for the target). Writes
 bench/results/plan_calibration_<target>.md.
@@ -16,7 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 from bench.gpu_models import SPEED_MODELS, hf_config
 from bench.plan import write_header_only_checkpoint
 
@@ -42,25 +43,24 @@ def measured_settings(results: dict) -> list[dict]:
 
 def hit_rate(setting: dict, plan) -> float:
     """The offloaded layers' hit rate that moves the measured bytes: 1 - misses / accesses."""
-    estimate_inputs = plan.estimate.inputs
-    accesses = estimate_inputs["offloaded_layers"] * plan.config.num_experts_per_tok
-    misses = setting["mb_per_token"] * 1e6 / estimate_inputs["expert_bytes"]
+    accesses = len(plan.placement.offloaded_layers) * plan.config.num_experts_per_tok
+    misses = setting["mb_per_token"] * 1e6 / plan.placement.expert_bytes
     return max(0.0, 1.0 - misses / accesses) if accesses else 1.0
 
 
-def calibrate(results_path: Path, target: str, workdir: Path) -> list[dict]:
+def calibrate(results_path: Path, target: str, workdir: Path, smoke: bool = False) -> list[dict]:
     import jmoe
 
     rows = []
-    for setting in measured_settings(json.loads(results_path.read_text())):
-        spec = dict(SPEED_MODELS[setting["model"]])
+    settings = measured_settings(json.loads(results_path.read_text()))
+    for setting in settings[1:2] if smoke else settings:  # smoke: one offloaded setting
+        spec = dict(smoke_spec(SPEED_MODELS[setting["model"]]) if smoke else SPEED_MODELS[setting["model"]])
         directory = write_header_only_checkpoint(workdir / setting["model"],
                                                  {**hf_config(spec.pop("model_type"), **spec), "dtype": "bfloat16",
                                                   "torch_dtype": "bfloat16"})
-        plan = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT)
-        if setting["cache"] is not None:  # again, at the measured hit rate (the first plan gives the bytes per expert)
-            plan = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT,
-                             hit_rate=hit_rate(setting, plan))
+        bytes_only = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT, compile=False)
+        plan = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT,
+                         hit_rate=hit_rate(setting, bytes_only) if setting["cache"] is not None else None)
         low, high = plan.estimate.decode_tokens_per_s_batch1
         measured = setting["tokens_per_s"]
         rows.append({**setting, "hit_rate": plan.estimate.hit_rate, "low": low, "high": high,
@@ -85,12 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.plan_calibration", description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=Path("bench/results/gpu_check_nvidia_h100_80gb_hbm3.json"))
     p.add_argument("--target", default="h100")
+    add_smoke_argument(p)
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as workdir:
-        rows = calibrate(args.results, args.target, Path(workdir))
-    text = markdown(rows, args.results, args.target)
-    print(text)
-    print(write_result(f"plan_calibration_{args.target}.md", "Plan speed estimate against a GPU's measurements", text))
+    with smoke_run(args), tempfile.TemporaryDirectory() as workdir:
+        rows = calibrate(args.results, args.target, Path(workdir), args.smoke)
+        text = markdown(rows, args.results, args.target)
+        print(text)
+        print(write_result(f"plan_calibration_{args.target}.md", "Plan speed estimate against a GPU's measurements",
+                           text))
 
 
 if __name__ == "__main__":
