@@ -7,7 +7,7 @@ Each plan runs in a fresh process (`python -m jmoe.plan --json`), so its peak RS
 prefill programs are compiled for the target in that process's children.
 
     python -m bench.plan [--workdir /tmp/jmoe_plan_bench] [--models "mixtral-8x7b,deepseek-v3 (fp8)"]
-        [--targets h100,rtx4090] [--context 4096] [--no-compile]
+        [--targets h100,rtx4090] [--context 4096] [--no-compile] [--extrapolate-layers]
     python -m bench.plan --smoke   # Mixtral-8x7B at smoke size, h100, cache 4, context 64, no result file
 """
 
@@ -90,6 +90,7 @@ CACHES = {"mixtral-8x7b": [None, 0, 4], "qwen3-30b-a3b": [None, 0, 16], "qwen3-2
 HOST_GB = {"h100": 256, "rtx4090": 128}
 SMOKE_MODEL, SMOKE_CACHE = "mixtral-8x7b", 4  # a smoke run plans this model at smoke size, this cache only
 BF16_BYTES = 2
+EXTRAPOLATED = " (deep models at two shallow depths, extrapolated: their programs' temporaries not counted)"
 
 
 def write_header_only_checkpoint(directory: Path, config: dict) -> Path:
@@ -134,8 +135,10 @@ print(json.dumps(out))
 
 
 def plan_row(directory: Path, target: str, cache, context: int, compile_programs: bool,
-             expert_dtype: str | None = None) -> dict:
+             expert_dtype: str | None = None, extrapolate_layers: bool = False) -> dict:
     argv = [str(directory), "--target", target, "--context", str(context), "--host-gb", str(HOST_GB[target])]
+    if extrapolate_layers:
+        argv.append("--extrapolate-layers")
     if cache is not None:
         argv += ["--cache", str(cache)]
     if expert_dtype is not None:
@@ -194,6 +197,9 @@ def main() -> int:
     parser.add_argument("--targets", default="h100,rtx4090")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--extrapolate-layers", action="store_true",
+                        help="compile deep models at two shallow depths (jmoe.plan's extrapolate_layers: minutes "
+                             "less per plan; the programs' temporaries are then not counted)")
     add_smoke_argument(parser)
     args = parser.parse_args()
     with smoke_run(args):
@@ -226,7 +232,8 @@ def report(args) -> None:
                 print(f"[{time.perf_counter() - began:6.0f} s] {name} {target} cache={cache}", file=sys.stderr,
                       flush=True)
                 try:
-                    row = plan_row(directory, target, cache, args.context, not args.no_compile, expert_dtype)
+                    row = plan_row(directory, target, cache, args.context, not args.no_compile, expert_dtype,
+                                   args.extrapolate_layers)
                     if args.smoke:  # a real run reports what failed; a smoke run fails on it
                         smoke_check(row)
                 except RuntimeError as e:
@@ -240,7 +247,8 @@ def report(args) -> None:
         f"Conditions: load average {' '.join(load_before)} before, {' '.join(load_after)} after; whole run "
         f"{time.perf_counter() - began:.0f} s; context {args.context} tokens, batch 1, bfloat16, host RAM assumed "
         f"{', '.join(f'{gb} GiB next to the {t}' for t, gb in HOST_GB.items())}, "
-        f"{'programs compiled for each target' if not args.no_compile else 'programs not compiled'}.", "",
+        f"{'programs compiled for each target' if not args.no_compile else 'programs not compiled'}"
+        f"{EXTRAPOLATED if args.extrapolate_layers else ''}.", "",
         table(rows),
     ]
     estimated = [row for row in rows if row["estimate"] is not None]

@@ -58,7 +58,8 @@ def rows_for(name: str, workdir: Path, reduced_only: bool, smoke: bool = False) 
         def compare(value, truth):
             return "-" if truth is None else f"{value / truth - 1:+.2%}"
 
-        layers = "whole" if approx.compiled_layers is None else f"{approx.compiled_layers[0]} and {approx.compiled_layers[1]}"
+        layers = ("whole" if approx.compiled_layers is None
+                  else f"{approx.compiled_layers[0]} and {approx.compiled_layers[1]}")
         temporaries = "-" if exact is None else f"{exact.memory_analysis['temp_size_in_bytes'] / 2**30:.3f}"
         rows.append(
             f"| {name} | {config['num_hidden_layers']} | {program} | {layers} | {sizes / 2**30:.3f} | "

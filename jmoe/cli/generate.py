@@ -94,8 +94,8 @@ def format_stats(stats: list[dict]) -> str:
         return "expert cache: every expert is resident on the device (no --cache given), nothing to report"
     per_device = any("device" in s for s in stats)
     device = (lambda s: f"{s['device']:>6} ") if per_device else (lambda s: "")
-    lines = [(f"{'device':>6} " if per_device else "")
-             + f"{'layer':>5} {'slots':>6} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"]
+    header = f"{'layer':>5} {'slots':>6} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"
+    lines = [(f"{'device':>6} " if per_device else "") + header]
     for s in stats:
         rate = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}"
         lines.append(f"{device(s)}{s['layer']:>5} {s['cache_slots']:>6} {s['hits']:>8} {s['misses']:>8} {rate:>9} "
