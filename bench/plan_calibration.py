@@ -58,9 +58,11 @@ def calibrate(results_path: Path, target: str, workdir: Path, smoke: bool = Fals
         directory = write_header_only_checkpoint(workdir / setting["model"],
                                                  {**hf_config(spec.pop("model_type"), **spec), "dtype": "bfloat16",
                                                   "torch_dtype": "bfloat16"})
-        bytes_only = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT, compile=False)
-        plan = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT,
-                         hit_rate=hit_rate(setting, bytes_only) if setting["cache"] is not None else None)
+        measured_hits = None  # resident: no offloaded layer, no hit rate
+        if setting["cache"] is not None:  # the placement (no compile) gives the bytes one missed expert moves
+            measured_hits = hit_rate(setting, jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT,
+                                                          compile=False))
+        plan = jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT, hit_rate=measured_hits)
         low, high = plan.estimate.decode_tokens_per_s_batch1
         measured = setting["tokens_per_s"]
         rows.append({**setting, "hit_rate": plan.estimate.hit_rate, "low": low, "high": high,

@@ -27,7 +27,7 @@ DEFAULT = json.loads((Path(__file__).resolve().parents[1] / "checkpoints/default
 ])
 def test_the_repeating_layers_are_found(signatures, layers, periods):
     reduction = depth.find_reduction(signatures)
-    assert (reduction.layers, reduction.periods, reduction.full_layers) == (layers, periods, len(signatures))
+    assert (reduction.layers, reduction.periods) == (layers, periods)
 
 
 @pytest.mark.parametrize("signatures", [["moe"] * 15,  # shallow enough to compile whole
@@ -38,7 +38,7 @@ def test_models_without_enough_repetition_are_compiled_whole(signatures):
 
 
 def test_extrapolation_is_linear_in_the_periods():
-    reduction = depth.Reduction((2, 3), (2, 3, 10), 10)
+    reduction = depth.Reduction((2, 3), (2, 3, 10))
     assert reduction.extrapolate(100.0, 130.0) == pytest.approx(340.0)  # 100 + 30 x (10 - 2)
     flow = depth.extrapolated_flow(reduction, ControlFlow(0, 4, 2, 0, 8), ControlFlow(0, 6, 3, 0, 12))
     assert flow == ControlFlow(0, 20, 10, 0, 40)
@@ -68,11 +68,11 @@ def placement_of(options):
 
 def test_a_reduction_is_used_only_when_the_shallow_placements_match():
     cfg = default_shaped(20)
-    reduction = depth.plan_reduction(cfg, OffloadOptions(4), placement_of(OffloadOptions(4)))
+    reduction = depth.plan_reduction(cfg, placement_of(OffloadOptions(4)))
     assert reduction.layers == (2, 3) and reduction.periods == (2, 3, 20)
     # the first two MoE layers computed on the host: a prefix of two
     options = OffloadOptions(4, cpu_moe_layers=2)
-    assert depth.plan_reduction(cfg, options, placement_of(options)).layers == (4, 5)
+    assert depth.plan_reduction(cfg, placement_of(options)).layers == (4, 5)
     for options in (OffloadOptions(tuple([4] * 19 + [2])),  # a cache per layer, sized for 20 layers
                     OffloadOptions(device_budget_gb=0.12)):  # a budget spread over all layers' experts
-        assert depth.plan_reduction(cfg, options, placement_of(options)) is None
+        assert depth.plan_reduction(cfg, placement_of(options)) is None

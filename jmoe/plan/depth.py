@@ -32,7 +32,6 @@ class Reduction:
 
     layers: tuple[int, int]
     periods: tuple[int, int, int]
-    full_layers: int
 
     def extrapolate(self, small: float, large: float) -> float:
         """A quantity measured at the two compiled depths, at the model's."""
@@ -77,7 +76,7 @@ def find_reduction(signatures: list[tuple]) -> Reduction | None:
                 if periods <= PERIODS[1]:
                     return None
                 layers = tuple(prefix + m * period + tail for m in PERIODS)
-                return Reduction(layers, (*PERIODS, periods), total)
+                return Reduction(layers, (*PERIODS, periods))
     return None
 
 
@@ -87,7 +86,7 @@ def reduced_config(cfg: ModelConfig, layers: int) -> ModelConfig:
                                sliding_windows=cfg.sliding_windows[:layers])
 
 
-def plan_reduction(cfg: ModelConfig, options, placement_of) -> Reduction | None:
+def plan_reduction(cfg: ModelConfig, placement_of) -> Reduction | None:
     """The reduction to compile with, checked: each shallow model's placement (`placement_of(config)`) gives its
     layers the deep model's first layers' signatures and the same shared facts; None = compile whole."""
     full = placement_of(cfg)

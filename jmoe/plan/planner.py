@@ -203,9 +203,9 @@ def refuse_if_unfit(headers: CheckpointHeaders, placement: Placement, devices: i
     available = resources()
     needs = memory_needs(cfg, placement, 1, checked_context(cfg, None), headers.dtype)
     if devices > 1:
-        fields = (["host_bytes"] + (["device_weight_bytes", "slot_bytes", "fetch_buffer_bytes", "kv_bytes",
-                                      "stream_bytes"] if available.device_bytes is None else []))
-        needs = dataclasses.replace(needs, **{field: getattr(needs, field) * devices for field in fields})
+        scaled = (["host_bytes"] if available.device_bytes is not None  # each device has memory of its own
+                  else [f.name for f in dataclasses.fields(needs) if f.name != "program_bytes"])
+        needs = dataclasses.replace(needs, **{field: getattr(needs, field) * devices for field in scaled})
     reasons, _ = check_fit(needs, available, placement, cfg.num_experts, pool_fixed=True)
     if reasons:
         raise InsufficientMemoryError(

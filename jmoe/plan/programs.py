@@ -119,7 +119,7 @@ def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backen
     # not survive pickling, so the child gets the default by name.
     options = dataclasses.replace(options, policy="lfru")
     reduction = None if not extrapolate_layers else plan_reduction(
-        config, options, lambda cfg: plan_placement(cfg, abstract_params(cfg, dtype), options))
+        config, lambda cfg: plan_placement(cfg, abstract_params(cfg, dtype), options))
     depths = [config.num_layers] if reduction is None else list(reduction.layers)
     with tempfile.TemporaryDirectory(prefix="jmoe-plan-") as tmp:
         running = {}
