@@ -275,8 +275,7 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
     headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     model_dir, config, dtype = headers.directory, headers.config, headers.dtype
     mesh = expert_mesh(options, config)  # None: one device
-    placement = (plan_placement(config, headers.abstract, options) if mesh is None
-                 else device_placement(config, headers.abstract, options, mesh))
+    placement = device_placement(config, headers.abstract, options, 1 if mesh is None else mesh.devices.size)
 
     def sharding(path):
         kind = placement.memory_kind_of(path)

@@ -5,6 +5,7 @@ import shutil
 import struct
 
 import jax
+import numpy as np
 import pytest
 
 import jmoe
@@ -198,8 +199,12 @@ def test_plan_bad_input(olmoe_dir, tmp_path):
         jmoe.plan(olmoe_dir, host_gb=-1)
     with pytest.raises(jmoe.InputError, match="cache lists 1 values"):
         jmoe.plan(olmoe_dir, cache=[1])
-    with pytest.raises(jmoe.InputError, match=r"expert parallelism \(devices / mesh / --devices\) is not planned"):
-        jmoe.plan(olmoe_dir, cache=2, devices=2)
+    with pytest.raises(jmoe.InputError, match=r"a Mesh holds this process's devices.*devices=N"):
+        jmoe.plan(olmoe_dir, cache=2, mesh=object())
+    with pytest.raises(jmoe.InputError, match=r"expected a device count that divides 8 \(1, 2, 4, 8\), found 3"):
+        jmoe.plan(olmoe_dir, cache=2, devices=3)
+    with pytest.raises(jmoe.InputError, match="not replayed per device under expert parallelism"):
+        jmoe.plan(olmoe_dir, cache=2, devices=2, trace=np.zeros((4, 2, 4), np.int32))
 
 
 def test_load_check_counts_every_device_of_an_expert_mesh(olmoe_dir, monkeypatch):
@@ -217,6 +222,24 @@ def test_load_check_counts_every_device_of_an_expert_mesh(olmoe_dir, monkeypatch
     refuse_if_unfit(headers, placement)  # one device's share fits
     with pytest.raises(jmoe.InsufficientMemoryError, match="host memory"):
         refuse_if_unfit(headers, placement, devices=2)
+
+
+def test_expert_parallel_plan_is_one_devices_share_and_the_hosts_whole(olmoe_dir):
+    """Without a target: two devices each hold half the experts and slots; the host pins both halves."""
+    one, two = jmoe.plan(olmoe_dir, cache=2), jmoe.plan(olmoe_dir, cache=2, devices=2)
+    assert two.devices == 2 and two.as_dict()["devices"] == 2
+    assert two.placement.expert_bytes == one.placement.expert_bytes
+    assert two.placement.totals()["host_bytes"] * 2 == one.placement.totals()["host_bytes"]
+    # the host of both devices pins what one device would; on this CPU the devices' arrays share its RAM too
+    assert two.needs.host_bytes == one.needs.host_bytes
+    assert two.needs.kv_bytes == 2 * one.needs.kv_bytes  # the KV cache is replicated
+    assert any("one host holds the 2 devices" in note for note in two.notes)
+    on_h100 = jmoe.plan(olmoe_dir, cache=2, devices=2, target="h100", compile=False)
+    assert on_h100.needs.kv_bytes == one.needs.kv_bytes  # each GPU has memory of its own
+    # cache 2 per device and layer, and scratch slots for its own experts: fewer slot bytes than one device's
+    assert on_h100.needs.slot_bytes == two.placement.slot_bytes < one.placement.slot_bytes
+    assert two.needs.slot_bytes == 2 * two.placement.slot_bytes
+    assert on_h100.needs.host_bytes == one.needs.host_bytes
 
 
 def test_cli_prints_the_plan_and_exits_1_when_it_does_not_fit(olmoe_dir, capsys):

@@ -37,6 +37,21 @@ def test_copies_experts_and_tokens_per_second():
     assert est.host_seconds(4) == pytest.approx((2.8e-3, 1.5e-3))
 
 
+def test_collectives_cost_a_latency_each_and_their_bytes_over_the_interconnect():
+    from jmoe.plan.hlo import Collective
+
+    speeds = est.DeviceSpeeds(1e12, 1e14, 1e10, interconnect_bytes_per_s=1e11)
+    found = {Collective("all-reduce", ("f32[1,1000]",), 4000): 3, Collective("all-to-all", ("bf16[500]",), 1000): 1}
+    # 4 devices: an all-reduce sends 2 x 3/4 of its bytes, the others 3/4: 3 x 6000 + 750 = 18750 bytes;
+    # 4 collectives x 30 / 8 us, plus the bytes at 0.5 / 0.8 of 1e11 B/s
+    slow, fast = est.collective_seconds(found, 4, speeds)
+    assert slow == pytest.approx(4 * 30e-6 + 18750 / 0.5e11)
+    assert fast == pytest.approx(4 * 8e-6 + 18750 / 0.8e11)
+    assert est.collective_seconds({}, 1, speeds) == (0.0, 0.0)
+    # a target without an interconnect: the host link's bandwidth
+    assert est.collective_seconds(found, 4, SPEEDS)[0] == pytest.approx(4 * 30e-6 + 18750 / 0.5e10)
+
+
 def fake_programs(decode_bytes=9e8, prefill_bytes=1.8e9, flops=0.0):
     return {name: Program(name, (1, t), cost_analysis={"flops": flops, "bytes accessed": b}, hlo_text="")
             for name, t, b in (("decode", 1, decode_bytes), ("prefill", 100, prefill_bytes))}

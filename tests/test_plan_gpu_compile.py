@@ -8,7 +8,7 @@ import pytest
 
 import jmoe
 from hf_models import FAMILY_CASES
-from jmoe.plan.hlo import copied_arrays
+from jmoe.plan.hlo import Collective, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -99,3 +99,30 @@ def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, 
     slot_arrays = {(slots, d, 2 * f) for slots in (4, plan.placement.scratch)} | {
         (slots, f, d) for slots in (4, plan.placement.scratch)}
     assert not slot_arrays & set(copied_arrays(decode.hlo_text))
+
+
+@pytest.mark.parametrize("case,options", [("mixtral_e4k2_gqa2", dict(cache=1, devices=2)),
+                                          ("deepseek_v3_qlora_groups", dict(cache=1, devices=4, expert_dtype="int4",
+                                                                               expert_group_size=16))])
+def test_expert_parallel_programs_carry_only_activations_between_devices(case, options, hf_checkpoints):
+    """Compiled for N H100s of one host with the experts split over them: one all-reduce per MoE layer, of the
+    layer's float32 output for the step's tokens, and nothing else crosses between the devices (no expert
+    weight, no gather); each device's program holds its own share of the pinned experts."""
+    path = hf_checkpoints[case][0]
+    cfg = jmoe.load_config(path)
+    devices = options["devices"]
+    plan = jmoe.plan(path, target="h100", context=32, batch=2, backend="xla", **options)
+    alone = {key: value for key, value in options.items() if key != "devices"}
+    one = jmoe.plan(path, target="h100", context=32, batch=2, backend="xla", compile=False, **alone)
+    for name, tokens in (("decode", 2), ("prefill", 2 * 32)):
+        program = plan.programs[name]
+        assert program.error is None, program.error
+        activations = Collective("all-reduce", (f"f32[{tokens},{cfg.hidden_size}]",), tokens * cfg.hidden_size * 4)
+        assert program.collectives == {activations: cfg.num_moe_layers}
+        assert program.memory_analysis["host_argument_size_in_bytes"] * devices == plan.needs.host_bytes
+    assert plan.needs.host_bytes == one.needs.host_bytes  # the host pins every device's share: the whole model's
+    assert plan.as_dict()["programs"]["decode"]["collectives"] == [
+        {"op": "all-reduce", "shapes": [f"f32[2,{cfg.hidden_size}]"], "bytes": 8 * cfg.hidden_size,
+         "count": cfg.num_moe_layers}]
+    assert f"decode program: {cfg.num_moe_layers} x all-reduce of f32[2,{cfg.hidden_size}]" in plan.report()
+    assert plan.fits and plan.estimate is not None

@@ -14,8 +14,8 @@ between steps each device's manager reads its own row of the step's tables.
 
 In a jax.distributed run each process splits the experts over its own devices (a mesh spanning processes is
 refused). Not under a mesh: the CPU kernels' per-expert views of resident experts (Experts.hold_per_expert_arrays; the
-CPU kernels read the stacked arrays instead), history prefetch (`prefetch_trace`), jmoe's Orbax format, and
-compiling for a GPU target (jmoe.plan).
+CPU kernels read the stacked arrays instead), history prefetch (`prefetch_trace`) and jmoe's Orbax format.
+jmoe.plan compiles the steps for N GPUs of one host with this engine (`devices=N`).
 """
 
 from __future__ import annotations
@@ -62,38 +62,49 @@ def expert_mesh(options: OffloadOptions, config: ModelConfig) -> Mesh | None:
                              f"{local[0].platform.upper()} device(s); give at most {len(local)} (on CPU, "
                              f"JAX_NUM_CPU_DEVICES={options.devices} makes that many)")
         mesh = Mesh(np.array(local[:options.devices]), (EXPERT_AXIS,))
-    n, experts = mesh.devices.size, config.num_experts
-    if experts % n:
-        fits = [k for k in range(1, experts + 1) if experts % k == 0]
-        raise InputError(f"the expert axis has {n} devices, but the model's {experts} experts per MoE layer do not "
-                         f"split evenly over them: expected a device count that divides {experts} "
-                         f"({', '.join(map(str, fits))}), found {n}; change devices (--devices) or the mesh")
+    check_expert_split(mesh.devices.size, config)
     return mesh
 
 
-def device_config(config: ModelConfig, mesh: Mesh) -> ModelConfig:
-    """The config one device's engine and placement see: its share of the experts (the routers still choose
-    among all of them, with the model's own config)."""
-    return config.replace(num_experts=config.num_experts // mesh.devices.size)
+def check_expert_split(devices: int, config: ModelConfig) -> None:
+    """Refuse an expert axis of `devices` that the model's experts do not split evenly over."""
+    experts = config.num_experts
+    if experts % devices:
+        fits = [k for k in range(1, experts + 1) if experts % k == 0]
+        raise InputError(f"the expert axis has {devices} devices, but the model's {experts} experts per MoE layer do "
+                         f"not split evenly over them: expected a device count that divides {experts} "
+                         f"({', '.join(map(str, fits))}), found {devices}; change devices (--devices) or the mesh")
+
+
+def device_config(config: ModelConfig, n: int) -> ModelConfig:
+    """The config one device of an `n`-device expert axis sees in its engine and placement: its share of the
+    experts (the routers still choose among all of them, with the model's own config)."""
+    return config.replace(num_experts=config.num_experts // n)
 
 
 def device_placement(config: ModelConfig, abstract: dict[ParamPath, object], options: OffloadOptions,
-                     mesh: Mesh) -> Placement:
-    """The placement of one device: its share of every MoE layer's experts, the dense weights (replicated),
-    its slots. Every byte count in it is per device."""
-    n = mesh.devices.size
+                     n: int) -> Placement:
+    """The placement of one device of an `n`-device expert axis: its share of every MoE layer's experts, the dense
+    weights (replicated), its slots. Every byte count in it is per device. One device: the model's placement."""
+    if n == 1:
+        return plan_placement(config, abstract, options)
     own = {path: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype) if is_expert_param(path) else a
            for path, a in abstract.items()}
-    placement = plan_placement(device_config(config, mesh), own, options)
+    placement = plan_placement(device_config(config, n), own, options)
     note = (f"expert parallel over {n} devices: each holds {config.num_experts // n} of the {config.num_experts} "
             f"experts of every MoE layer, its own slots and a copy of the dense weights; the byte counts above "
             f"are per device")
     return dataclasses.replace(placement, notes=placement.notes + (note,))
 
 
+def param_spec(path: ParamPath) -> P:
+    """How a parameter is laid out over the mesh: experts split on their first axis, the rest replicated."""
+    return P(EXPERT_AXIS) if is_expert_param(path) else P()
+
+
 def param_sharding(mesh: Mesh, path: ParamPath, memory_kind: str) -> NamedSharding:
-    """Where a parameter lives under the mesh: experts split on their first axis, the rest replicated."""
-    return NamedSharding(mesh, P(EXPERT_AXIS) if is_expert_param(path) else P(), memory_kind=memory_kind)
+    """Where a parameter lives under the mesh (param_spec), in `memory_kind`."""
+    return NamedSharding(mesh, param_spec(path), memory_kind=memory_kind)
 
 
 def param_specs(params):
@@ -122,7 +133,7 @@ class ExpertParallelEngine:
 
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str, mesh: Mesh):
         self.config, self.mesh, self.placement = config, mesh, placement
-        self.engines = [make_engine(device_config(config, mesh), placement, options, backend)
+        self.engines = [make_engine(device_config(config, mesh.devices.size), placement, options, backend)
                         for _ in range(mesh.devices.size)]
         for engine in self.engines:
             engine.expert_axis = EXPERT_AXIS
@@ -161,6 +172,12 @@ class ExpertParallelEngine:
             return out, treedef.unflatten([next(held) if a.size else a for a in leaves])
 
         return call
+
+    def abstract_state(self, layers) -> object:
+        """The stacked state's shapes for abstract `layers`, allocating nothing (compiling for a GPU target)."""
+        n = len(self.engines)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype),
+                            self.engines[0].abstract_state(layers))
 
     def prepare_params(self, params):
         return self.engines[0].prepare_params(params)

@@ -58,6 +58,17 @@ def memory_needs(cfg: ModelConfig, placement: Placement, batch: int, context: in
                        placement.stream_bytes if placement.offloaded_layers else 0, program_bytes)
 
 
+def on_one_host(needs: MemoryNeeds, devices: int, available: Resources) -> MemoryNeeds:
+    """The needs of `devices` expert-parallel devices of one host, from one device's: the host's RAM holds every
+    device's pinned share; device bytes stay per device where each device has memory of its own, and add up in
+    the same RAM on a CPU backend (available.device_bytes None)."""
+    if devices == 1:
+        return needs
+    scaled = (["host_bytes"] if available.device_bytes is not None
+              else [f.name for f in dataclasses.fields(needs) if f.name != "program_bytes"])
+    return dataclasses.replace(needs, **{field: getattr(needs, field) * devices for field in scaled})
+
+
 def gib(n: int | float) -> str:
     return f"{n / 2**30:.2f} GiB"
 

@@ -3,7 +3,8 @@ have, and write its memory analysis and optimized HLO.
 
 `python -m jmoe.plan.compile_worker JOB OUT_DIR` reads the pickled CompileJob, builds the step exactly as a
 Model does (jmoe.decode.steps.make_step_fn over the engine the placement asks for) but from abstract
-parameters, traces it for a compile-only CUDA topology (the target config) and writes OUT_DIR/result.json
+parameters, traces it for a compile-only CUDA topology of the job's devices (the target config; N > 1: one
+host's N GPUs, the experts split over them by jmoe.offload.expert_parallel) and writes OUT_DIR/result.json
 and OUT_DIR/hlo.txt. It runs in its own process because JAX must be on `jax_platforms=cpu` before any
 backend starts for the CUDA plugin to offer compile-only topologies, and because some XLA:GPU compiler
 failures abort the process instead of raising.
@@ -39,26 +40,35 @@ def compile_step(job, out_dir: Path) -> dict:
     from jmoe.memory import PINNED_HOST
     from jmoe.model.params import abstract_model, flat_params, nest_params
     from jmoe.offload.engine import make_engine
-    from jmoe.offload.placement import plan_placement
+    from jmoe.offload.expert_parallel import EXPERT_AXIS, ExpertParallelEngine, device_placement, param_spec
     from jmoe.plan.targets import compute_capability
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=job.target_config, topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    # One host's N GPUs (slices x hosts x devices), on the expert axis the expert-parallel engine splits over.
+    topology = topologies.get_topology_desc(platform="cuda", target_config=job.target_config,
+                                            topology=f"1x1x{job.devices}")
+    mesh = topologies.make_mesh(topology, (job.devices,), (EXPERT_AXIS,))
     on_device = NamedSharding(mesh, PartitionSpec())
-    on_host = NamedSharding(mesh.abstract_mesh, PartitionSpec(), memory_kind=PINNED_HOST)
+    parallel = job.devices > 1
 
-    def placed(tree):  # shape structs on the target device
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), tree)
+    def sharding(path, kind):
+        spec = param_spec(path) if parallel else PartitionSpec()
+        return (NamedSharding(mesh.abstract_mesh, spec, memory_kind=PINNED_HOST) if kind == PINNED_HOST
+                else NamedSharding(mesh, spec))
+
+    def placed(tree, where=lambda a: on_device):  # shape structs on the target devices
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where(a)), tree)
 
     cfg = job.config
     graphdef, state = abstract_model(cfg, job.dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
-    placement = plan_placement(cfg, abstract, job.options)
-    params = {path: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_host if placement.memory_kind_of(path) ==
-                                         PINNED_HOST else on_device) for path, a in abstract.items()}
+    placement = device_placement(cfg, abstract, job.options, job.devices)
+    engine = (ExpertParallelEngine(cfg, placement, job.options, job.backend, mesh) if parallel
+              else make_engine(cfg, placement, job.options, job.backend))
+    params = {path: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(path, placement.memory_kind_of(path)))
+              for path, a in abstract.items()}
     nnx.replace_by_pure_dict(state, nest_params(params))
-    engine = make_engine(cfg, placement, job.options, job.backend)
-    engine_state = placed(engine.abstract_state(nnx.merge(graphdef, state).moe_layer_views()))
+    engine_state = placed(engine.abstract_state(nnx.merge(graphdef, state).moe_layer_views()),
+                          engine.placed if parallel else lambda a: on_device)
     step = make_step_fn(graphdef, engine, greedy=True)
     inputs = abstract_step_inputs(cfg, job.batch, job.num_tokens, job.context, job.dtype)
     inputs = placed(inputs[:-2]) + inputs[-2:]  # no sampling arrays, no forced routing

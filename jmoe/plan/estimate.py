@@ -42,6 +42,11 @@ LAUNCH_SECONDS = (5e-6, 1e-6)  # per kernel, [slow, fast]: a launch each, or CUD
 # H100's 16-core Xeon, whose runs varied by 15%; the range spans that and a somewhat faster host.
 HOST_SECONDS_PER_STEP = (1.6e-3, 0.9e-3)
 HOST_SECONDS_PER_OFFLOADED_LAYER = (0.3e-3, 0.15e-3)
+# Collectives between the GPUs of one host (expert parallelism; not measured here): a latency per collective,
+# [slow, fast] (NCCL's small all-reduces over NVSwitch take about 10-30 us), and an achieved fraction of the
+# interconnect's bandwidth for the bytes; a ring all-reduce sends 2 (N - 1) / N of them, the others (N - 1) / N.
+COLLECTIVE_SECONDS = (30e-6, 8e-6)
+INTERCONNECT_EFFICIENCY = (0.5, 0.8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,7 @@ class DeviceSpeeds:
     memory_bytes_per_s: float
     peak_flops: float
     host_link_bytes_per_s: float
+    interconnect_bytes_per_s: float | None = None  # between the GPUs of one host (None: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +89,19 @@ def device_seconds(flops: float, hbm_bytes: tuple[float, float], kernels: int,
     fast = max(hbm_bytes[1] / (speeds.memory_bytes_per_s * MEMORY_EFFICIENCY[1]),
                flops / (speeds.peak_flops * COMPUTE_EFFICIENCY[1])) + kernels * LAUNCH_SECONDS[1]
     return slow, fast
+
+
+def collective_seconds(found: dict, devices: int, speeds: DeviceSpeeds) -> tuple[float, float]:
+    """[slow, fast] seconds of a program's collectives ({jmoe.plan.hlo.Collective: count}) over `devices` GPUs.
+    They sit on the step's critical path: each MoE layer's output is summed before the next layer starts."""
+    if not found:
+        return 0.0, 0.0
+    bandwidth = speeds.interconnect_bytes_per_s or speeds.host_link_bytes_per_s
+    share = (devices - 1) / devices
+    sent = sum(count * c.bytes * share * (2 if c.op == "all-reduce" else 1) for c, count in found.items())
+    count = sum(found.values())
+    return tuple(count * latency + sent / (bandwidth * efficiency)
+                 for latency, efficiency in zip(COLLECTIVE_SECONDS, INTERCONNECT_EFFICIENCY))
 
 
 def link_seconds(nbytes: float, speeds: DeviceSpeeds) -> tuple[float, float]:
@@ -146,17 +165,20 @@ def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds,
         notes.append("host link assumed PCIe 4.0 x16: pass host_link_gbs for this target")
     notes.insert(0, f"{target.name}: HBM {target.memory_bytes_per_s / 1e9:.0f} GB/s, {what} "
                     f"{peak / 1e12:.1f} TFLOP/s, host link {link_what}")
-    return DeviceSpeeds(target.memory_bytes_per_s, peak, link), notes
+    return DeviceSpeeds(target.memory_bytes_per_s, peak, link, target.interconnect_bytes_per_s), notes
 
 
-def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], num_experts: int, top_k: int,
+def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], num_experts: int, top_k: float,
              expert_bytes: int, expert_array_bytes: int, least_bytes: int, host_param_bytes: int, batch: int,
-             rows: int, context: int, hit_rate: float, hit_rate_source: str, notes: list[str]) -> Estimate | None:
+             rows: int, context: int, hit_rate: float, hit_rate_source: str, notes: list[str],
+             devices: int = 1) -> Estimate | None:
     """The speed estimate from the compiled "decode" and "prefill" programs; None when either has no cost
     analysis. expert_array_bytes: every expert array (resident, host, slots); least_bytes: what a step reads
     besides experts (non-expert device weights + KV cache). Batch 1 takes the batch's decode program's device
     time (the same weights; more KV cache and activations, so batch 1 is underestimated when rows > 1) with
-    one row's copies."""
+    one row's copies. Under expert parallelism over `devices` GPUs everything is one device's: its programs, its
+    share of the experts (num_experts = E / N, top_k = k / N: the routed experts a device holds on average), its
+    own host link; the programs' collectives add to the device time."""
     needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
     if any(p is None or not p.cost_analysis for p in needed.values()):
         return None
@@ -168,7 +190,9 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
         routed = len(caches) * distinct_experts(num_experts, top_k, tokens)
         hbm = (device_bytes(cost.get("bytes accessed", 0.0), expert_array_bytes, routed, expert_bytes),
                least_bytes + routed * expert_bytes)
-        return device_seconds(cost.get("flops", 0.0), hbm, program.kernels, speeds)
+        own = device_seconds(cost.get("flops", 0.0), hbm, program.kernels, speeds)
+        between = collective_seconds(program.collectives, devices, speeds)
+        return own[0] + between[0], own[1] + between[1]
 
     def decode_rate(program, tokens):
         copied = decode_copy_bytes(offloaded, num_experts, top_k, expert_bytes, hit_rate, tokens, host_param_bytes)
@@ -195,6 +219,13 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
                    "misses are copied (miss mode fetch); a batch's rows route independently and uniformly; "
                    "high = copies hidden behind compute, low = none hidden",
                    f"prefill: one prompt of {context} tokens per row streams every offloaded expert once"]
+    if devices > 1:
+        link = (f"{speeds.interconnect_bytes_per_s / 1e9:g} GB/s between GPUs" if speeds.interconnect_bytes_per_s
+                else "the host link's GB/s between GPUs (the target names no interconnect)")
+        assumptions.append(f"expert parallel over {devices} GPUs of one host: one device's programs, experts "
+                           f"(routed uniformly over the devices) and host link; each collective of the compiled "
+                           f"programs costs {COLLECTIVE_SECONDS[0] * 1e6:g} / {COLLECTIVE_SECONDS[1] * 1e6:g} us "
+                           f"plus its bytes at {INTERCONNECT_EFFICIENCY} of {link} (not measured)")
     if rows > 1:
         assumptions.append(f"batch 1: the device time of the {rows}-row decode program (a lower estimate)")
     return Estimate(decode_rate(needed["decode"], batch), decode_rate(needed["decode"], 1), prefill, hit_rate,

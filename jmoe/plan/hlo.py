@@ -2,11 +2,14 @@
 that makes a GPU return to the host inside a step (a `conditional` copies its predicate to the host; a
 `while` loop whose trip count the compiler does not know copies its condition back every iteration), the
 Triton kernels the Pallas kernels lowered to, and the arrays it copies whole (a donated buffer that is
-read and then updated in place without a data dependence between the two gets copied every step)."""
+read and then updated in place without a data dependence between the two gets copied every step), and the
+collectives a program over several devices runs (what crosses between the devices, and how many bytes)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import re
 
 _WHILE = re.compile(r"\swhile\(")
@@ -17,6 +20,13 @@ _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
 # A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
 _KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
 _COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:copy|copy-start|fusion)\(")
+# A collective, synchronous or the start of an asynchronous one (its `-done` is the same transfer); the result
+# shape (a tuple when XLA combined several) says what crosses.
+_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(all-reduce|all-gather|all-to-all|ragged-all-to-all|reduce-scatter|"
+                         r"collective-permute|collective-broadcast)(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
+         "f32": 32, "s64": 64, "u64": 64, "f64": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +68,19 @@ def copied_arrays(hlo_text: str) -> list[tuple[int, ...]]:
     fusion materialises."""
     return [tuple(int(n) for n in dims.split(",") if n) for name, dims in _COPY.findall(hlo_text)
             if "update" not in name]  # a dynamic-update-slice fusion writes in place
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str  # "all-reduce", "all-to-all", ...
+    shapes: tuple[str, ...]  # what it carries, e.g. ("f32[1,4096]",)
+    bytes: int  # per device, as the result holds them
+
+def collectives(hlo_text: str) -> dict[Collective, int]:
+    """The collectives of an optimized HLO module, each with how often it occurs (a loop body's counted once)."""
+    found = collections.Counter()
+    for shape_text, op in _COLLECTIVE.findall(hlo_text):
+        arrays = _ARRAY.findall(shape_text)
+        nbytes = sum(_BITS.get(dtype, 8) * math.prod(int(n) for n in dims.split(",") if n) for dtype, dims in arrays) // 8
+        found[Collective(op, tuple(f"{dtype}[{dims}]" for dtype, dims in arrays), nbytes)] += 1
+    return dict(found)

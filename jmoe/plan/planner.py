@@ -1,9 +1,9 @@
 """`jmoe.plan(path, ...)`: where every byte of a model would live and whether it fits, before anything is loaded.
 
 It reads config.json and the checkpoint headers only (jmoe.plan.headers), makes the placement `jmoe.load`
-would make (the same `plan_placement`), counts the KV cache, optionally compiles the decode and prefill
-programs for a GPU target (jmoe.plan.programs) and checks the result against the memory available
-(jmoe.plan.resources, jmoe.plan.budget).
+would make (one device's, under expert parallelism over `devices` GPUs of one host), counts the KV cache,
+optionally compiles the decode and prefill programs for a GPU target (jmoe.plan.programs) and checks the result
+against the memory available (jmoe.plan.resources, jmoe.plan.budget).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from jmoe.arguments import check_backend, positive_finite, whole_number
 from jmoe.decode.generation import bucket_batch
 from jmoe.errors import InputError, InsufficientMemoryError
 from jmoe.offload.options import OffloadOptions
-from jmoe.offload.placement import Placement, plan_placement
+from jmoe.offload.expert_parallel import check_expert_split, device_placement
+from jmoe.offload.placement import Placement
 from jmoe.memory import PINNED_HOST
-from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, memory_needs
+from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, gib, memory_needs, on_one_host
 from jmoe.plan.estimate import Estimate, estimate, speeds_of
 from jmoe.plan.headers import CheckpointHeaders, read_headers
 from jmoe.plan.hit_rate import hit_rate as plan_hit_rate
@@ -43,6 +44,9 @@ class Plan:
     notes: tuple[str, ...]
     programs: dict[str, Program]  # "decode" / "prefill", compiled for the target (empty without one)
     estimate: Estimate | None = None  # tokens/s on the target (jmoe.plan.estimate); None without compiled programs
+    # Expert parallelism over this many devices of one host: the placement, slots, KV cache and programs are one
+    # device's; needs.host_bytes is the host's (every device's pinned share).
+    devices: int = 1
 
     @property
     def config(self):
@@ -65,7 +69,7 @@ class Plan:
             "target": None if self.target is None else {"name": self.target.name,
                                                         "device_kind": self.target.device_kind,
                                                         "device_memory_bytes": self.target.device_memory_bytes},
-            "batch": self.batch, "batch_rows": self.rows, "context": self.context, "options": options,
+            "devices": self.devices, "batch": self.batch, "batch_rows": self.rows, "context": self.context, "options": options,
             "cache": {"per_moe_layer": self.layer_caches(), "scratch_slots": placement.scratch},
             "groups": [{"group": group, "memory_kind": kind, "tensors": count, "bytes": nbytes}
                        for (group, kind), (count, nbytes) in sorted(placement.group_totals().items())],
@@ -126,10 +130,10 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
                       extrapolate_layers: bool = False) -> Plan:
     """`plan` with the offload settings already gathered in an OffloadOptions (the command line uses this)."""
     check_backend(backend)
-    if options.mesh is not None or (options.devices or 1) > 1:
-        raise InputError("plan: expert parallelism (devices / mesh / --devices) is not planned yet: jmoe.plan plans "
-                         "one device; drop the option (each device of an N-device expert mesh holds the dense "
-                         "weights and 1/N of the experts and slots)")
+    if options.mesh is not None:
+        raise InputError("plan: a Mesh holds this process's devices, not a target's; plan expert parallelism with "
+                         "devices=N (--devices N): N GPUs of one host with every MoE layer's experts split over them")
+    devices = options.devices or 1
     host_gb = None if host_gb is None else positive_finite("host_gb", host_gb)
     device_gb = None if device_gb is None else positive_finite("device_gb", device_gb)
     host_link_gbs = None if host_link_gbs is None else positive_finite("host_link_gbs", host_link_gbs)
@@ -139,16 +143,22 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     rows = bucket_batch(batch)
     context = checked_context(cfg, context)
     target = None if target is None else load_target(target)
-    placement = plan_placement(cfg, headers.abstract, options)
+    check_expert_split(devices, cfg)
+    placement = device_placement(cfg, headers.abstract, options, devices)
     caches = moe_layer_caches(placement, cfg.num_moe_layers)
-    hit = plan_hit_rate(hit_rate, trace, options.policy, caches, cfg.num_experts)  # checked before compiling
+    if trace is not None and devices > 1:
+        raise InputError(f"trace: a routing trace is not replayed per device under expert parallelism yet "
+                         f"(devices={devices}); pass hit_rate, or plan without the trace for uniform routing")
+    # one device's: its caches over its share of the experts; checked before compiling
+    hit = plan_hit_rate(hit_rate, trace, options.policy, caches, cfg.num_experts // devices)
     programs = {}
     if target is not None and compile:
         programs = compile_programs(cfg, headers.dtype, options, backend, rows, context, target.config_text,
-                                    extrapolate_layers)
+                                    extrapolate_layers, devices)
     compiled = [p.device_bytes for p in programs.values() if p.device_bytes is not None]
-    needs = memory_needs(cfg, placement, rows, context, headers.dtype, max(compiled) if compiled else None)
     available = resources(target, host_gb, device_gb)
+    needs = on_one_host(memory_needs(cfg, placement, rows, context, headers.dtype, max(compiled) if compiled else None),
+                        devices, available)
     reasons, notes = check_fit(needs, available, placement, cfg.num_experts, pool_fixed=False)
     notes += [f"{name} program: not compiled ({p.error}); its temporaries are not counted"
               for name, p in programs.items() if p.error]
@@ -156,6 +166,10 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
               f"{cfg.num_layers} decoder layers, its sizes, cost and kernels extrapolated to all of them "
               f"(extrapolate_layers); its temporaries are not counted (they do not scale with depth)"
               for name, p in programs.items() if p.compiled_layers and not p.error]
+    if devices > 1:
+        notes.append(f"pinned host: one host holds the {devices} devices and every device's share "
+                     f"({devices} x {gib(placement.totals()['host_bytes'])}); device memory, programs and the "
+                     f"estimate are one device's")
     if target is None or not compile:
         notes.append("device bytes count weights, slots, KV cache and stream buffers, not the programs' "
                      "temporaries: give a target (and compile) to count those")
@@ -167,16 +181,17 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
         expert_arrays = sum(nbytes for (group, _), (_, nbytes) in groups if group == "experts") + placement.slot_bytes
         resident_experts = sum(nbytes for (group, kind), (_, nbytes) in groups
                                if group == "experts" and kind != PINNED_HOST)
-        speed = estimate(programs, speeds, caches=caches, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        speed = estimate(programs, speeds, caches=caches, num_experts=cfg.num_experts // devices,
+                         top_k=cfg.num_experts_per_tok / devices,
                          expert_bytes=placement.expert_bytes, expert_array_bytes=expert_arrays,
                          least_bytes=needs.device_weight_bytes - resident_experts + needs.kv_bytes,
                          host_param_bytes=host_params, batch=batch, rows=rows, context=context, hit_rate=hit[0],
-                         hit_rate_source=hit[1], notes=assumptions)
+                         hit_rate_source=hit[1], notes=assumptions, devices=devices)
     if speed is None:
         notes.append("no speed estimate: it needs a target and the programs compiled for it, with their cost "
                      "analysis")
     return Plan(headers, options, placement, batch, rows, context, target, needs, available, not reasons,
-                tuple(reasons), tuple(placement.notes) + tuple(notes), programs, speed)
+                tuple(reasons), tuple(placement.notes) + tuple(notes), programs, speed, devices)
 
 
 def moe_layer_caches(placement: Placement, num_moe_layers: int) -> list[int | None]:
@@ -201,11 +216,7 @@ def refuse_if_unfit(headers: CheckpointHeaders, placement: Placement, devices: i
     backend, every device's arrays)."""
     cfg = headers.config
     available = resources()
-    needs = memory_needs(cfg, placement, 1, checked_context(cfg, None), headers.dtype)
-    if devices > 1:
-        scaled = (["host_bytes"] if available.device_bytes is not None  # each device has memory of its own
-                  else [f.name for f in dataclasses.fields(needs) if f.name != "program_bytes"])
-        needs = dataclasses.replace(needs, **{field: getattr(needs, field) * devices for field in scaled})
+    needs = on_one_host(memory_needs(cfg, placement, 1, checked_context(cfg, None), headers.dtype), devices, available)
     reasons, _ = check_fit(needs, available, placement, cfg.num_experts, pool_fixed=True)
     if reasons:
         raise InsufficientMemoryError(
@@ -219,4 +230,7 @@ def raise_pinned_pool_for(path: str | Path, options: OffloadOptions, dtype=None)
     """For the command lines, before JAX starts: raise the pinned-host pool limit to what this placement's
     pinned arrays need, unless the user set it (jmoe.plan.resources.ensure_pinned_pool). Returns what was set."""
     headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
-    return ensure_pinned_pool(plan_placement(headers.config, headers.abstract, options).totals()["host_bytes"])
+    devices = options.devices or 1  # an expert mesh of N devices pins N devices' shares
+    check_expert_split(devices, headers.config)
+    placement = device_placement(headers.config, headers.abstract, options, devices)
+    return ensure_pinned_pool(devices * placement.totals()["host_bytes"])

@@ -24,9 +24,9 @@ import numpy as np
 from jmoe.config import ModelConfig
 from jmoe.model.params import abstract_params
 from jmoe.offload.options import OffloadOptions
-from jmoe.offload.placement import plan_placement
+from jmoe.offload.expert_parallel import device_placement
 from jmoe.plan.depth import Reduction, extrapolated_flow, plan_reduction, reduced_config
-from jmoe.plan.hlo import ControlFlow, control_flow, kernel_count
+from jmoe.plan.hlo import Collective, ControlFlow, collectives, control_flow, kernel_count
 
 COMPILE_TIMEOUT_SECONDS = 3600
 PLUGIN_HINT = ('compiling for a GPU target needs the CUDA PJRT plugin and ptxas: pip install -e ".[gpu-compile]" '
@@ -45,6 +45,7 @@ class CompileJob:
     num_tokens: int
     context: int
     target_config: str
+    devices: int = 1  # GPUs of one host the experts are split over (expert parallelism)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Program:
     compiled_layers: tuple[int, int] | None = None
     extrapolated_flow: ControlFlow | None = None
     extrapolated_kernels: int | None = None
+    extrapolated_collectives: dict[Collective, int] | None = None
 
     @property
     def device_bytes(self) -> int | None:
@@ -87,10 +89,20 @@ class Program:
             return self.extrapolated_kernels
         return kernel_count(self.hlo_text or "")
 
+    @property
+    def collectives(self) -> dict[Collective, int]:
+        """What crosses between the devices of an expert-parallel program: each collective and how often it
+        occurs (none on one device)."""
+        if self.extrapolated_collectives is not None:
+            return self.extrapolated_collectives
+        return collectives(self.hlo_text or "")
+
     def as_dict(self) -> dict:
         flow = self.control_flow
         return {"tokens": list(self.tokens), "memory_analysis": self.memory_analysis, "device_bytes": self.device_bytes,
                 "cost_analysis": self.cost_analysis,
+                "collectives": [{"op": c.op, "shapes": list(c.shapes), "bytes": c.bytes, "count": n}
+                                for c, n in self.collectives.items()],
                 "control_flow": None if flow is None else flow.as_dict(),
                 "lower_seconds": self.lower_seconds, "compile_seconds": self.compile_seconds, "error": self.error,
                 "compiled_layers": None if self.compiled_layers is None else list(self.compiled_layers)}
@@ -109,9 +121,10 @@ def plugin_available() -> bool:
 
 
 def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backend: str, batch: int, context: int,
-                     target_config: str, extrapolate_layers: bool = False) -> dict[str, Program]:
+                     target_config: str, extrapolate_layers: bool = False, devices: int = 1) -> dict[str, Program]:
     """Compile "decode" and "prefill" for the target, side by side in child processes: the whole model, or (a deep
-    one, with `extrapolate_layers`) two shallow ones extrapolated to its depth (jmoe.plan.depth)."""
+    one, with `extrapolate_layers`) two shallow ones extrapolated to its depth (jmoe.plan.depth); for `devices`
+    GPUs of one host with the experts split over them (each program is then one device's share)."""
     shapes = {"decode": 1, "prefill": context}
     if not plugin_available():
         return {name: Program(name, (batch, t), error=PLUGIN_HINT) for name, t in shapes.items()}
@@ -119,7 +132,7 @@ def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backen
     # not survive pickling, so the child gets the default by name.
     options = dataclasses.replace(options, policy="lfru")
     reduction = None if not extrapolate_layers else plan_reduction(
-        config, lambda cfg: plan_placement(cfg, abstract_params(cfg, dtype), options))
+        config, lambda cfg: device_placement(cfg, abstract_params(cfg, dtype), options, devices))
     depths = [config.num_layers] if reduction is None else list(reduction.layers)
     with tempfile.TemporaryDirectory(prefix="jmoe-plan-") as tmp:
         running = {}
@@ -130,7 +143,7 @@ def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backen
                     work.mkdir()
                     with open(work / "job.pickle", "wb") as f:
                         pickle.dump(CompileJob(reduced_config(config, layers), np.dtype(dtype), options, backend, batch,
-                                               num_tokens, context, target_config), f)
+                                               num_tokens, context, target_config, devices), f)
                     log = open(work / "output.txt", "w+")
                     process = subprocess.Popen([sys.executable, "-m", "jmoe.plan.compile_worker",
                                                 str(work / "job.pickle"), str(work)], stdout=log,
@@ -171,7 +184,9 @@ def extrapolated(reduction: Reduction, small: Program, large: Program) -> Progra
                    small.lower_seconds + large.lower_seconds, small.compile_seconds + large.compile_seconds,
                    large.hlo_text, compiled_layers=reduction.layers,
                    extrapolated_flow=extrapolated_flow(reduction, small.control_flow, large.control_flow),
-                   extrapolated_kernels=round(reduction.extrapolate(small.kernels, large.kernels)))
+                   extrapolated_kernels=round(reduction.extrapolate(small.kernels, large.kernels)),
+                   extrapolated_collectives={c: round(reduction.extrapolate(small.collectives.get(c, 0), n))
+                                             for c, n in large.collectives.items()})
 
 
 def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tuple[int, int]) -> Program:

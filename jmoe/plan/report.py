@@ -8,9 +8,13 @@ from jmoe.plan.budget import gib
 def format_plan(plan) -> str:
     cfg, placement, needs, available = plan.config, plan.placement, plan.needs, plan.available
     target = "this machine" if plan.target is None else f"{plan.target.name} ({plan.target.device_kind})"
+    if plan.devices > 1:
+        target += f" x {plan.devices}, the experts split over them (bytes per device; pinned host for the host)"
     caches = plan.layer_caches()
+    own = "" if plan.devices == 1 else " (each GPU's own)"
     if len(set(caches)) == 1:
-        cache = "all experts resident" if caches[0] is None else f"{caches[0]} of {cfg.num_experts} experts"
+        cache = ("all experts resident" if caches[0] is None
+                 else f"{caches[0]} of {cfg.num_experts // plan.devices} experts{own}")
         cache += " in every MoE layer"
     else:
         cache = ", ".join("resident" if c is None else str(c) for c in caches) + " (per MoE layer)"
@@ -42,6 +46,7 @@ def format_plan(plan) -> str:
     lines.append(f"available: host {gib(available.host_bytes)} ({available.host_source}); device {device}")
     if available.pinned_pool_bytes is not None:
         lines.append(f"pinned host pool: {gib(available.pinned_pool_bytes)} ({available.pinned_pool_source})")
+    lines += format_collectives(plan)
     lines.append("FITS" if plan.fits else "DOES NOT FIT")
     lines += [f"- {reason}" for reason in plan.reasons]
     lines += format_estimate(plan)
@@ -64,3 +69,12 @@ def format_estimate(plan) -> list[str]:
     lines.append(f"  prefill, {plan.context}-token prompt{'':<2}{span(speed.prefill_tokens_per_s)}")
     lines += [f"  assumes: {line}" for line in speed.assumptions]
     return lines
+
+
+def format_collectives(plan) -> list[str]:
+    """What crosses between the devices in each compiled program (expert parallelism only)."""
+    lines = []
+    for name, program in plan.programs.items():
+        for c, count in program.collectives.items():
+            lines.append(f"{name} program: {count} x {c.op} of {', '.join(c.shapes)} ({c.bytes:,} bytes each)")
+    return lines + [""] if lines else []

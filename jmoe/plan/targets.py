@@ -12,7 +12,7 @@ from jmoe.errors import InputError
 
 TARGETS_DIR = Path(__file__).resolve().parent / "targets"
 SUFFIX = ".textproto"
-SPEEDS = TARGETS_DIR / "speeds.json"  # what the protos do not hold: host link and bf16 peak (README.md there)
+SPEEDS = TARGETS_DIR / "speeds.json"  # what the protos do not hold: links and bf16 peak (README.md there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Target:
     bf16_flops: float | None = None  # dense bf16 tensor-core peak (speeds.json; None for a user's file)
     host_link: str | None = None  # e.g. "PCIe 5.0 x16" (speeds.json; None for a user's file)
     host_link_bytes_per_s: float | None = None  # its nominal bandwidth, one direction
+    interconnect: str | None = None  # what joins the GPUs of one host, e.g. "NVLink 4 (SXM, NVSwitch)" (speeds.json)
+    interconnect_bytes_per_s: float | None = None  # its nominal bandwidth per GPU, one direction
 
 
 def target_names() -> list[str]:
@@ -52,7 +54,8 @@ def load_target(target: str | Path) -> Target:
                   int(memory.group(1)), _number(text, "memory_bandwidth"),
                   2e9 * _number(text, "core_count") * _number(text, "fpus_per_core") * _number(text, "clock_rate_ghz"),
                   speeds["bf16_tflops"] * 1e12 if speeds else None, speeds.get("host_link"),
-                  speeds["host_link_gbs"] * 1e9 if speeds else None)
+                  speeds["host_link_gbs"] * 1e9 if speeds else None, speeds.get("interconnect"),
+                  speeds["interconnect_gbs"] * 1e9 if speeds else None)
 
 
 def _number(config_text: str, field: str) -> float:
