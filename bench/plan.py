@@ -1,5 +1,6 @@
-"""jmoe.plan on the published shapes of large MoE models, for an H100 and an RTX 4090, at a few caches: where
-the bytes go, what fits, the plan's speed estimate, and what planning costs (wall time, peak memory).
+"""jmoe.plan on the published shapes of large MoE models, for an H100 and an RTX 4090 (the largest models also
+for one host's 4 and 8 H100s, experts split over them), at a few caches: where the bytes go, what fits, the plan's
+speed estimate next to what other engines publish, and what planning costs (wall time, peak memory).
 
 No weights exist here: each model is a config.json with its published shape and a header-only safetensors
 file (every tensor jmoe expects, with its shape and dtype, and no data), written once under --workdir.
@@ -7,7 +8,7 @@ Each plan runs in a fresh process (`python -m jmoe.plan --json`), so its peak RS
 prefill programs are compiled for the target in that process's children.
 
     python -m bench.plan [--workdir /tmp/jmoe_plan_bench] [--models "mixtral-8x7b,deepseek-v3 (fp8)"]
-        [--targets h100,rtx4090] [--context 4096] [--no-compile] [--extrapolate-layers]
+        [--targets h100,rtx4090,4xh100,8xh100] [--context 4096] [--no-compile] [--extrapolate-layers]
     python -m bench.plan --smoke   # Mixtral-8x7B at smoke size, h100, cache 4, context 64, no result file
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -81,13 +83,21 @@ MODELS["glm-4.5-air"] = {
 ROWS = {"mixtral-8x7b": ("mixtral-8x7b", None), "qwen3-30b-a3b": ("qwen3-30b-a3b", None),
         "qwen3-235b-a22b": ("qwen3-235b-a22b", None), "gpt-oss-120b (mxfp4)": ("gpt-oss-120b", "mxfp4"),
         "deepseek-v3 (fp8)": ("deepseek-v3", "fp8"), "deepseek-v3 (int4)": ("deepseek-v3", "int4"),
-        "kimi-k2 (int4)": ("kimi-k2", "int4"), "glm-4.5-air": ("glm-4.5-air", None)}
-# Caches per model: all experts resident, nothing cached, and one size in between.
+        "kimi-k2 (fp8)": ("kimi-k2", "fp8"), "kimi-k2 (int4)": ("kimi-k2", "int4"), "glm-4.5-air": ("glm-4.5-air", None)}
+# Caches per model (per device under expert parallelism): all experts resident, nothing cached, one size between.
 CACHES = {"mixtral-8x7b": [None, 0, 4], "qwen3-30b-a3b": [None, 0, 16], "qwen3-235b-a22b": [None, 0, 16],
           "gpt-oss-120b": [None, 0, 16], "deepseek-v3": [None, 0, 16], "kimi-k2": [None, 0, 16],
           "glm-4.5-air": [None, 0, 16]}
-# Host RAM assumed next to each GPU (the plan's host_gb): a one-H100 cloud machine, a desktop with an RTX 4090.
-HOST_GB = {"h100": 256, "rtx4090": 128}
+# Targets: a shipped GPU, or N of them on one host ("8xh100": expert parallelism, jmoe.plan's devices=8).
+TARGETS = ["h100", "rtx4090", "4xh100", "8xh100"]
+# The targets a row is planned on when asked for (default: the one-GPU ones): the largest models also on one
+# host's 4 and 8 H100s, and Kimi K2 in fp8 (1 TB of experts) only there.
+ROW_TARGETS = {"deepseek-v3 (fp8)": TARGETS, "deepseek-v3 (int4)": TARGETS, "kimi-k2 (int4)": TARGETS,
+               "kimi-k2 (fp8)": ["4xh100", "8xh100"]}
+ONE_GPU = ["h100", "rtx4090"]
+# Host RAM assumed (the plan's host_gb): a one-H100 cloud machine, a desktop with an RTX 4090, and the hosts of
+# 4 and 8 H100 SXM (an 8-GPU HGX / DGX H100 host has 2 TB).
+HOST_GB = {"h100": 256, "rtx4090": 128, "4xh100": 1024, "8xh100": 2048}
 SMOKE_MODEL, SMOKE_CACHE = "mixtral-8x7b", 4  # a smoke run plans this model at smoke size, this cache only
 BF16_BYTES = 2
 EXTRAPOLATED = " (deep models at two shallow depths, extrapolated: their programs' temporaries not counted)"
@@ -118,13 +128,8 @@ def write_header_only_checkpoint(directory: Path, config: dict) -> Path:
 PLAN_IN_A_PROCESS = r"""
 import json, resource, sys, time
 start = time.perf_counter()
-from jmoe.cli.plan import build_parser
-from jmoe.cli.common import offload_options
-from jmoe.plan import plan_with_options
-args = build_parser().parse_args(sys.argv[1:])
-plan = plan_with_options(args.model, offload_options(args), target=args.target, context=args.context,
-                         host_gb=args.host_gb, compile=not args.no_compile)
-out = plan.as_dict()
+from jmoe.cli.plan import build_parser, plan_from_args
+out = plan_from_args(build_parser().parse_args(sys.argv[1:])).as_dict()
 out["wall_seconds"] = time.perf_counter() - start
 usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 out["cpu_seconds"] = sum(u.ru_utime + u.ru_stime for u in usage)
@@ -134,9 +139,18 @@ print(json.dumps(out))
 """
 
 
+def gpus(target: str) -> tuple[str, int]:
+    """"8xh100" -> ("h100", 8); "h100" -> ("h100", 1)."""
+    count, _, name = target.partition("x") if re.fullmatch(r"\d+x\w+", target) else ("1", "", target)
+    return name, int(count)
+
+
 def plan_row(directory: Path, target: str, cache, context: int, compile_programs: bool,
              expert_dtype: str | None = None, extrapolate_layers: bool = False) -> dict:
-    argv = [str(directory), "--target", target, "--context", str(context), "--host-gb", str(HOST_GB[target])]
+    gpu, devices = gpus(target)
+    argv = [str(directory), "--target", gpu, "--context", str(context), "--host-gb", str(HOST_GB[target])]
+    if devices > 1:
+        argv += ["--devices", str(devices)]
     if extrapolate_layers:
         argv.append("--extrapolate-layers")
     if cache is not None:
@@ -171,22 +185,60 @@ def speed(row: dict, key: str) -> str:
     return "-" if row["estimate"] is None else "{:,.1f} - {:,.1f}".format(*row["estimate"][key])
 
 
+def compiled_layers(row: dict) -> str:
+    """"all 32", or the two shallow depths a deep model's programs were compiled at (extrapolate_layers)."""
+    depths = {tuple(p["compiled_layers"]) for p in row["programs"].values() if p["compiled_layers"]}
+    if not row["programs"]:
+        return "-"
+    return " + ".join(map(str, depths.pop())) + " of " + str(row["model"]["layers"]) if depths else (
+        f"all {row['model']['layers']}")
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | target | cache | pinned host GiB | device weights GiB | slots GiB | KV GiB | decode prog. GiB "
              "| prefill prog. GiB | device total GiB | device avail. GiB | fits | est. decode tok/s | "
-             "est. prefill tok/s | plan wall s | plan CPU s | peak RSS MiB (plan / compilers) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "est. prefill tok/s | layers compiled | plan wall s | plan CPU s | peak RSS MiB (plan / compilers) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         programs = r["programs"]
         prog = {name: (p["device_bytes"] if p["error"] is None else None) for name, p in programs.items()}
         fits = "yes" if r["fits"] else "no: " + "; ".join(reason.split(":")[0] for reason in r["reasons"])
         lines.append(
-            f"| {r['name']} | {r['target']['name']} | {r['cache_label']} | {gib(r['host_bytes'])} | "
+            f"| {r['name']} | {r['target_label']} | {r['cache_label']} | {gib(r['host_bytes'])} | "
             f"{gib(r['device_weight_bytes'])} | {gib(r['slot_bytes'])} | {gib(r['kv_bytes'])} | "
             f"{gib(prog.get('decode'))} | {gib(prog.get('prefill'))} | {gib(r['device_bytes'])} | "
             f"{gib(r['available']['device_bytes'])} | {fits} | {speed(r, 'decode_tokens_per_s_batch1')} | "
-            f"{speed(r, 'prefill_tokens_per_s')} | {r['wall_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
+            f"{speed(r, 'prefill_tokens_per_s')} | {compiled_layers(r)} | {r['wall_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
             f"{r['peak_rss_bytes'] / 2**20:.0f} / {r['peak_rss_children_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def rate(value) -> str:
+    """A published tokens/s: a number, a [low, high] range, or not published."""
+    if value is None:
+        return "-"
+    return f"{value[0]:g} - {value[1]:g}" if isinstance(value, list) else f"{value:g}"
+
+
+def published(rows: list[dict]) -> str:
+    """What other engines publish for the models planned (bench/plan_peers.py, with sources), next to the plan's
+    batch-1 decode estimate on the same card at each cache that fits."""
+    from bench.plan_peers import PEERS
+
+    planned = {r["name"] for r in rows}
+    lines = ["| model | card | engine | setting | published decode tok/s | published prefill tok/s | jmoe estimate, "
+             "decode batch 1 (cache: low - high) | source |", "|---|---|---|---|---:|---:|---|---|"]
+    for peer in PEERS:
+        if peer["model"] not in planned:
+            continue
+        same_card = [r for r in rows if r["name"] == peer["model"] and r["target_label"] == peer["target"]]
+        ours = "; ".join(f"{r['cache_label']}: {speed(r, 'decode_tokens_per_s_batch1')}" for r in same_card
+                         if r["fits"] and r["estimate"] is not None)
+        if not ours:
+            ours = "another card: not planned" if not same_card else "no plan fits"
+        lines.append(f"| {peer['model']} | {peer['gpu']} | {peer['engine']} | {peer['setting']} | "
+                     f"{rate(peer['decode_tokens_per_s'])} | {rate(peer['prefill_tokens_per_s'])} | {ours} | "
+                     f"{peer['source']} |")
     return "\n".join(lines)
 
 
@@ -194,7 +246,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_plan_bench"))
     parser.add_argument("--models", default=",".join(ROWS), help=f"rows to plan: {', '.join(ROWS)}")
-    parser.add_argument("--targets", default="h100,rtx4090")
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"some of {', '.join(TARGETS)}; a row is planned on those of its targets asked for")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--extrapolate-layers", action="store_true",
@@ -225,9 +278,12 @@ def report(args) -> None:
     began = time.perf_counter()
     load_before = open("/proc/loadavg").read().split()[:3]
     rows, errors = [], []
+    unknown = sorted(set(args.targets.split(",")) - set(TARGETS))
+    if unknown:
+        raise SystemExit(f"error: unknown --targets {unknown}; expected some of {', '.join(TARGETS)}")
     for name, (model, config, caches, expert_dtype) in models_to_plan(args).items():
         directory = write_header_only_checkpoint(args.workdir / model, config)
-        for target in args.targets.split(","):
+        for target in [t for t in args.targets.split(",") if t in ROW_TARGETS.get(name, ONE_GPU)]:
             for cache in caches:
                 print(f"[{time.perf_counter() - began:6.0f} s] {name} {target} cache={cache}", file=sys.stderr,
                       flush=True)
@@ -241,13 +297,16 @@ def report(args) -> None:
                         raise SystemExit(f"plan --smoke: {e}") from None
                     errors.append(str(e))
                     continue
-                rows.append({**row, "name": name, "cache_label": "all resident" if cache is None else str(cache)})
+                rows.append({**row, "name": name, "target_label": target,
+                             "cache_label": "all resident" if cache is None else str(cache)})
     load_after = open("/proc/loadavg").read().split()[:3]
     body = [
         f"Conditions: load average {' '.join(load_before)} before, {' '.join(load_after)} after; whole run "
         f"{time.perf_counter() - began:.0f} s; context {args.context} tokens, batch 1, bfloat16, host RAM assumed "
         f"{', '.join(f'{gb} GiB next to the {t}' for t, gb in HOST_GB.items())}, "
-        f"{'programs compiled for each target' if not args.no_compile else 'programs not compiled'}"
+        f"{'programs compiled for each target' if not args.no_compile else 'programs not compiled'}; on N x h100 "
+        f"(expert parallelism over one host's N GPUs, caches per GPU) the device columns are one GPU's and pinned "
+        f"host the host's"
         f"{EXTRAPOLATED if args.extrapolate_layers else ''}.", "",
         table(rows),
     ]
@@ -256,6 +315,11 @@ def report(args) -> None:
         body += ["", "Estimates: batch-1 decode and a context-long prefill, [low, high] tokens/s, uniform routing (hit "
                  "rate = cache / experts); the assumptions (jmoe/plan/estimate.py), for the first such row:", "",
                  *[f"- {line}" for line in estimated[0]["estimate"]["assumptions"]]]
+    if not args.smoke:
+        body += ["", "Published numbers of other engines for these models (gathered from the sources named, not "
+                 "measured here; bench/plan_peers.py has each one's quote). kTransformers and llama.cpp compute the "
+                 "offloaded experts on the host CPU, where jmoe copies them to the GPU, so their speed depends on the "
+                 "host's CPUs and memory channels as much as on the card:", "", published(rows)]
     if errors:
         body += ["", "Failed plans:", *[f"- {e}" for e in errors]]
     (args.workdir / "plan_rows.json").write_text(json.dumps(rows))

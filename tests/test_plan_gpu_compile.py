@@ -101,7 +101,7 @@ def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, 
     assert not slot_arrays & set(copied_arrays(decode.hlo_text))
 
 
-@pytest.mark.parametrize("case,options", [("mixtral_e4k2_gqa2", dict(cache=1, devices=2)),
+@pytest.mark.parametrize("case,options", [("mixtral_e4k2_gqa2", dict(cache=1, devices=2, extrapolate_layers=True)),
                                           ("deepseek_v3_qlora_groups", dict(cache=1, devices=4, expert_dtype="int4",
                                                                                expert_group_size=16))])
 def test_expert_parallel_programs_carry_only_activations_between_devices(case, options, hf_checkpoints):
@@ -112,7 +112,7 @@ def test_expert_parallel_programs_carry_only_activations_between_devices(case, o
     cfg = jmoe.load_config(path)
     devices = options["devices"]
     plan = jmoe.plan(path, target="h100", context=32, batch=2, backend="xla", **options)
-    alone = {key: value for key, value in options.items() if key != "devices"}
+    alone = {key: value for key, value in options.items() if key not in ("devices", "extrapolate_layers")}
     one = jmoe.plan(path, target="h100", context=32, batch=2, backend="xla", compile=False, **alone)
     for name, tokens in (("decode", 2), ("prefill", 2 * 32)):
         program = plan.programs[name]
@@ -126,3 +126,6 @@ def test_expert_parallel_programs_carry_only_activations_between_devices(case, o
          "count": cfg.num_moe_layers}]
     assert f"decode program: {cfg.num_moe_layers} x all-reduce of f32[2,{cfg.hidden_size}]" in plan.report()
     assert plan.fits and plan.estimate is not None
+    # two layers are compiled whole whatever is asked, and the plan says so
+    whole = any(note.startswith("extrapolate_layers: the programs were compiled whole") for note in plan.notes)
+    assert whole == ("extrapolate_layers" in options)

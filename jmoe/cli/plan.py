@@ -49,24 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def plan_from_args(args):
+    """The Plan the parsed command line asks for (bench.plan runs this too, one process per plan)."""
+    from jmoe.plan import plan_with_options
+
+    if args.compile_cache is not None:
+        # jax 0.10 cannot read back a compile-only executable ("PjRtCompiler must be constructed with a
+        # Client to call DeserializeLoadedExecutable"), so the cache would only collect dead entries.
+        raise JmoeError("--compile-cache / --no-compile-cache do not apply to python -m jmoe.plan: JAX's "
+                        "persistent compilation cache cannot hold programs compiled for a GPU this machine "
+                        "does not have; drop the flag")
+    return plan_with_options(args.model, offload_options(args), target=args.target, batch=args.batch,
+                             context=args.context, host_gb=args.host_gb, device_gb=args.device_gb,
+                             compile=not args.no_compile, dtype=args.dtype, backend=args.backend,
+                             hit_rate=args.hit_rate, trace=args.trace, host_link_gbs=args.host_link_gbs,
+                             extrapolate_layers=args.extrapolate_layers)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        from jmoe.plan import plan_with_options
-
-        if args.compile_cache is not None:
-            # jax 0.10 cannot read back a compile-only executable ("PjRtCompiler must be constructed with a
-            # Client to call DeserializeLoadedExecutable"), so the cache would only collect dead entries.
-            raise JmoeError("--compile-cache / --no-compile-cache do not apply to python -m jmoe.plan: JAX's "
-                            "persistent compilation cache cannot hold programs compiled for a GPU this machine "
-                            "does not have; drop the flag")
-
-        result = plan_with_options(args.model, offload_options(args), target=args.target, batch=args.batch,
-                                   context=args.context, host_gb=args.host_gb, device_gb=args.device_gb,
-                                   compile=not args.no_compile, dtype=args.dtype, backend=args.backend,
-                                   hit_rate=args.hit_rate, trace=args.trace, host_link_gbs=args.host_link_gbs,
-                                   extrapolate_layers=args.extrapolate_layers)
+        result = plan_from_args(args)
         print(result.to_json() if args.json else result.report())
         return 0 if result.fits else 1
 

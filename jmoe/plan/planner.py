@@ -20,6 +20,7 @@ from jmoe.offload.expert_parallel import check_expert_split, device_placement
 from jmoe.offload.placement import Placement
 from jmoe.memory import PINNED_HOST
 from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, gib, memory_needs, on_one_host
+from jmoe.plan.depth import REDUCE_FROM_LAYERS
 from jmoe.plan.estimate import Estimate, estimate, speeds_of
 from jmoe.plan.headers import CheckpointHeaders, read_headers
 from jmoe.plan.hit_rate import hit_rate as plan_hit_rate
@@ -166,6 +167,10 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
               f"{cfg.num_layers} decoder layers, its sizes, cost and kernels extrapolated to all of them "
               f"(extrapolate_layers); its temporaries are not counted (they do not scale with depth)"
               for name, p in programs.items() if p.compiled_layers and not p.error]
+    if extrapolate_layers and programs and not any(p.compiled_layers for p in programs.values()):
+        notes.append(f"extrapolate_layers: the programs were compiled whole, all {cfg.num_layers} decoder layers: "
+                     f"a model is extrapolated from {REDUCE_FROM_LAYERS} layers on, and only when its layers "
+                     f"repeat (the same placement, cache and group from some layer on)")
     if devices > 1:
         notes.append(f"pinned host: one host holds the {devices} devices and every device's share "
                      f"({devices} x {gib(placement.totals()['host_bytes'])}); device memory, programs and the "
