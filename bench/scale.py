@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
+from bench.compare_cpu import load_average, load_warning, quiet_start_load
 
 DEVICES = (1, 2, 4)
 SPEC = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -60,10 +61,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_scale_bench"))
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per row of the measured generation")
+    parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (the report says so)")
     add_smoke_argument(parser)
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", max(DEVICES))  # before JAX's CPU backend starts
     with smoke_run(args):
+        start_load = quiet_start_load("bench.scale", args.allow_load or args.smoke)
         spec = smoke_spec(SPEC) if args.smoke else SPEC
         tokens = 2 if args.smoke else args.tokens
         path = write_random_checkpoint(args.workdir / ("scale_smoke" if args.smoke else "scale"), "mixtral", **spec)
@@ -72,7 +75,9 @@ def main() -> None:
         devices = (DEVICES[0], DEVICES[-1]) if args.smoke else DEVICES
         same_per_device = [measure(path, n, CACHE_PER_DEVICE, prompts, tokens) for n in devices]
         same_total = [measure(path, n, TOTAL_CACHE // n, prompts, tokens) for n in devices]
-        body = (f"Mixtral-shaped random checkpoint: {spec['num_hidden_layers']} layers, hidden "
+        end_load = load_average()
+        body = (f"{load_warning(start_load)}Load average {start_load:.2f} at the start, {end_load:.2f} at the end.\n\n"
+                f"Mixtral-shaped random checkpoint: {spec['num_hidden_layers']} layers, hidden "
                 f"{spec['hidden_size']}, {spec['num_local_experts']} experts of width {spec['intermediate_size']}, "
                 f"top-{spec['num_experts_per_tok']}, float32; batch {BATCH}, {PROMPT_LEN}-token random prompts, "
                 f"{tokens} new tokens, greedy, LFRU, miss mode fetch. {__doc__.split(chr(10) * 2, 2)[2]}\n"
