@@ -11,8 +11,12 @@ generation (compiles, warms the caches), then the same generation measured. Hit 
 in its device's slots, over every device, prompt and decode of the measured generation. Bytes are per device:
 its slots, its share of the pinned experts, its device-resident weights (dense weights are replicated).
 The 4 CPU devices share this machine's cores and its RAM (a copy is a memcpy): the times show the step's
-overheads, not a speed-up; the bytes and hit rates are the result. The issue's 8xH100 plan table needs
-jmoe.plan to plan over devices, which it does not yet.
+overheads, not a speed-up; the bytes and hit rates are the result.
+
+Then the 8xH100 plan (not in a smoke run: bench.plan's smoke covers its code): jmoe.plan(..., devices=8) for
+DeepSeek-V3 and Kimi K2 with int4 experts (header-only checkpoints, bench.plan's), cache 16 per GPU, context 4096,
+programs compiled for one host's 8 H100s (extrapolated from two shallow depths): bytes per GPU and for the host,
+the estimate, and what crosses between the GPUs in each compiled program.
 """
 
 from __future__ import annotations
@@ -57,6 +61,30 @@ def measure(path: Path, devices: int, cache: int, prompts: list[list[int]], toke
             f"{placed['device_bytes'] / 2**20:.2f} |")
 
 
+PLANNED = ["deepseek-v3 (int4)", "kimi-k2 (int4)"]  # bench.plan's rows, planned on 8 H100s
+PLANNED_CACHE, PLANNED_CONTEXT = 16, 4096
+
+
+def plan_section(workdir: Path) -> str:
+    """jmoe.plan of the PLANNED rows on one host's 8 H100s: bench.plan's table, and each program's collectives."""
+    from bench import plan as bench_plan
+
+    rows, crossing = [], []
+    for name in PLANNED:
+        model, expert_dtype = bench_plan.ROWS[name]
+        directory = bench_plan.write_header_only_checkpoint(workdir / model, bench_plan.MODELS[model])
+        row = bench_plan.plan_row(directory, "8xh100", PLANNED_CACHE, PLANNED_CONTEXT, True, expert_dtype,
+                                  extrapolate_layers=True)
+        rows.append({**row, "name": name, "target_label": "8xh100", "cache_label": str(PLANNED_CACHE)})
+        for program, compiled in row["programs"].items():
+            crossing += [f"- {name}, {program}: {c['count']} x {c['op']} of {', '.join(c['shapes'])} "
+                         f"({c['bytes']:,} bytes each)" for c in compiled["collectives"]]
+    return (f"## The 8xH100 plan\n\n`jmoe.plan(..., target=\"h100\", devices=8, cache={PLANNED_CACHE}, "
+            f"context={PLANNED_CONTEXT}, extrapolate_layers=True)`; device columns per GPU, pinned host for the "
+            f"host ({bench_plan.HOST_GB['8xh100']} GiB assumed).\n\n{bench_plan.table(rows)}\n\nWhat crosses between the GPUs (the compiled "
+            f"programs' collectives):\n\n" + "\n".join(crossing) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_scale_bench"))
@@ -83,6 +111,8 @@ def main() -> None:
                 f"{tokens} new tokens, greedy, LFRU, miss mode fetch. {__doc__.split(chr(10) * 2, 2)[2]}\n"
                 f"## Same cache per device\n\n{TABLE_HEAD}\n" + "\n".join(same_per_device) +
                 f"\n\n## Same total cache\n\n{TABLE_HEAD}\n" + "\n".join(same_total) + "\n")
+        if not args.smoke:
+            body += "\n" + plan_section(args.workdir)
         print(write_result("scale_cpu.md", "Expert parallelism over CPU devices", body))
 
 
