@@ -81,8 +81,8 @@ def plan_section(workdir: Path) -> str:
                          f"({c['bytes']:,} bytes each)" for c in compiled["collectives"]]
     return (f"## The 8xH100 plan\n\n`jmoe.plan(..., target=\"h100\", devices=8, cache={PLANNED_CACHE}, "
             f"context={PLANNED_CONTEXT}, extrapolate_layers=True)`; device columns per GPU, pinned host for the "
-            f"host ({bench_plan.HOST_GB['8xh100']} GiB assumed).\n\n{bench_plan.table(rows)}\n\nWhat crosses between the GPUs (the compiled "
-            f"programs' collectives):\n\n" + "\n".join(crossing) + "\n")
+            f"host ({bench_plan.HOST_GB['8xh100']} GiB assumed).\n\n{bench_plan.table(rows)}\n\n"
+            f"What crosses between the GPUs (the compiled programs' collectives):\n\n" + "\n".join(crossing) + "\n")
 
 
 def main() -> None:
