@@ -83,7 +83,8 @@ MODELS["glm-4.5-air"] = {
 ROWS = {"mixtral-8x7b": ("mixtral-8x7b", None), "qwen3-30b-a3b": ("qwen3-30b-a3b", None),
         "qwen3-235b-a22b": ("qwen3-235b-a22b", None), "gpt-oss-120b (mxfp4)": ("gpt-oss-120b", "mxfp4"),
         "deepseek-v3 (fp8)": ("deepseek-v3", "fp8"), "deepseek-v3 (int4)": ("deepseek-v3", "int4"),
-        "kimi-k2 (fp8)": ("kimi-k2", "fp8"), "kimi-k2 (int4)": ("kimi-k2", "int4"), "glm-4.5-air": ("glm-4.5-air", None)}
+        "kimi-k2 (fp8)": ("kimi-k2", "fp8"), "kimi-k2 (int4)": ("kimi-k2", "int4"),
+        "glm-4.5-air": ("glm-4.5-air", None)}
 # Caches per model (per device under expert parallelism): all experts resident, nothing cached, one size between.
 CACHES = {"mixtral-8x7b": [None, 0, 4], "qwen3-30b-a3b": [None, 0, 16], "qwen3-235b-a22b": [None, 0, 16],
           "gpt-oss-120b": [None, 0, 16], "deepseek-v3": [None, 0, 16], "kimi-k2": [None, 0, 16],
@@ -208,7 +209,8 @@ def table(rows: list[dict]) -> str:
             f"{gib(r['device_weight_bytes'])} | {gib(r['slot_bytes'])} | {gib(r['kv_bytes'])} | "
             f"{gib(prog.get('decode'))} | {gib(prog.get('prefill'))} | {gib(r['device_bytes'])} | "
             f"{gib(r['available']['device_bytes'])} | {fits} | {speed(r, 'decode_tokens_per_s_batch1')} | "
-            f"{speed(r, 'prefill_tokens_per_s')} | {compiled_layers(r)} | {r['wall_seconds']:.0f} | {r['cpu_seconds']:.0f} | "
+            f"{speed(r, 'prefill_tokens_per_s')} | {compiled_layers(r)} | {r['wall_seconds']:.0f} | "
+            f"{r['cpu_seconds']:.0f} | "
             f"{r['peak_rss_bytes'] / 2**20:.0f} / {r['peak_rss_children_bytes'] / 2**20:.0f} |")
     return "\n".join(lines)
 

@@ -25,8 +25,8 @@ _COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:cop
 _COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(all-reduce|all-gather|all-to-all|ragged-all-to-all|reduce-scatter|"
                          r"collective-permute|collective-broadcast)(?:-start)?\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
-         "f32": 32, "s64": 64, "u64": 64, "f64": 64}
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
+         "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,6 @@ def collectives(hlo_text: str) -> dict[Collective, int]:
     found = collections.Counter()
     for shape_text, op in _COLLECTIVE.findall(hlo_text):
         arrays = _ARRAY.findall(shape_text)
-        nbytes = sum(_BITS.get(dtype, 8) * math.prod(int(n) for n in dims.split(",") if n) for dtype, dims in arrays) // 8
-        found[Collective(op, tuple(f"{dtype}[{dims}]" for dtype, dims in arrays), nbytes)] += 1
+        bits = sum(_BITS.get(dtype, 8) * math.prod(int(n) for n in dims.split(",") if n) for dtype, dims in arrays)
+        found[Collective(op, tuple(f"{dtype}[{dims}]" for dtype, dims in arrays), bits // 8)] += 1
     return dict(found)

@@ -70,7 +70,8 @@ class Plan:
             "target": None if self.target is None else {"name": self.target.name,
                                                         "device_kind": self.target.device_kind,
                                                         "device_memory_bytes": self.target.device_memory_bytes},
-            "devices": self.devices, "batch": self.batch, "batch_rows": self.rows, "context": self.context, "options": options,
+            "devices": self.devices, "batch": self.batch, "batch_rows": self.rows, "context": self.context,
+            "options": options,
             "cache": {"per_moe_layer": self.layer_caches(), "scratch_slots": placement.scratch},
             "groups": [{"group": group, "memory_kind": kind, "tensors": count, "bytes": nbytes}
                        for (group, kind), (count, nbytes) in sorted(placement.group_totals().items())],
