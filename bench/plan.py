@@ -224,7 +224,8 @@ def rate(value) -> str:
 
 def published(rows: list[dict]) -> str:
     """What other engines publish for the models planned (bench/plan_peers.py, with sources), next to the plan's
-    batch-1 decode estimate on the same card at each cache that fits."""
+    batch-1 decode estimate on the same card at each cache (marked where it does not fit: with the peer's host
+    RAM or quantized dense weights it might)."""
     from bench.plan_peers import PEERS
 
     planned = {r["name"] for r in rows}
@@ -234,10 +235,11 @@ def published(rows: list[dict]) -> str:
         if peer["model"] not in planned:
             continue
         same_card = [r for r in rows if r["name"] == peer["model"] and r["target_label"] == peer["target"]]
-        ours = "; ".join(f"{r['cache_label']}: {speed(r, 'decode_tokens_per_s_batch1')}" for r in same_card
-                         if r["fits"] and r["estimate"] is not None)
-        if not ours:
-            ours = "another card: not planned" if not same_card else "no plan fits"
+        ours = "; ".join(f"{r['cache_label']}: {speed(r, 'decode_tokens_per_s_batch1')}"
+                         + ("" if r["fits"] else " (does not fit: " + "; ".join(
+                             reason.split(":")[0] for reason in r["reasons"]) + ")")
+                         for r in same_card if r["estimate"] is not None) or (
+            "another card: not planned" if not same_card else "no estimate")
         lines.append(f"| {peer['model']} | {peer['gpu']} | {peer['engine']} | {peer['setting']} | "
                      f"{rate(peer['decode_tokens_per_s'])} | {rate(peer['prefill_tokens_per_s'])} | {ours} | "
                      f"{peer['source']} |")

@@ -85,6 +85,14 @@ def test_estimate_by_hand():
     # every access a hit: no copies; fast HBM = 1e8 least + 4 routed x 1e7 = 1.4e8 B at 0.9e12 B/s
     assert speed_at(1.0).decode_tokens_per_s == pytest.approx((1 / (6.4e8 / 0.6e12 + slow_host),
                                                                1 / (1.4e8 / 0.9e12 + fast_host)))
+    # an analysis that counts less than a step must read (1e8 counted, 3e8 of it expert arrays): the slow end
+    # reads the least too, so it stays the slow end
+    undercounted = est.estimate(fake_programs(decode_bytes=1e8), SPEEDS, caches=[None, 4], num_experts=8, top_k=2,
+                                expert_bytes=10**7, expert_array_bytes=3 * 10**8, least_bytes=10**8,
+                                host_param_bytes=0, batch=1, rows=1, context=100, hit_rate=1.0,
+                                hit_rate_source="given", notes=[])
+    assert undercounted.decode_tokens_per_s == pytest.approx((1 / (1.4e8 / 0.6e12 + slow_host),
+                                                              1 / (1.4e8 / 0.9e12 + fast_host)))
     assert est.estimate({"decode": Program("decode", (1, 1))}, SPEEDS, caches=[4], num_experts=8, top_k=2,
                         expert_bytes=1, expert_array_bytes=0, least_bytes=0, host_param_bytes=0, batch=1, rows=1,
                         context=1,

@@ -188,8 +188,11 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     def device(program, tokens):
         cost = program.cost_analysis
         routed = len(caches) * distinct_experts(num_experts, top_k, tokens)
-        hbm = (device_bytes(cost.get("bytes accessed", 0.0), expert_array_bytes, routed, expert_bytes),
-               least_bytes + routed * expert_bytes)
+        least = least_bytes + routed * expert_bytes
+        # The analysis may count less than a step must read (it counts a whole expert array once, and an
+        # extrapolated program's bytes are a fit): the slow end never reads less than the fast one.
+        hbm = (max(device_bytes(cost.get("bytes accessed", 0.0), expert_array_bytes, routed, expert_bytes), least),
+               least)
         own = device_seconds(cost.get("flops", 0.0), hbm, program.kernels, speeds)
         between = collective_seconds(program.collectives, devices, speeds)
         return own[0] + between[0], own[1] + between[1]
