@@ -101,13 +101,16 @@ def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, 
     assert not slot_arrays & set(copied_arrays(decode.hlo_text))
 
 
-@pytest.mark.parametrize("case,options", [("mixtral_e4k2_gqa2", dict(cache=1, devices=2, extrapolate_layers=True)),
+@pytest.mark.parametrize("case,options", [("mixtral_e4k2_gqa2", dict(cache=1, devices=2, prefetch=1,
+                                                                            extrapolate_layers=True)),
                                           ("deepseek_v3_qlora_groups", dict(cache=1, devices=4, expert_dtype="int4",
                                                                                expert_group_size=16))])
 def test_expert_parallel_programs_carry_only_activations_between_devices(case, options, hf_checkpoints):
     """Compiled for N H100s of one host with the experts split over them: one all-reduce per MoE layer, of the
     layer's float32 output for the step's tokens, and nothing else crosses between the devices (no expert
-    weight, no gather); each device's program holds its own share of the pinned experts."""
+    weight, no gather); each device's program holds its own share of the pinned experts, and with router
+    prefetch writes its slots in place (XLA:CPU copies a device's next-layer cache buffer there; the GPU does
+    not)."""
     path = hf_checkpoints[case][0]
     cfg = jmoe.load_config(path)
     devices = options["devices"]
@@ -121,6 +124,13 @@ def test_expert_parallel_programs_carry_only_activations_between_devices(case, o
         assert program.collectives == {activations: cfg.num_moe_layers}
         assert program.memory_analysis["host_argument_size_in_bytes"] * devices == plan.needs.host_bytes
     assert plan.needs.host_bytes == one.needs.host_bytes  # the host pins every device's share: the whole model's
+    def squeezed(dims):
+        return tuple(n for n in dims if n != 1)
+
+    d, f, slots = cfg.hidden_size, cfg.expert_intermediate_size, (options["cache"], plan.placement.scratch)
+    slot_arrays = {squeezed((n, d, 2 * f)) for n in slots} | {squeezed((n, f, d)) for n in slots}
+    if "expert_dtype" not in options:  # quantized slots hold codes; their dequantized copies have these shapes
+        assert not slot_arrays & {squeezed(dims) for dims in copied_arrays(plan.programs["decode"].hlo_text)}
     assert plan.as_dict()["programs"]["decode"]["collectives"] == [
         {"op": "all-reduce", "shapes": [f"f32[2,{cfg.hidden_size}]"], "bytes": 8 * cfg.hidden_size,
          "count": cfg.num_moe_layers}]
