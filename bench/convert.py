@@ -107,6 +107,7 @@ def load_once(kind: str, hf_dir: str, orbax_dir: str) -> None:
     from jmoe.config import load_config
     from jmoe.checkpoint.loading import load_model
     from jmoe.checkpoint.orbax_store import restore_model
+    from jmoe.memory import sharding_for
 
     cfg = load_config(hf_dir)
     start = time.perf_counter()
@@ -116,7 +117,7 @@ def load_once(kind: str, hf_dir: str, orbax_dir: str) -> None:
         module = restore_model(orbax_dir, cfg, progress=False)
     else:  # orbax, experts offloaded to pinned host memory
         module = restore_model(orbax_dir, cfg, progress=False,
-                               memory_kind_of=lambda path: "pinned_host" if "experts" in path else "device")
+                               sharding_of=lambda path: sharding_for("pinned_host" if "experts" in path else "device"))
     from flax import nnx
     jax.block_until_ready(nnx.state(module))
     print(f"{time.perf_counter() - start:.2f}")

@@ -284,11 +284,7 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
     if check_memory:
         refuse_if_unfit(headers, placement, 1 if mesh is None else mesh.devices.size)
     if headers.format == "jmoe-orbax":
-        if mesh is not None:
-            raise InputError(f"{model_dir} is in jmoe's Orbax format, which does not load over an expert mesh yet; "
-                             f"load its Hugging Face checkpoint with devices={mesh.devices.size}, or use one device")
-        module = restore_model(model_dir, config, dtype=dtype, memory_kind_of=placement.memory_kind_of,
-                               progress=progress)
+        module = restore_model(model_dir, config, dtype=dtype, sharding_of=sharding, progress=progress)
     else:
         if check_finite is not None and not isinstance(check_finite, bool):
             raise InputError(f"check_finite must be True, False or None, found {check_finite!r}")

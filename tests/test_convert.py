@@ -18,6 +18,7 @@ from jmoe.checkpoint.loading import load_model
 from jmoe.model.params import flat_params
 from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.checkpoint.orbax_store import MANIFEST, MARKER, PARAMS_DIR, is_orbax_checkpoint, restore_model
+from jmoe.memory import sharding_for
 
 
 def params_of(module) -> dict:
@@ -51,8 +52,8 @@ def test_restore_equals_hf_loading(name, hf_checkpoints, converted):
 def test_restore_places_arrays_in_requested_memory_kind(hf_checkpoints, converted):
     name = "qwen2_moe_shared_dense"
     cfg = load_config(hf_checkpoints[name][0])
-    offloaded = lambda path: "pinned_host" if "experts" in path else "device"  # noqa: E731
-    module = restore_model(converted[name], cfg, memory_kind_of=offloaded, progress=False)
+    offloaded = lambda path: sharding_for("pinned_host" if "experts" in path else "device")  # noqa: E731
+    module = restore_model(converted[name], cfg, sharding_of=offloaded, progress=False)
     kinds = {path: leaf.sharding.memory_kind for path, leaf in params_of(module).items()}
     assert {p for p, k in kinds.items() if k == "pinned_host"} == {p for p in kinds if "experts" in p} != set()
     assert all(k == "device" for p, k in kinds.items() if "experts" not in p)

@@ -1,10 +1,11 @@
 """Expert parallelism inside one process (jmoe.offload.expert_parallel): over 4 CPU devices (and a 2-device mesh)
-the tokens and logits equal the one-device model's for a Mixtral-like model, Qwen2-MoE with a shared expert and
-a dense layer, and DeepSeek-V3 (latent attention, grouped router, top-3 of 2 experts per device), in both miss
-modes and at per-device caches of 0, 1 and all of a device's experts; each device holds only its share of the
-experts and keeps its own statistics; the compiled steps' only collectives are one all-reduce of activations
-per MoE layer; bad settings are clear errors. The multi-device runs share one child
-process (tests/expert_parallel_child.py), since the device count is fixed when JAX starts."""
+the tokens and logits equal the one-device model's for a Mixtral-like model (from Hugging Face safetensors and
+from jmoe's Orbax format), Qwen2-MoE with a shared expert and a dense layer, and DeepSeek-V3 (latent attention,
+grouped router, top-3 of 2 experts per device), in both miss modes and at per-device caches of 0, 1 and all of a
+device's experts; each device holds only its share of the experts and keeps its own statistics; the compiled
+steps' only collectives are one all-reduce of activations per MoE layer; bad settings are clear errors. The
+multi-device runs share one child process (tests/expert_parallel_child.py), since the device count is fixed when
+JAX starts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 
 import jmoe
 from hf_models import write_checkpoint
+from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.compile_cache import with_fast_compile
 from jmoe.errors import InputError
 
@@ -48,6 +50,9 @@ CASES = {
         dict(devices=DEVICES, cache=[1, 0], policy="static", expert_dtype="int8"),
     ]),
 }
+# The Mixtral-like checkpoint converted to jmoe's Orbax format: restored straight into each device's share.
+CASES["mixtral_orbax"] = (*CASES["mixtral"][:2], [dict(devices=DEVICES, cache=1)])
+ORBAX = {"mixtral_orbax"}
 CHILD_TIMEOUT_S = 400
 
 
@@ -61,7 +66,11 @@ def runs(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("expert_parallel")
     cases = []
     for i, (name, (model_type, overrides, options)) in enumerate(CASES.items()):
-        write_checkpoint(root / name, model_type, seed=i, **overrides)
+        if name in ORBAX:
+            write_checkpoint(root / f"{name}_hf", model_type, seed=i, **overrides)
+            convert_checkpoint(root / f"{name}_hf", root / name)
+        else:
+            write_checkpoint(root / name, model_type, seed=i, **overrides)
         cases.append({"name": name, "path": str(root / name), "options": options})
     child = Path(__file__).with_name("expert_parallel_child.py")
     done = subprocess.run([sys.executable, str(child), json.dumps(cases)], env=several_devices_env(),

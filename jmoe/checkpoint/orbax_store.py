@@ -8,8 +8,8 @@ Layout (written by jmoe.checkpoint.convert):
     jmoe_manifest.json    written last: dtype, expert_dtype and expert_group (how experts are stored), every
                           parameter's shape, dtype and CRC-32, source files with sizes and sha256
 
-Restoring reads each group straight into the memory kind `memory_kind_of(path)` asks for, so experts
-meant for pinned host memory never pass through device memory.
+Restoring reads each group straight into the sharding `sharding_of(path)` asks for (a memory kind, and under
+an expert mesh each device's share), so experts meant for pinned host memory never pass through device memory.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jmoe.model.params import ParamPath, abstract_model, flat_params, nest_param
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
 from jmoe.jsonfile import read_json
-from jmoe.memory import DEVICE, MEMORY_KINDS, sharding_for
+from jmoe.memory import DEVICE, sharding_for
 from jmoe.model import MoETransformer
 
 FORMAT = "jmoe-orbax"
@@ -43,7 +43,7 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "chat_template.jinja")
 TMP_INFIX = ".jmoe-converting-"  # in the name of a conversion's temporary directory
 
-MemoryKindOf = Callable[[ParamPath], str]
+ShardingOf = Callable[[ParamPath], jax.sharding.Sharding]
 
 
 def param_groups(paths) -> dict[tuple, list[ParamPath]]:
@@ -150,13 +150,13 @@ def check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, obje
                               "converted from")
 
 
-def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory_kind_of: MemoryKindOf | None = None,
+def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, sharding_of: ShardingOf | None = None,
                   progress: bool = True) -> MoETransformer:
-    """Restore a converted checkpoint into a MoETransformer, each array directly in its memory kind.
+    """Restore a converted checkpoint into a MoETransformer, each array directly where it will live.
 
     dtype: parameter dtype (default: the dtype the checkpoint was converted to).
-    memory_kind_of: jmoe parameter path, e.g. ("layers", 3, "mlp", "experts", "w_down") -> "device" or
-        "pinned_host"; default: everything on "device".
+    sharding_of: jmoe parameter path, e.g. ("layers", 3, "mlp", "experts", "w_down") -> its sharding (memory
+        kind "device" or "pinned_host"; split over an expert mesh); default: everything on the device.
     """
     orbax_dir = Path(orbax_dir).absolute()  # Orbax works on absolute paths only
     manifest = read_manifest(orbax_dir)
@@ -173,11 +173,9 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, memory
         for group, paths in param_groups(abstract).items():
             targets = {}
             for path in paths:
-                kind = memory_kind_of(path) if memory_kind_of else DEVICE
-                if kind not in MEMORY_KINDS:
-                    raise InputError(f"memory_kind_of({path}) returned {kind!r}; expected one of {MEMORY_KINDS}")
                 targets[orbax_key(path)] = jax.ShapeDtypeStruct(
-                    abstract[path].shape, abstract[path].dtype, sharding=sharding_for(kind))
+                    abstract[path].shape, abstract[path].dtype,
+                    sharding=sharding_of(path) if sharding_of else sharding_for(DEVICE))
             try:
                 restored = ocp.load(orbax_dir / PARAMS_DIR, nest_params(targets))
             except Exception as e:  # Orbax reports unreadable data as a bare Exception

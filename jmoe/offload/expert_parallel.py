@@ -14,7 +14,7 @@ between steps each device's manager reads its own row of the step's tables.
 
 In a jax.distributed run each process splits the experts over its own devices (a mesh spanning processes is
 refused). Not under a mesh: the CPU kernels' per-expert views of resident experts (Experts.hold_per_expert_arrays; the
-CPU kernels read the stacked arrays instead), history prefetch (`prefetch_trace`) and jmoe's Orbax format.
+CPU kernels read the stacked arrays instead) and history prefetch (`prefetch_trace`).
 jmoe.plan compiles the steps for N GPUs of one host with this engine (`devices=N`).
 """
 
