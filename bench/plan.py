@@ -195,6 +195,16 @@ def compiled_layers(row: dict) -> str:
         f"all {row['model']['layers']}")
 
 
+def unfit_reasons(row: dict) -> str:
+    """What a plan that does not fit runs out of, e.g. "host memory; device memory"."""
+    return "; ".join(reason.split(":")[0] for reason in row["reasons"])
+
+
+def labelled(row: dict, name: str, target: str, cache) -> dict:
+    """A plan's row with the names the tables show: its bench row, target ("8xh100") and cache."""
+    return {**row, "name": name, "target_label": target, "cache_label": "all resident" if cache is None else str(cache)}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | target | cache | pinned host GiB | device weights GiB | slots GiB | KV GiB | decode prog. GiB "
              "| prefill prog. GiB | device total GiB | device avail. GiB | fits | est. decode tok/s | "
@@ -203,7 +213,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         programs = r["programs"]
         prog = {name: (p["device_bytes"] if p["error"] is None else None) for name, p in programs.items()}
-        fits = "yes" if r["fits"] else "no: " + "; ".join(reason.split(":")[0] for reason in r["reasons"])
+        fits = "yes" if r["fits"] else "no: " + unfit_reasons(r)
         lines.append(
             f"| {r['name']} | {r['target_label']} | {r['cache_label']} | {gib(r['host_bytes'])} | "
             f"{gib(r['device_weight_bytes'])} | {gib(r['slot_bytes'])} | {gib(r['kv_bytes'])} | "
@@ -236,8 +246,7 @@ def published(rows: list[dict]) -> str:
             continue
         same_card = [r for r in rows if r["name"] == peer["model"] and r["target_label"] == peer["target"]]
         ours = "; ".join(f"{r['cache_label']}: {speed(r, 'decode_tokens_per_s_batch1')}"
-                         + ("" if r["fits"] else " (does not fit: " + "; ".join(
-                             reason.split(":")[0] for reason in r["reasons"]) + ")")
+                         + ("" if r["fits"] else f" (does not fit: {unfit_reasons(r)})")
                          for r in same_card if r["estimate"] is not None) or (
             "another card: not planned" if not same_card else "no estimate")
         lines.append(f"| {peer['model']} | {peer['gpu']} | {peer['engine']} | {peer['setting']} | "
@@ -301,8 +310,7 @@ def report(args) -> None:
                         raise SystemExit(f"plan --smoke: {e}") from None
                     errors.append(str(e))
                     continue
-                rows.append({**row, "name": name, "target_label": target,
-                             "cache_label": "all resident" if cache is None else str(cache)})
+                rows.append(labelled(row, name, target, cache))
     load_after = open("/proc/loadavg").read().split()[:3]
     body = [
         f"Conditions: load average {' '.join(load_before)} before, {' '.join(load_after)} after; whole run "

@@ -75,7 +75,7 @@ def plan_section(workdir: Path) -> str:
         directory = bench_plan.write_header_only_checkpoint(workdir / model, bench_plan.MODELS[model])
         row = bench_plan.plan_row(directory, "8xh100", PLANNED_CACHE, PLANNED_CONTEXT, True, expert_dtype,
                                   extrapolate_layers=True)
-        rows.append({**row, "name": name, "target_label": "8xh100", "cache_label": str(PLANNED_CACHE)})
+        rows.append(bench_plan.labelled(row, name, "8xh100", PLANNED_CACHE))
         for program, compiled in row["programs"].items():
             crossing += [f"- {name}, {program}: {c['count']} x {c['op']} of {', '.join(c['shapes'])} "
                          f"({c['bytes']:,} bytes each)" for c in compiled["collectives"]]

@@ -274,7 +274,7 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
     # config and checkpoint headers, checked; no tensor data read yet
     headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     model_dir, config, dtype = headers.directory, headers.config, headers.dtype
-    mesh = expert_mesh(options, config)  # None: one device
+    mesh = expert_mesh(options)  # None: one device
     placement = device_placement(config, headers.abstract, options, 1 if mesh is None else mesh.devices.size)
 
     def sharding(path):

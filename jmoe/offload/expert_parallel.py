@@ -38,9 +38,10 @@ from jmoe.offload.placement import Placement, is_expert_param, plan_placement
 EXPERT_AXIS = "expert"
 
 
-def expert_mesh(options: OffloadOptions, config: ModelConfig) -> Mesh | None:
+def expert_mesh(options: OffloadOptions) -> Mesh | None:
     """The mesh `options` asks for (`devices` = N: this process's first N devices on an `expert` axis; or
-    `mesh`, whose only axis must be `expert`), checked against the model; None = one device."""
+    `mesh`, whose only axis must be `expert`); None = one device. device_placement checks that the model's
+    experts split evenly over it."""
     if options.mesh is not None:
         mesh = options.mesh
         if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (EXPERT_AXIS,):
@@ -62,7 +63,6 @@ def expert_mesh(options: OffloadOptions, config: ModelConfig) -> Mesh | None:
                              f"{local[0].platform.upper()} device(s); give at most {len(local)} (on CPU, "
                              f"JAX_NUM_CPU_DEVICES={options.devices} makes that many)")
         mesh = Mesh(np.array(local[:options.devices]), (EXPERT_AXIS,))
-    check_expert_split(mesh.devices.size, config)
     return mesh
 
 
@@ -85,9 +85,11 @@ def device_config(config: ModelConfig, n: int) -> ModelConfig:
 def device_placement(config: ModelConfig, abstract: dict[ParamPath, object], options: OffloadOptions,
                      n: int) -> Placement:
     """The placement of one device of an `n`-device expert axis: its share of every MoE layer's experts, the dense
-    weights (replicated), its slots. Every byte count in it is per device. One device: the model's placement."""
+    weights (replicated), its slots. Every byte count in it is per device. One device: the model's placement.
+    Refuses an `n` that does not divide the model's experts."""
     if n == 1:
         return plan_placement(config, abstract, options)
+    check_expert_split(n, config)
     own = {path: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype) if is_expert_param(path) else a
            for path, a in abstract.items()}
     placement = plan_placement(device_config(config, n), own, options)

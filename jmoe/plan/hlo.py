@@ -76,6 +76,7 @@ class Collective:
     shapes: tuple[str, ...]  # what it carries, e.g. ("f32[1,4096]",)
     bytes: int  # per device, as the result holds them
 
+
 def collectives(hlo_text: str) -> dict[Collective, int]:
     """The collectives of an optimized HLO module, each with how often it occurs (a loop body's counted once)."""
     found = collections.Counter()

@@ -16,7 +16,7 @@ from jmoe.arguments import check_backend, positive_finite, whole_number
 from jmoe.decode.generation import bucket_batch
 from jmoe.errors import InputError, InsufficientMemoryError
 from jmoe.offload.options import OffloadOptions
-from jmoe.offload.expert_parallel import check_expert_split, device_placement
+from jmoe.offload.expert_parallel import device_placement
 from jmoe.offload.placement import Placement
 from jmoe.memory import PINNED_HOST
 from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, gib, memory_needs, on_one_host
@@ -145,7 +145,6 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     rows = bucket_batch(batch)
     context = checked_context(cfg, context)
     target = None if target is None else load_target(target)
-    check_expert_split(devices, cfg)
     placement = device_placement(cfg, headers.abstract, options, devices)
     caches = moe_layer_caches(placement, cfg.num_moe_layers)
     if trace is not None and devices > 1:
@@ -237,6 +236,5 @@ def raise_pinned_pool_for(path: str | Path, options: OffloadOptions, dtype=None)
     pinned arrays need, unless the user set it (jmoe.plan.resources.ensure_pinned_pool). Returns what was set."""
     headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     devices = options.devices or 1  # an expert mesh of N devices pins N devices' shares
-    check_expert_split(devices, headers.config)
     placement = device_placement(headers.config, headers.abstract, options, devices)
     return ensure_pinned_pool(devices * placement.totals()["host_bytes"])
