@@ -239,3 +239,23 @@ def test_background_thread_serves_concurrent_submissions_and_drains_on_stop(mode
     assert [tokens_of(r) for r in requests] == expected
     with pytest.raises(QueueFullError, match="shutting down"):
         engine.submit(prompt_ids[0], greedy(2))
+
+
+def test_warm_up_runs_every_program_but_leaves_the_expert_cache_as_it_was(prompt_ids):
+    """warm_up runs each program once on tokens that route to experts (router prefetch copies into slots too);
+    the slots, tables and counts the manager knows come back exactly, its statistics see no warm-up step, and
+    the first request's tokens are generate's."""
+    model = jmoe.load(DEFAULT, cache=4, prefetch=1, progress=False)
+    expected = model.generate(prompt_ids[0], max_new_tokens=6)[0]  # fills the cache
+    before, stats = jax.device_get(model.engine.state), model.stats()
+    engine = ServingEngine(model, max_batch=2, context=64)
+    engine.warm_up()
+    after = jax.device_get(model.engine.state)
+    assert jax.tree.structure(after) == jax.tree.structure(before)
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(new, old)
+    assert model.stats() == stats
+    assert not np.asarray(jax.device_get(engine.counts)).any()
+    request = engine.submit(prompt_ids[0], greedy(6))
+    run_until_done(engine, [request])
+    assert tokens_of(request) == expected

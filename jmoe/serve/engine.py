@@ -36,7 +36,7 @@ from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_prefill_fn
 from jmoe.serve.text import StopText
 
 # Prompt tokens per prefill entry and step; shorter chunks are padded up to the next of these.
-CHUNK_BUCKETS = (16, 64, 256)
+CHUNK_BUCKETS = (16, 64, 128, 256)
 # The fewest cache columns a decode step's attention reads (then powers of two up to the context).
 MIN_VISIBLE = 64
 
@@ -133,12 +133,14 @@ class ServingEngine:
         self.max_batch, self.max_queue, self.context = max_batch, max_queue, context
         self.observer = observer
         self.eos = frozenset(cfg.eos_token_ids)
-        # Prefill chunks stay shorter than the context, so attention never takes its prompt-from-column-0 path.
+        # Prefill chunks stay shorter than the context, so only a step of first chunks (every entry from column
+        # 0, visible = chunk) takes attention's prompt-from-column-0 path.
         self.chunks = tuple(c for c in CHUNK_BUCKETS if c < context) or (context // 2,)
         self.entry_buckets = tuple(sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)}))
         self.visible_buckets = tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context)
                                              for i in range(context.bit_length() + 1)}))
-        self._prefill = make_prefill_fn(model.graphdef, model.engine)
+        # A step of first chunks reads only its own columns; a step that continues a long prompt reads them all.
+        self._prefill = {v: make_prefill_fn(model.graphdef, model.engine, v) for v in (*self.chunks, context)}
         self._decode = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
         self._choose = {(greedy, logprobs): make_choose_fn(greedy, logprobs)
                         for greedy in (True, False) for logprobs in (True, False)}
@@ -211,21 +213,36 @@ class ServingEngine:
 
     # ---- compiling ------------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Compile, for every entry count (a power of two up to max_batch): the prefill program for every chunk
-        bucket, the token choice (greedy or sampled, with or without logprobs) and the decode program for every
-        visible length (a decode step runs the fewest first rows that hold every generating request)."""
+        """Compile, for every entry count (a power of two up to max_batch): the prefill programs for every chunk
+        bucket (first chunks, which read only their own columns, and later ones, which read the context), the token
+        choice (greedy or sampled, with or without logprobs) and the decode program for every visible length (a
+        decode step runs the fewest first rows that hold every generating request). Each program also runs once,
+        on tokens that route to many experts: on XLA:CPU a program's first run, and an expert's first use in it,
+        cost 30-90 ms more than later ones (the default model at context 512), which the first requests would
+        otherwise wait for. Those runs go around the manager, so the expert cache's slots, tables and counts are
+        put back as they were, and the KV cache and penalty counts start empty."""
+        engine = self.model.engine
+        saved = jax.device_get(engine.state)
+        shardings = jax.tree.map(lambda a: a.sharding, engine.state)
+        tokens = lambda *shape: np.arange(np.prod(shape), dtype=np.int32).reshape(shape) % self.config.vocab_size
         for entries in self.entry_buckets:
+            padding = np.full(entries, self.max_batch)  # gathers a clipped row; its writes are dropped
             for chunk in self.chunks:
-                self._program(("prefill", entries, chunk), self._prefill,
-                              self._prefill_args(np.zeros((entries, chunk), np.int32), np.full(entries, self.max_batch),
-                                                 np.zeros(entries), np.zeros(entries)))
+                for visible in (chunk, self.context):
+                    args = self._prefill_args(tokens(entries, chunk), padding, np.zeros(entries),
+                                              np.full(entries, chunk))
+                    _, _, self.kv_cache, engine.state = self._program(
+                        ("prefill", entries, chunk, visible), self._prefill[visible], args)(*args)
             for variant, choose in self._choose.items():
-                self._program(("choose", *variant, entries), choose,
-                              self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries,
-                                                reset=True))
+                args = self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries, reset=True)
+                _, self.counts = self._program(("choose", *variant, entries), choose, args)(*args)
             for visible in self.visible_buckets:
-                self._program(("decode", visible, entries), self._decode[visible], self._decode_args(
-                    np.zeros(entries, np.int32), np.zeros(entries, np.int32), np.zeros(entries, bool)))
+                args = self._decode_args(tokens(entries), np.zeros(entries, np.int32), np.ones(entries, bool))
+                _, _, self.kv_cache, engine.state = self._program(("decode", visible, entries), self._decode[visible],
+                                                                  args)(*args)
+        engine.state = jax.tree.map(jax.device_put, saved, shardings)
+        self.kv_cache = empty_kv_cache(self.config, self.max_batch, self.context, self.model.kv_dtype)
+        self.counts = jnp.zeros_like(self.counts)
         self.ready = True
 
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
@@ -314,10 +331,13 @@ class ServingEngine:
             piece = request.prompt[request.prefilled:request.prefilled + chunk]
             tokens[i, :len(piece)] = piece
             rows[i], start[i], valid[i] = request.row, request.prefilled, len(piece)
+        # First chunks (every entry from column 0) see only the chunk's columns: attention over the whole context
+        # was half of a short prompt's prefill at context 1024.
+        visible = chunk if not start.any() else self.context
         began = time.perf_counter()
         args = self._prefill_args(tokens, rows, start, valid)
-        (logits, finite), routing, self.kv_cache, state = self._program(("prefill", entries, chunk), self._prefill,
-                                                                      args)(*args)
+        (logits, finite), routing, self.kv_cache, state = self._program(
+            ("prefill", entries, chunk, visible), self._prefill[visible], args)(*args)
         for request, n in zip(batch, valid):
             request.prefilled += int(n)
         # The first token of every entry whose prompt is complete, in the step's one device-to-host read.

@@ -27,16 +27,17 @@ def _scatter_rows(kv_cache, rows, new):
     return jax.tree.map(lambda c, n: c.at[rows].set(n, mode="drop"), kv_cache, new)
 
 
-def make_prefill_fn(graphdef, engine):
+def make_prefill_fn(graphdef, engine, visible: int):
     """(params, engine state, kv cache, tokens int32 [P, T], rows int32 [P], start int32 [P], valid int32 [P])
     -> (float32 logits [P, V] at each entry's last real token, bool [L] finite per layer), routing, kv cache,
     engine state. Entry p writes its first valid[p] tokens into row rows[p] from column start[p]; the
-    columns after them may hold padding, which later writes of that row replace before anything reads them."""
+    columns after them may hold padding, which later writes of that row replace before anything reads them.
+    Attention reads the first `visible` columns (static, >= every start + T; T when every start is 0)."""
 
     def prefill(params, engine_state, kv_cache, tokens, rows, start, valid):
         pad = jnp.zeros(tokens.shape[:1], jnp.int32)
         out, engine_state = forward(graphdef, params, engine, engine_state, tokens, _gather_rows(kv_cache, rows),
-                                    start, pad, last_only=True, valid_len=valid)
+                                    start, pad, last_only=True, visible_len=visible, valid_len=valid)
         kv_cache = _scatter_rows(kv_cache, rows, out.kv_cache)
         return (out.logits[:, 0], out.finite), out.routing, kv_cache, engine_state
 
