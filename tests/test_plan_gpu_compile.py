@@ -124,6 +124,7 @@ def test_expert_parallel_programs_carry_only_activations_between_devices(case, o
         assert program.collectives == {activations: cfg.num_moe_layers}
         assert program.memory_analysis["host_argument_size_in_bytes"] * devices == plan.needs.host_bytes
     assert plan.needs.host_bytes == one.needs.host_bytes  # the host pins every device's share: the whole model's
+
     def squeezed(dims):
         return tuple(n for n in dims if n != 1)
 

@@ -242,7 +242,7 @@ def test_background_thread_serves_concurrent_submissions_and_drains_on_stop(mode
 
 
 def test_warm_up_runs_every_program_but_leaves_the_expert_cache_as_it_was(prompt_ids):
-    """warm_up runs each program once on tokens that route to experts (router prefetch copies into slots too);
+    """warm_up runs each program once on padding entries (router prefetch copies into slots even then);
     the slots, tables and counts the manager knows come back exactly, its statistics see no warm-up step, and
     the first request's tokens are generate's."""
     model = jmoe.load(DEFAULT, cache=4, prefetch=1, progress=False)

@@ -217,27 +217,28 @@ class ServingEngine:
         bucket (first chunks, which read only their own columns, and later ones, which read the context), the token
         choice (greedy or sampled, with or without logprobs) and the decode program for every visible length (a
         decode step runs the fewest first rows that hold every generating request). Each program also runs once,
-        on tokens that route to many experts: on XLA:CPU a program's first run, and an expert's first use in it,
-        cost 30-90 ms more than later ones (the default model at context 512), which the first requests would
-        otherwise wait for. Those runs go around the manager, so the expert cache's slots, tables and counts are
-        put back as they were, and the KV cache and penalty counts start empty."""
+        on padding entries: on XLA:CPU a program's first run cost 30-90 ms more than its next (the default model at
+        context 512), which the first requests would otherwise wait for (routed tokens instead of padding warmed no
+        better, measured). Those runs go around the manager, so the expert cache's slots, tables and counts are
+        put back as they were (router prefetch copies even on padding), and the KV cache and penalty counts start
+        empty."""
         engine = self.model.engine
         saved = jax.device_get(engine.state)
         shardings = jax.tree.map(lambda a: a.sharding, engine.state)
-        tokens = lambda *shape: np.arange(np.prod(shape), dtype=np.int32).reshape(shape) % self.config.vocab_size
         for entries in self.entry_buckets:
-            padding = np.full(entries, self.max_batch)  # gathers a clipped row; its writes are dropped
+            # a clipped row, its writes dropped; from column 0, no valid token
+            padding, zeros = np.full(entries, self.max_batch), np.zeros(entries)
             for chunk in self.chunks:
                 for visible in (chunk, self.context):
-                    args = self._prefill_args(tokens(entries, chunk), padding, np.zeros(entries),
-                                              np.full(entries, chunk))
+                    args = self._prefill_args(np.zeros((entries, chunk), np.int32), padding, zeros, zeros)
                     _, _, self.kv_cache, engine.state = self._program(
                         ("prefill", entries, chunk, visible), self._prefill[visible], args)(*args)
             for variant, choose in self._choose.items():
                 args = self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries, reset=True)
                 _, self.counts = self._program(("choose", *variant, entries), choose, args)(*args)
             for visible in self.visible_buckets:
-                args = self._decode_args(tokens(entries), np.zeros(entries, np.int32), np.ones(entries, bool))
+                args = self._decode_args(np.zeros(entries, np.int32), np.zeros(entries, np.int32),
+                                         np.zeros(entries, bool))
                 _, _, self.kv_cache, engine.state = self._program(("decode", visible, entries), self._decode[visible],
                                                                   args)(*args)
         engine.state = jax.tree.map(jax.device_put, saved, shardings)
