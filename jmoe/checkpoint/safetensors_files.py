@@ -21,7 +21,7 @@ from jmoe.checkpoint.fp8 import dequantize
 from jmoe.errors import CheckpointError
 from jmoe.jsonfile import read_json
 
-_DTYPES = {
+STORED_DTYPES = {  # safetensors dtype name -> NumPy dtype
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
@@ -103,13 +103,13 @@ def _tensor_entry(path: Path, name: str, meta) -> tuple[str, tuple[int, ...], in
     dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
     if not isinstance(dtype, str):
         raise malformed(f"dtype {dtype!r}")
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_DTYPES)}")
+    if dtype not in STORED_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}")
     if not isinstance(shape, list) or not all(_whole(v) for v in shape):
         raise malformed(f"shape {shape!r}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(v) for v in offsets):
         raise malformed(f"data_offsets {offsets!r}")
-    size = int(np.prod(shape, dtype=object)) * np.dtype(_DTYPES[dtype]).itemsize
+    size = int(np.prod(shape, dtype=object)) * np.dtype(STORED_DTYPES[dtype]).itemsize
     if offsets[1] - offsets[0] != size:
         raise malformed(f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, the shape {shape} of "
                         f"{dtype} needs {size}")
@@ -174,7 +174,7 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
 
 
 def _read(info: TensorInfo) -> np.ndarray:
-    dtype = np.dtype(_DTYPES[info.dtype])
+    dtype = np.dtype(STORED_DTYPES[info.dtype])
     count = int(np.prod(info.shape, dtype=np.int64))
     data = np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=(count,))
     return data.reshape(info.shape)
