@@ -25,6 +25,10 @@ from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.compile_cache import with_fast_compile
 from jmoe.errors import InputError
 
+# One pytest-xdist worker runs this module (--dist loadgroup): its module fixtures are expensive, and each
+# worker that ran some of its tests would build them again.
+pytestmark = pytest.mark.xdist_group("expert_parallel")
+
 DEVICES = 4
 SMALL = dict(hidden_size=32, num_hidden_layers=2)
 CASES = {

@@ -13,6 +13,10 @@ import pytest
 import jmoe
 from jmoe.serve import QueueFullError, RequestError, RequestParams, ServingEngine
 
+# One pytest-xdist worker runs this module (--dist loadgroup): its module fixtures are expensive, and each
+# worker that ran some of its tests would build them again.
+pytestmark = pytest.mark.xdist_group("serve_engine")
+
 DEFAULT = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
 PROMPTS = ["def f(x):", "class Parser:\n    def __init__(self", "import os\n", "for i in range(10):\n    ",
            "x = [", "# a comment about"]

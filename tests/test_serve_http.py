@@ -21,6 +21,10 @@ import jmoe
 from jmoe.compile_cache import with_fast_compile
 from jmoe.cli.common import DEFAULT_MODEL_DIR
 
+# One pytest-xdist worker runs this module (--dist loadgroup): its module fixtures are expensive, and each
+# worker that ran some of its tests would build them again.
+pytestmark = pytest.mark.xdist_group("serve_http")
+
 CONTEXT, MAX_BATCH, MAX_QUEUE = 256, 4, 8
 READY_DEADLINE = 300  # seconds: load + warm-up on two busy cores
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self", "import os\n", "for i in range(10):",
@@ -92,8 +96,8 @@ class Server:
 
 class Servers:
     """The module's server, started at once (so the reference model loads meanwhile) and again only if a test
-    stopped it: pytest-xdist may run tests of this module on both workers, each with its own server, and the
-    SIGTERM test (last in the file) stops its worker's."""
+    stopped it (the SIGTERM test, last in the file, stops it; run without xdist's loadgroup, each worker would
+    have its own)."""
 
     def __init__(self, directory: Path, cache: Path):
         self.directory, self.cache = directory, cache
