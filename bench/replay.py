@@ -9,9 +9,11 @@
     python -m bench.replay --prefetch-report   # -> replay_prefetch.md (tuned on mmlu* only)
     python -m bench.replay --fit-table   # refit bench/data/gptoss20b_crosslayer_mmlu.npz on mmlu*
     python -m bench.replay --smoke       # every mode above on a few tokens of each trace, in a temporary directory
+    python -m bench.replay --trace gptoss --cache 8 --host-cache 16 --tier exclusive --read-ahead 2 --json
+    python -m bench.replay --tiers-report   # device / host RAM / disk tiers -> replay_tiers.md
 
 The simulator, its semantics (hits, stalls, bytes moved, prefetch) and the searches live in
-``jmoe.traces`` (``replay``, ``tuning``, ``comparison``; traces and splits in ``load``); this
+``jmoe.traces`` (``replay``, ``tiers``, ``tuning``, ``comparison``; traces and splits in ``load``); this
 script parses arguments and writes replay.md and replay_tuning.md (replay_prefetch.md:
 ``bench/prefetch_report.py``). Data come from ``bench/data`` only (see its README).
 """
@@ -19,19 +21,23 @@ script parses arguments and writes replay.md and replay_tuning.md (replay_prefet
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from jmoe.offload.policies import LFRUPolicy
 from jmoe.traces.comparison import policy_grid
-from jmoe.traces.load import CROSSLAYER_TABLE, DATA_DIR, TRACE_FILES, TraceError, load_trace
+from jmoe.traces.load import CROSSLAYER_TABLE, DATA_DIR, TRACE_FILES, TraceError, load_trace, split_trace
 from jmoe.traces.replay import POLICIES, PREFETCH_SETTINGS, run_one
+from jmoe.traces.tiers import RELATIONS, TierConfig, run_tiers, tier_grid
 from jmoe.traces.tuning import fit_table, tune_lfru
-from bench.common import add_smoke_argument, smoke_run
+from bench.common import add_smoke_argument, measured_commit, smoke_run
 from bench.prefetch_report import prefetch_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -230,6 +236,117 @@ def tune(results_dir: Path = RESULTS_DIR, progress=print, data_dir: Path = DATA_
     return out
 
 
+TIER_READ_AHEAD = [1, 4]  # read-ahead budgets the tiers report shows (disk reads per layer and step)
+
+
+def cpu_model() -> str:
+    """The CPU model from /proc/cpuinfo (Linux) and the CPUs visible."""
+    names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} CPUs visible (/proc/cpuinfo), shared"
+
+
+def tiers_report(results_dir: Path, traces: list[str], progress=print, data_dir: Path = DATA_DIR) -> Path:
+    """``jmoe.traces.tiers`` over ``tier_grid`` on each trace -> replay_tiers.md."""
+    began, load = time.perf_counter(), open("/proc/loadavg").read().split()[:3]
+    per_token = lambda r, key="disk_reads": r[f"{key}_per_token"]  # noqa: E731
+    used = lambda r: (f"{100 * r['read_ahead_used'] / r['read_ahead_reads']:.0f}%"  # noqa: E731
+                      if r["read_ahead_reads"] else "none")
+    same = lambda pairs: f"{sum(a == b for a, b in pairs)} of {len(pairs)}"  # noqa: E731
+    body, reading = [], ["## Reading (computed from the tables)", ""]
+    for name in traces:
+        trace = load_trace(name, data_dir)
+        warmup = min(2048, len(split_trace(trace)["tune_ids"]))
+        caches = REPORT_CACHES[name]
+        rows = run_tiers(name, tier_grid(caches, trace["num_experts"], TIER_READ_AHEAD), trace=trace,
+                         warmup=warmup, data_dir=data_dir)
+        got = {(r["cache"], r["host_cache"], r["relation"], r["read_ahead"]): r for r in rows}
+        first, hosts = rows[0], sorted({r["host_cache"] for r in rows if r["relation"] == "exclusive"})
+        grid = [(c, h) for c in caches for h in hosts]
+        progress(f"{name}: {len(rows)} configurations in {first['seconds']} s")
+        cell = lambda *key: f"{per_token(got[key]):.2f}" if key in got else "–"  # noqa: E731
+        body += [f"## {first['model']} ({first['layers']} layers, {first['experts']} experts, top-{first['top_k']})",
+                 "", f"Counted: {first['evaluated_on']}, {first['tokens']:,} decode tokens, after {warmup} warm-up "
+                 f"tokens (the end of the tuning split, uncounted). Floor (first uses of a (layer, expert)): "
+                 f"{per_token(first, 'first_uses'):.3f} per token.",
+                 "", "Disk reads per token, demand only (no read-ahead); device misses = host hits + disk reads; "
+                 "device-to-host = exclusive's demotions kept by the tier:", "",
+                 "| C | H | device misses | inclusive | exclusive | inclusive at H+C | exclusive device-to-host |",
+                 "|---|---|---|---|---|---|---|"]
+        for c, h in grid:
+            ex = got[(c, h, "exclusive", 0)]
+            body.append(f"| {c} | {h} | {per_token(ex, 'host_to_device'):.2f} | {cell(c, h, 'inclusive', 0)} | "
+                        f"{per_token(ex):.2f} | {cell(c, h + c, 'inclusive', 0)} | "
+                        f"{per_token(ex, 'device_to_host'):.2f} |")
+        body += ["", "With read-ahead R (disk reads per layer and step, `best`'s predictor): demand disk reads / all "
+                 "disk reads (demand + read-ahead) per token, and the share of read-ahead reads used:", "",
+                 "| C | H | " + " | ".join(f"{rel} R={r}" for r in TIER_READ_AHEAD for rel in RELATIONS) + " |",
+                 "|---|---|" + "---|" * (2 * len(TIER_READ_AHEAD))]
+        for c, h in grid:
+            cells = [f"{per_token(x):.2f} / {per_token(x, 'disk_reads_total'):.2f} ({used(x)})" if x else "–"
+                     for r in TIER_READ_AHEAD for x in (got.get((c, h, rel, r)) for rel in RELATIONS)]
+            body.append(f"| {c} | {h} | " + " | ".join(cells) + " |")
+        body.append("")
+        misses = {r["cache"]: r["host_to_device"] for r in rows}  # a one-level cache of C slots
+        one_level = [(r["disk_reads"], misses[r["host_cache"]]) for r in rows if r["relation"] == "inclusive"
+                     and not r["read_ahead"] and r["host_cache"] in misses]
+        twins = [(got[(c, h, "exclusive", 0)]["disk_reads"], got[(c, h + c, "inclusive", 0)]["disk_reads"])
+                 for c, h in grid if (c, h + c, "inclusive", 0) in got]
+        c, h = caches[len(caches) // 2], hosts[1]
+        exc, rel = got[(c, h, "exclusive", 0)], "inclusive" if h >= c else "exclusive"
+        line = (f"- {first['model']}: disk reads (exact counts, no read-ahead) of inclusive at H equal the misses of a "
+                f"one-level cache of H slots in {same(one_level)} cells; exclusive at H equals inclusive at H + C in "
+                f"{same(twins)}. At C={c}, H={h}: inclusive {cell(c, h, 'inclusive', 0)}, exclusive "
+                f"{per_token(exc):.2f} disk reads per token, for {per_token(exc, 'device_to_host'):.2f} device-to-host "
+                f"copies per token (host-to-device: {per_token(exc, 'host_to_device'):.2f})")
+        for x in (got[(c, h, rel, r)] for r in TIER_READ_AHEAD):
+            line += (f"; {rel}, R={x['read_ahead']}: demand {per_token(x):.2f}, "
+                     f"all {per_token(x, 'disk_reads_total'):.2f}")
+        reading.append(line + ".")
+    lines = ["# Device, host RAM and disk: two-level expert caches replayed on real routing traces", "",
+             f"- command: `python -m bench.replay --tiers-report` (one run: `python -m bench.replay --trace gptoss "
+             f"--cache 8 --host-cache 16 --tier exclusive --read-ahead 1 --json`)",
+             f"- date: {datetime.date.today().isoformat()}; commit: {measured_commit()}",
+             f"- machine: {cpu_model()}; load average {' '.join(load)} at the start; the whole run took "
+             f"{time.perf_counter() - began:.0f} s (CPU only: NumPy bookkeeping)",
+             f"- code: `jmoe/traces/tiers.py` (semantics in its docstring); policy LFRU (decay "
+             f"{LFRUPolicy.DEFAULT_DECAY}, recency_weight {LFRUPolicy.DEFAULT_RECENCY_WEIGHT}) at both levels, one "
+             "ranking; read-ahead with `best`'s predictor (lags, fitted on the tuning split), one step ahead", "",
+             "Per layer: C device slots, H experts in pinned host RAM, every expert on disk. Inclusive: the host tier "
+             "holds the device's experts too (H >= C). Exclusive: disjoint, C + H distinct experts, each device "
+             "eviction demoted into the tier (a device-to-host copy unless the tier drops it at once). Caches start "
+             "empty and warm on the warm-up tokens. Counts are experts per decode token, all layers together.", "",
+             *body, *reading]
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (out := results_dir / "replay_tiers.md").write_text("\n".join(lines) + "\n")
+    return out
+
+
+def run_tiers_cli(args, datasets) -> int:
+    """One two-level replay (--host-cache): disk reads per token, or every count with --json."""
+    if args.prefetch is not None:
+        raise TraceError("--prefetch (device prefetch) is not simulated with --host-cache; --read-ahead N reads "
+                         "ahead from disk with --read-ahead-predictor's predictor")
+    config = TierConfig(args.cache, args.host_cache, args.tier or "inclusive", args.read_ahead or 0)
+    r = run_tiers(args.trace, [config], args.policy, args.host_policy, args.read_ahead_predictor, datasets,
+                  warmup=args.warmup, expert_bytes=args.expert_bytes, decay=args.lfru_decay,
+                  recency_weight=args.lfru_recency_weight)[0]
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    tok = lambda key: r[key] / r["tokens"]  # noqa: E731
+    print(f"{r['model']} ({r['trace']}), {r['evaluated_on']}: {r['tokens']:,} tokens (after {r['warmup']} warm-up), "
+          f"cache {r['cache']}/{r['experts']}, host tier {r['host_cache']} ({r['relation']}), policy {r['policy']} "
+          f"(host {r['host_policy']}), {r['seconds']} s")
+    print(f"device hit rate {100 * r['device_hit_rate']:.2f}%; per token: {tok('host_to_device'):.2f} device misses = "
+          f"{tok('host_hits'):.2f} host hits + {tok('disk_reads'):.2f} disk reads; {tok('device_to_host'):.2f} "
+          f"device-to-host copies; floor {tok('first_uses'):.2f} first uses")
+    if r["read_ahead"]:
+        print(f"read-ahead {r['read_ahead']} per layer and step ({r['predictor']}): {r['read_ahead_reads']:,} reads, "
+              f"{r['read_ahead_used']:,} used (demand disk reads avoided), {r['read_ahead_wasted']:,} wasted, "
+              f"{r['read_ahead_pending']:,} pending; disk reads in all {tok('disk_reads_total'):.2f} per token")
+    return 0
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Replay real MoE routing traces (bench/data) through expert-cache policies.")
@@ -259,6 +376,19 @@ def parse_args(argv):
                              "replay_prefetch.md")
     parser.add_argument("--fit-table", action="store_true",
                         help=f"refit {CROSSLAYER_TABLE.name} on GPT-OSS mmlu*")
+    parser.add_argument("--host-cache", type=int, help="experts per layer in host RAM, the rest on disk "
+                        "(default: all in host; a two-level replay, jmoe.traces.tiers)")
+    parser.add_argument("--tier", choices=RELATIONS, help="with --host-cache (default inclusive)")
+    parser.add_argument("--read-ahead", type=int, help="with --host-cache: most disk reads per layer and step "
+                        "issued ahead (default 0)")
+    parser.add_argument("--read-ahead-predictor", default="best", help="the prefetch setting whose predictor "
+                        f"reads ahead: one of {', '.join(PREFETCH_SETTINGS)}")
+    parser.add_argument("--host-policy", help="with --host-cache: the host tier's policy (default: --policy)")
+    parser.add_argument("--warmup", type=int, default=0, help="with --host-cache: tokens from the end of the "
+                        "tuning split replayed first, uncounted")
+    parser.add_argument("--expert-bytes", type=int, help="with --host-cache: one expert's bytes (JSON has bytes)")
+    parser.add_argument("--tiers-report", action="store_true", help="the tiers on each trace -> replay_tiers.md")
+    parser.add_argument("--tiers-traces", default=",".join(TRACE_FILES), help="--tiers-report's traces")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
                         help="where --report, --tune and --prefetch-report write (default: "
                              "bench/results)")
@@ -336,9 +466,20 @@ def main(argv=None) -> int:
         if args.fit_table:
             print(f"wrote {fit_table(REPORT_DATE)}")
             return 0
+        if args.tiers_report:
+            print(f"wrote {tiers_report(args.results_dir, [t for t in args.tiers_traces.split(',') if t], log)}")
+            return 0
         if args.prefetch is None and args.prefetch_budget is not None:
             raise TraceError("--prefetch-budget needs --prefetch NAME")
         datasets = [d for d in args.datasets.split(",") if d] if args.datasets else None
+        if args.host_cache is not None:
+            return run_tiers_cli(args, datasets)
+        tier_flags = [f for f, v in [("--tier", args.tier), ("--read-ahead", args.read_ahead),
+                                     ("--host-policy", args.host_policy), ("--expert-bytes", args.expert_bytes)]
+                      if v is not None] + (["--warmup"] if args.warmup else [])
+        if tier_flags:
+            raise TraceError(f"{', '.join(tier_flags)} {'needs' if len(tier_flags) == 1 else 'need'} --host-cache H "
+                             "(experts per layer in host RAM)")
         result = run_one(args.trace, args.cache, args.policy, datasets,
                          prefetch=args.prefetch, prefetch_budget=args.prefetch_budget,
                          decay=args.lfru_decay, recency_weight=args.lfru_recency_weight)

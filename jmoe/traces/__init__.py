@@ -7,6 +7,8 @@ runtime's own policies and predictors (``jmoe.offload``). Import the module you 
 - ``jmoe.traces.belady``: ``BeladyOracle``, the offline optimum as a cache policy;
 - ``jmoe.traces.replay``: ``replay`` (cache and prefetch simulator, semantics in its docstring),
   ``run_one``, ``POLICIES``, ``PREFETCH_SETTINGS``;
+- ``jmoe.traces.tiers``: ``replay_tiers`` (device slots above a host tier above the disk, inclusive or
+  exclusive, with read-ahead; semantics in its docstring), ``run_tiers``;
 - ``jmoe.traces.tuning``: LFRU and prefetch constants searched on the tuning split, ``fit_table``;
 - ``jmoe.traces.evaluation``: predicted sets of a predictor over a trace, ``precision_recall``;
 - ``jmoe.traces.router_guess``: the router guess (the engine's prefetch guess) on a real model;
