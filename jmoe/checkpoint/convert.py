@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import zlib
 from pathlib import Path
 
 import jax
@@ -31,7 +32,8 @@ from tqdm import tqdm
 from jmoe.checkpoint.bounds import check_sizes_against_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read, stored_params
 from jmoe.checkpoint.orbax_store import (COPIED_FILES, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, PARAMS_DIR,
-                                         TMP_INFIX, checksum, is_orbax_checkpoint, orbax_key, param_groups)
+                                         EXPERT_CRC32, TMP_INFIX, checksum, is_expert_param, is_orbax_checkpoint,
+                                         orbax_key, param_groups)
 from jmoe.model.params import abstract_params, nest_params, param_key
 from jmoe.checkpoint.safetensors_files import checkpoint_files, stored_values
 from jmoe.jsonfile import read_json
@@ -198,7 +200,11 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, as_read, pi
         # zstd saved 22% of disk on random bf16 experts but made saving 6x and restoring 1.4x slower
         # (bench/results/convert.md); loading fast is the point of converting.
         save_context.array.saving.use_compression = False
+        # Each routed expert in its own chunk (issue #31: experts read from disk one at a time): see
+        # _one_chunk_per_expert.
+        save_context.array.saving.scoped_storage_options_creator = _one_chunk_per_expert
         checksums = {}  # param key -> CRC-32 of the stored bytes (restore verifies them)
+        expert_crcs = {}  # experts param key -> CRC-32 of each expert's stored bytes (the expert readers verify them)
         with save_context, tqdm(total=len(as_read), desc="converting", unit="param", disable=not progress) as bar:
             for group, paths in param_groups(as_read).items():
                 bar.set_postfix_str(param_key(group) or "embeddings")
@@ -207,6 +213,8 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, as_read, pi
                     for stored_path, array in stored_params(hf_dir, cfg, as_read, pieces, path, True).items():
                         host[orbax_key(stored_path)] = array
                         checksums[param_key(stored_path)] = checksum(array)
+                        if is_expert_param(stored_path):
+                            expert_crcs[param_key(stored_path)] = expert_checksums(array)
                     bar.update()
                 ocp.partial.save(tmp / PARAMS_DIR, nest_params(host))
                 del host  # free this group before assembling the next
@@ -216,7 +224,9 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, as_read, pi
             "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
             "expert_dtype": cfg.expert_dtype, "expert_group": cfg.expert_group,
             "params": {param_key(p): {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name,
-                                      "crc32": checksums[param_key(p)]} for p, a in abstract.items()},
+                                      "crc32": checksums[param_key(p)],
+                                      **({EXPERT_CRC32: expert_crcs[param_key(p)]}
+                                         if param_key(p) in expert_crcs else {})} for p, a in abstract.items()},
             "source": {"directory": str(hf_dir.resolve()), "files": sources},
             "copied_files": copied,
             "versions": {"orbax-checkpoint": ocp_pkg.__version__, "jax": jax.__version__},
@@ -226,6 +236,24 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, as_read, pi
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _one_chunk_per_expert(keypath, value):
+    """Orbax storage options of one leaf: a routed experts parameter is chunked along its expert axis, one expert
+    per chunk (shard_axes=(0,): Orbax's chunk chooser splits axis 0 down to 1 first, and with no chunk_byte_size
+    splits nothing else), so one expert is one OCDBT value, readable without the others
+    (jmoe.checkpoint.expert_reader_orbax). Every other leaf keeps Orbax's default (one chunk per array)."""
+    keys = tuple(str(getattr(k, "key", k)) for k in keypath)
+    if is_expert_param(keys) and np.ndim(value) >= 1:
+        return ocp.options.ArrayOptions.Saving.StorageOptions(shard_axes=(0,))
+    return None
+
+
+def expert_checksums(array) -> list[int]:
+    """CRC-32 of each expert's bytes as stored (`array[e]` of a stacked experts parameter, expert axis first):
+    the manifest's "expert_crc32", so one expert read alone can be checked against what the converter wrote."""
+    host = np.ascontiguousarray(jax.device_get(array))
+    return [zlib.crc32(host[e].view(np.uint8).reshape(-1)) for e in range(host.shape[0])]
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -6,7 +6,13 @@ Layout (written by jmoe.checkpoint.convert):
                           path as strings, e.g. params["layers"]["3"]["mlp"]["experts"]["w_down"]
     config.json, generation_config.json, tokenizer files   copied from the source
     jmoe_manifest.json    written last: dtype, expert_dtype and expert_group (how experts are stored), every
-                          parameter's shape, dtype and CRC-32, source files with sizes and sha256
+                          parameter's shape, dtype and CRC-32, source files with sizes and sha256; each routed
+                          experts parameter also the CRC-32 of each expert's bytes ("expert_crc32", absent from
+                          checkpoints converted before it was recorded)
+
+Arrays are zarr3 under OCDBT (Orbax's defaults), uncompressed; a routed experts parameter (expert axis first) is
+chunked one expert per chunk, so one expert is one OCDBT value that jmoe.checkpoint.expert_reader_orbax reads alone
+(issue #31); every other parameter is one chunk.
 
 Restoring reads each group straight into the sharding `sharding_of(path)` asks for (a memory kind, and under
 an expert mesh each device's share), so experts meant for pinned host memory never pass through device memory.
@@ -52,6 +58,14 @@ def param_groups(paths) -> dict[tuple, list[ParamPath]]:
     for path in paths:
         groups.setdefault(path[:2] if path[0] == "layers" else (), []).append(path)
     return groups
+
+
+EXPERT_CRC32 = "expert_crc32"  # a manifest entry's per-expert CRC-32s (routed experts parameters only)
+
+
+def is_expert_param(path) -> bool:
+    """A routed experts module's stacked parameter (expert axis first): ("layers", i, "mlp", "experts", name)."""
+    return len(path) >= 3 and path[0] == "layers" and path[-2] == "experts"
 
 
 def orbax_key(path: ParamPath) -> tuple[str, ...]:
