@@ -396,7 +396,7 @@ class ExpertReader:
         out = {name: np.empty(shape, dtype) for name, (shape, dtype) in plan.params.items()}
         for piece in plan.pieces:
             param = out[piece.param]
-            param[piece.index] = oriented(piece.target, piece.decoded(buffers)).astype(param.dtype)
+            param[piece.index] = oriented(piece.target, piece.decoded(buffers))  # cast as assigned: one copy
         if self.cfg.expert_dtype not in FORMATS:
             return out
         for name in QUANTIZED_WEIGHTS:
