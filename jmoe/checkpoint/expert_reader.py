@@ -37,7 +37,7 @@ import numpy as np
 from jmoe.arguments import whole_number
 from jmoe.checkpoint import fp8, mxfp4
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors
-from jmoe.checkpoint.loading import oriented, param_pieces, params_as_read
+from jmoe.checkpoint.loading import param_pieces, params_as_read, put_oriented
 from jmoe.checkpoint.safetensors_files import STORED_DTYPES, TensorInfo, checkpoint_files
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
@@ -396,7 +396,7 @@ class ExpertReader:
         out = {name: np.empty(shape, dtype) for name, (shape, dtype) in plan.params.items()}
         for piece in plan.pieces:
             param = out[piece.param]
-            param[piece.index] = oriented(piece.target, piece.decoded(buffers))  # cast as assigned: one copy
+            put_oriented(param[piece.index], piece.target, piece.decoded(buffers))
         if self.cfg.expert_dtype not in FORMATS:
             return out
         for name in QUANTIZED_WEIGHTS:

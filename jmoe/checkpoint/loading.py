@@ -67,14 +67,27 @@ def oriented(target: TensorTarget, data: np.ndarray) -> np.ndarray:
     return np.concatenate([data[..., 0::2], data[..., 1::2]], axis=-1) if target.deinterleave else data
 
 
+# Rows and columns of one block of a blocked transpose: NumPy's plain transposed copy walks the source with a
+# stride of a whole row and ran at a third less speed (a 2048 x 7168 bfloat16 tensor: 50 ms plain, 34 blocked).
+TRANSPOSE_BLOCK = 64
+
+
+def put_oriented(out: np.ndarray, target: TensorTarget, data: np.ndarray) -> None:
+    """out[...] = oriented(target, data), cast to out's dtype; a 2-D transpose copied block by block."""
+    if not (target.transpose and data.ndim == 2 and not target.deinterleave):
+        out[...] = oriented(target, data)
+        return
+    rows, cols = data.shape
+    for i in range(0, rows, TRANSPOSE_BLOCK):
+        for j in range(0, cols, TRANSPOSE_BLOCK):
+            out[j:j + TRANSPOSE_BLOCK, i:i + TRANSPOSE_BLOCK] = data[i:i + TRANSPOSE_BLOCK, j:j + TRANSPOSE_BLOCK].T
+
+
 def assemble_param(shape, dtype, pieces: list[tuple[TensorTarget, TensorInfo]]) -> np.ndarray:
     """One jmoe parameter on the host, from its HF tensors (oriented and sliced into place)."""
-    if len(pieces) == 1 and pieces[0][0].index == ():
-        target, info = pieces[0]
-        return np.ascontiguousarray(oriented(target, read_tensor(info)).astype(dtype))
     out = np.empty(shape, dtype)
     for target, info in pieces:
-        out[target.index] = oriented(target, read_tensor(info)).astype(dtype)
+        put_oriented(out[target.index], target, read_tensor(info))
     return out
 
 
