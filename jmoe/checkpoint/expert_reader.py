@@ -231,7 +231,45 @@ def _close_descriptors(fds: dict[Path, int]) -> None:
     fds.clear()
 
 
-class ExpertReader:
+class PooledReader:
+    """What the expert readers share: reads of one expert run on a pool of threads (`submit`), `read` waits for
+    one, `close` stops the threads and releases the files. A subclass sets `_lock`, `_closed` and `_pool` when
+    it is built and gives `_key` (checked (layer, expert)), `_read_expert` (one read, on a pool thread) and
+    `_release`."""
+
+    def submit(self, layer: int, expert: int) -> concurrent.futures.Future:
+        """A future of `read(layer, expert)`, read on the reader's threads."""
+        key = self._key(layer, expert)
+        with self._lock:  # close() cannot shut the pool between this check and the submit
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} of {self.model_dir} is closed; experts cannot be read "
+                                   f"after close(): create a new reader")
+            return self._pool.submit(self._read_expert, key)
+
+    def read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """Expert `expert` of decoder layer `layer` as jmoe.load holds it, without the expert axis:
+        {"w_gate_up": [d, 2f], "w_down": [f, d], biases if the model has them, "..._scale" for quantized
+        formats}. Raises CheckpointError if a file changed, its bytes are not the expected ones, or a read fails."""
+        return self.submit(layer, expert).result()
+
+    def close(self) -> None:
+        """Cancel queued reads (their futures raise CancelledError), wait for running ones, stop the threads and
+        release the files. Safe to call more than once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ExpertReader(PooledReader):
     """Routed experts of a Hugging Face safetensors checkpoint, read one at a time by byte range.
 
     `cfg` is the config loading uses (its `expert_dtype` decides the stored format: pass the config
@@ -266,42 +304,14 @@ class ExpertReader:
         self.num_experts: int = cfg.num_experts
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=THREAD_PREFIX)
 
-    # ---- public ----
-
-    def submit(self, layer: int, expert: int) -> concurrent.futures.Future:
-        """A future of `read(layer, expert)`, read on the reader's threads."""
-        key = self._key(layer, expert)
-        with self._lock:  # close() cannot shut the pool between this check and the submit
-            if self._closed:
-                raise RuntimeError(f"ExpertReader of {self.model_dir} is closed; experts cannot be read after "
-                                   f"close(): create a new ExpertReader")
-            return self._pool.submit(self._read_expert, key)
-
-    def read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        """Expert `expert` of decoder layer `layer` as jmoe.load stores it, without the expert axis:
-        {"w_gate_up": [d, 2f], "w_down": [f, d], biases if the model has them, "..._scale" for quantized
-        formats}. Raises CheckpointError if the file changed, ends early, or cannot be read."""
-        return self.submit(layer, expert).result()
+    # ---- public (submit, read, close: PooledReader) ----
 
     def checkpoint_bytes(self, layer: int, expert: int) -> int:
         """Bytes one read of this expert takes from the checkpoint files."""
         return sum(run.end - run.start for run in self._plans[self._key(layer, expert)].runs)
 
-    def close(self) -> None:
-        """Cancel queued reads (their futures raise CancelledError), wait for running ones, stop the threads and
-        close the files. Safe to call more than once."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def _release(self) -> None:
         self._close_files()
-
-    def __enter__(self) -> "ExpertReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---- construction ----
 

@@ -41,7 +41,7 @@ import numpy as np
 import tensorstore as ts
 
 from jmoe.arguments import whole_number
-from jmoe.checkpoint.expert_reader import RESTART, ExpertReader
+from jmoe.checkpoint.expert_reader import RESTART, ExpertReader, PooledReader
 from jmoe.checkpoint.orbax_store import (EXPERT_CRC32, PARAMS_DIR, check_params, converted_expert_dtype,
                                          is_expert_param, is_orbax_checkpoint, read_manifest, stored_dtype)
 from jmoe.config import ModelConfig
@@ -164,7 +164,7 @@ def _read_chunks(store: ts.TensorStore, expert: int) -> np.ndarray:
     return store[expert].read().result()
 
 
-class OrbaxExpertReader:
+class OrbaxExpertReader(PooledReader):
     """Routed experts of a jmoe Orbax checkpoint, read one at a time with TensorStore, one chunk per parameter.
 
     `cfg`: the checkpoint's config (its expert storage is the one the checkpoint was converted with; asking for
@@ -202,22 +202,7 @@ class OrbaxExpertReader:
         self._closed = False
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=THREAD_PREFIX)
 
-    # ---- public ----
-
-    def submit(self, layer: int, expert: int) -> concurrent.futures.Future:
-        """A future of `read(layer, expert)`, read on the reader's threads."""
-        key = self._key(layer, expert)
-        with self._lock:  # close() cannot shut the pool between this check and the submit
-            if self._closed:
-                raise RuntimeError(f"OrbaxExpertReader of {self.model_dir} is closed; experts cannot be read after "
-                                   f"close(): create a new reader")
-            return self._pool.submit(self._read_expert, key)
-
-    def read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        """Expert `expert` of decoder layer `layer` as restore_model holds it, without the expert axis:
-        {"w_gate_up": [d, 2f], "w_down": [f, d], biases if the model has them, "..._scale" for quantized
-        formats}. Raises CheckpointError if a file changed, the bytes are not the converter's, or a read fails."""
-        return self.submit(layer, expert).result()
+    # ---- public (submit, read, close: PooledReader) ----
 
     def checkpoint_bytes(self, layer: int, expert: int) -> int:
         """Bytes of the chunks one read of this expert reads: its stored values of every parameter, with zarr's
@@ -225,22 +210,9 @@ class OrbaxExpertReader:
         layer, expert = self._key(layer, expert)
         return sum(chunk.value.length for p in self._params[layer] for chunk in self._chunks[layer, expert, p.name])
 
-    def close(self) -> None:
-        """Cancel queued reads (their futures raise CancelledError), wait for running ones, stop the threads and
-        release the TensorStore handles. Safe to call more than once."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def _release(self) -> None:
         self._stores.clear()
         self._context = None
-
-    def __enter__(self) -> "OrbaxExpertReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---- construction ----
 
