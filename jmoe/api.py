@@ -66,6 +66,18 @@ class Model:
         self._programs: dict[tuple, jax.stages.Compiled] = {}  # compiled steps by (greedy, input shapes)
         self.compile_seconds = 0.0  # spent compiling generation steps so far
 
+    def close(self) -> None:
+        """Stop what the model runs besides its steps (the disk tier's reader threads and files)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def compiled_programs(self) -> int:
         """How many generation-step programs have been compiled (one per greedy/sampling mode and shape)."""
@@ -210,7 +222,7 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          expert_dtype: str | None = None, expert_group_size: int | None = None, dtype: str | None = None,
          backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
          check_memory: bool = True, check_finite: bool | None = None, devices: int | None = None,
-         mesh: jax.sharding.Mesh | None = None) -> Model:
+         mesh: jax.sharding.Mesh | None = None, host_budget_gb: float | None = None) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -257,10 +269,13 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         device_budget_gb and the placement summary count per device) and its own cache policy, and stats()
         has a row per device and layer. Results equal one device's. None or 1 = one device.
     mesh: the same over a jax.sharding.Mesh whose one axis is named "expert" (jmoe.offload.expert_parallel).
+    host_budget_gb: the disk tier (jmoe.offload.host_tier): the offloaded layers keep this many GB of their
+        experts in pinned host memory, the rest are read from the checkpoint files when a step needs them.
+        Results are the same. Close the model (`close()`, or `with`) to stop its reader threads.
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
-                             prefetch_trace, expert_dtype, expert_group_size, devices, mesh)
+                             prefetch_trace, expert_dtype, expert_group_size, devices, mesh, host_budget_gb)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 
@@ -283,19 +298,28 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
 
     if check_memory:
         refuse_if_unfit(headers, placement, 1 if mesh is None else mesh.devices.size)
+    tiered = set(placement.offloaded_layers) if placement.host_rows else set()
+
+    def unread(path):  # the disk tier's experts: its reader fills their host rows (jmoe.offload.host_tier)
+        return "experts" in path and path[0] == "layers" and config.moe_layer_indices.index(path[1]) in tiered
+
     if headers.format == "jmoe-orbax":
-        module = restore_model(model_dir, config, dtype=dtype, sharding_of=sharding, progress=progress)
+        module = restore_model(model_dir, config, dtype=dtype, sharding_of=sharding, progress=progress, unread=unread)
     else:
         if check_finite is not None and not isinstance(check_finite, bool):
             raise InputError(f"check_finite must be True, False or None, found {check_finite!r}")
         if check_finite is None:
             check_finite = headers.stored_bytes <= CHECK_FINITE_BYTES
         module = load_model(model_dir, config, dtype=dtype, progress=progress, check_finite=check_finite,
-                            place=lambda p, host: jax.device_put(host, sharding(p)))
+                            place=lambda p, host: jax.device_put(host, sharding(p)), unread=unread)
     if progress:
         print(placement.summary(), file=sys.stderr)
     engine = (make_engine(config, placement, options, backend) if mesh is None
               else ExpertParallelEngine(config, placement, options, backend, mesh))
+    if tiered:
+        from jmoe.checkpoint.expert_reader_orbax import open_expert_reader
+
+        engine.tier_reader = open_expert_reader(model_dir, config, dtype=dtype)
     return Model(module, config, engine, load_tokenizer(model_dir), model_dir)
 
 

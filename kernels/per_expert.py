@@ -39,7 +39,7 @@ def per_expert_views(experts: ExpertWeights) -> tuple[ExpertWeights, ...] | None
     if not all(isinstance(a, jax.Array) and _in_one_cpu_memory(a) for a in leaves):
         return None
     count = stacked.num_experts
-    if count > MAX_EXPERTS or sum(a.nbytes for a in leaves) // count < MIN_EXPERT_BYTES:
+    if count == 0 or count > MAX_EXPERTS or sum(a.nbytes for a in leaves) // count < MIN_EXPERT_BYTES:
         return None
     hosts = [np.asarray(a) for a in leaves]  # the arrays' own buffers on a CPU, no copy
     treedef = jax.tree.structure(stacked)

@@ -142,17 +142,21 @@ def stored_params(model_dir: Path, cfg: ModelConfig, as_read: dict[ParamPath, ob
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, *, dtype=None, place: Placer = device_placer,
-               progress: bool = True, check_finite: bool = False) -> MoETransformer:
+               progress: bool = True, check_finite: bool = False, unread=None) -> MoETransformer:
     """Read, check and place every parameter; return the merged NNX model. `check_finite`: refuse NaN or
     inf weights (one pass over data already read). Quantized experts (`cfg.expert_dtype`) are quantized
-    one layer's weight at a time, as they are read."""
+    one layer's weight at a time, as they are read. `unread(path)` True: that parameter is not read, and holds
+    no expert (leading axis 0: experts the disk tier reads itself, jmoe.offload.host_tier)."""
     dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
     graphdef, state = abstract_model(cfg, dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
     as_read = abstract if cfg.expert_dtype not in FORMATS else params_as_read(cfg, dtype)
     pieces = param_pieces(model_dir, cfg, as_read)
-    loaded = {}
+    loaded = {path: place(path, np.zeros((0, *abstract[path].shape[1:]), abstract[path].dtype))
+              for path in abstract if unread is not None and unread(path)}
     for path in tqdm(as_read, desc="loading weights", unit="param", disable=not progress, leave=False):
+        if path in loaded:
+            continue
         for stored_path, host in stored_params(model_dir, cfg, as_read, pieces, path, check_finite).items():
             loaded[stored_path] = place(stored_path, host)
     nnx.replace_by_pure_dict(state, nest_params(loaded))

@@ -165,7 +165,7 @@ def check_params(orbax_dir: Path, manifest: dict, abstract: dict[ParamPath, obje
 
 
 def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, sharding_of: ShardingOf | None = None,
-                  progress: bool = True) -> MoETransformer:
+                  progress: bool = True, unread=None) -> MoETransformer:
     """Restore a converted checkpoint into a MoETransformer, each array directly where it will live.
 
     dtype: parameter dtype (default: the dtype the checkpoint was converted to).
@@ -179,12 +179,18 @@ def restore_model(orbax_dir: str | Path, cfg: ModelConfig, *, dtype=None, shardi
     graphdef, state = abstract_model(cfg, dtype)
     abstract = flat_params(nnx.to_pure_dict(state))
     check_params(orbax_dir, manifest, abstract, cfg)
-    loaded = {}
+    # `unread(path)` True: not restored, and holding no expert (experts the disk tier reads itself).
+    loaded = {path: jax.device_put(np.zeros((0, *abstract[path].shape[1:]), abstract[path].dtype),
+                                   sharding_of(path) if sharding_of else sharding_for(DEVICE))
+              for path in abstract if unread is not None and unread(path)}
     load_context = ocp.Context()
     load_context.pytree.loading.partial_load = True  # one group at a time
-    with load_context, tqdm(total=len(abstract), desc="restoring", unit="param", disable=not progress,
+    with load_context, tqdm(total=len(abstract) - len(loaded), desc="restoring", unit="param", disable=not progress,
                             leave=False) as bar:
         for group, paths in param_groups(abstract).items():
+            paths = [path for path in paths if path not in loaded]
+            if not paths:
+                continue
             targets = {}
             for path in paths:
                 targets[orbax_key(path)] = jax.ShapeDtypeStruct(

@@ -48,6 +48,9 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                    help="more parameters to keep in host memory: dotted segments (w_down, attn) or 're:REGEX'")
     g.add_argument("--device-budget-gb", type=float, default=None,
                    help="pick the largest cache that fits in this much device memory")
+    g.add_argument("--host-budget-gb", type=float, default=None,
+                   help="the disk tier: keep this much of the offloaded experts in pinned host memory and read the "
+                        "others from the checkpoint files when a step needs them (results unchanged)")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
     g.add_argument("--prefetch-trace", default=None, metavar="TRACE.npy",
@@ -114,7 +117,7 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
     return OffloadOptions(args.cache, args.policy, args.offload_params, args.device_budget_gb, args.prefetch,
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
                           args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace, args.expert_dtype,
-                          args.expert_group_size, args.devices)
+                          args.expert_group_size, args.devices, host_budget_gb=args.host_budget_gb)
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: DistributedOptions | None = None,

@@ -42,7 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     from jmoe.decode.generation import checked_length_and_seed
-    from jmoe.decode.streaming import stdout_streamer
 
     if not args.prompt:
         raise JmoeError("--prompt is empty; give some text to continue")
@@ -50,8 +49,14 @@ def run(args: argparse.Namespace) -> dict:
     checked_length_and_seed(args.max_new_tokens, args.seed)  # before anything is loaded or printed
     model_dir = resolve_model_dir(args.model)
     sampling = sampling_params(args, model_dir)
-    model = load_for_cli(model_dir, options, distributed, backend=args.backend, compile_cache=args.compile_cache,
-                         progress=not args.json)
+    with load_for_cli(model_dir, options, distributed, backend=args.backend, compile_cache=args.compile_cache,
+                      progress=not args.json) as model:
+        return generate_report(args, model, model_dir, sampling)
+
+
+def generate_report(args: argparse.Namespace, model, model_dir: Path, sampling) -> dict:
+    from jmoe.decode.streaming import stdout_streamer
+
     tokenizer = model.require_tokenizer()
     prompt_ids = tokenizer.encode(args.prompt)
     on_tokens = None
@@ -94,12 +99,16 @@ def format_stats(stats: list[dict]) -> str:
         return "expert cache: every expert is resident on the device (no --cache given), nothing to report"
     per_device = any("device" in s for s in stats)
     device = (lambda s: f"{s['device']:>6} ") if per_device else (lambda s: "")
+    tiered = any("disk_reads" in s for s in stats)  # the disk tier (--host-budget-gb): its rows and reads
+    disk = (lambda s: f" {s['host_rows']:>9} {s['disk_reads']:>10} {s['disk_bytes'] / 2**20:>10.2f}") if tiered else (
+        lambda s: "")
     header = f"{'layer':>5} {'slots':>6} {'hits':>8} {'misses':>8} {'hit rate':>9} {'evictions':>10} {'MB moved':>10}"
+    header += f" {'host rows':>9} {'disk reads':>10} {'disk MB':>10}" if tiered else ""
     lines = [(f"{'device':>6} " if per_device else "") + header]
     for s in stats:
         rate = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}"
         lines.append(f"{device(s)}{s['layer']:>5} {s['cache_slots']:>6} {s['hits']:>8} {s['misses']:>8} {rate:>9} "
-                     f"{s['evictions']:>10} {s['bytes_moved'] / 2**20:>10.2f}")
+                     f"{s['evictions']:>10} {s['bytes_moved'] / 2**20:>10.2f}{disk(s)}")
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     lines.append(f"total hit rate {hits / max(1, hits + misses):.1%}")
     return "\n".join(lines)

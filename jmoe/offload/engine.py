@@ -16,6 +16,7 @@ the experts its rule takes, by a loop per layer; router prefetch a fixed number,
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -26,6 +27,7 @@ from jmoe.config import ModelConfig
 from jmoe.memory import to_device
 from jmoe.model import MoELayerView, router_probabilities
 from jmoe.offload.history_prefetch import BEST, HistoryPrefetch, best_predictor
+from jmoe.offload.host_tier import HostTier, disk_experts
 from jmoe.offload.manager import SlotManager
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
@@ -47,6 +49,10 @@ class EngineState(NamedTuple):
     plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = no copy)
     predict_base: jax.Array  # float32 [L_moe, E]: history prefetch's scores known before the step ([0, E]: off)
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
+    # The disk tier (jmoe.offload.host_tier; () without a host budget): per layer ExpertWeights of its H host
+    # rows in pinned host memory, and int32 [Lo, E] the row of each expert (-1 = on disk only).
+    host_tier: tuple = ()
+    host_row_of_expert: object = ()
 
 
 class OffloadEngine(ResidentEngine):
@@ -69,12 +75,23 @@ class OffloadEngine(ResidentEngine):
         self.host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
         self._install = jax.jit(self.filled_slots, donate_argnums=(0,))
+        self.tier_reader = None  # an expert reader of the checkpoint, set by jmoe.load with a host budget
+        self.tier: HostTier | None = None
 
     def attach(self, layers: list[MoELayerView]) -> None:
         """Take the offloaded layers' expert arrays in pinned host memory (copies come from them) and
         allocate the slots."""
         self.host_experts = [layers[i].experts for i in self.layers]
+        if self.tier_reader is not None:
+            self.tier = HostTier(self.tier_reader, tuple(self.config.moe_layer_indices[i] for i in self.layers),
+                                 self.placement.host_rows, self.config.num_experts, self.placement.expert_bytes)
+            self.tier.like = self.host_experts
         self.reset(self.initial_policy)
+
+    def close(self) -> None:
+        """Stop the disk tier's reader threads and close its files (nothing else holds any)."""
+        if self.tier is not None:
+            self.tier.close()
 
     def reset(self, policy: str | CachePolicy) -> None:
         """Empty every slot and start over with `policy` (same compiled programs: only data changes)."""
@@ -99,7 +116,16 @@ class OffloadEngine(ResidentEngine):
             expert_in_slot=tuple(jnp.full((cache,), -1, jnp.int32) for cache in self.caches),
             **{name: jnp.asarray(table) for name, table in self.manager_tables().items()},
             counts=jnp.zeros((lo, 4), jnp.int32),
+            **self.tier_state(),
         )
+
+    def tier_state(self) -> dict:
+        """The state's disk-tier fields: the host rows as first filled, and their table."""
+        if self.tier is None:
+            return {}
+        self.tier.row_of_expert[:] = -1
+        rows = self.tier.initial_rows()
+        return {"host_tier": rows, "host_row_of_expert": jnp.asarray(self.tier.row_of_expert)}
 
     def manager_tables(self) -> dict[str, np.ndarray]:
         """The state's fields the manager writes between steps, as NumPy arrays."""
@@ -174,14 +200,20 @@ class OffloadEngine(ResidentEngine):
                     layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, count=prefetch_count)
                 copied[nxt] = copied[nxt] + prefetch_count
                 evicted[nxt] = evicted[nxt] + ahead_evicted
+            host, tier = layer.experts, {}
+            if self.tier is not None:  # host rows, and the experts in none of them read from disk
+                host = state.host_tier[i]
+                tier = {"host_rows": state.host_row_of_expert[i], "disk": functools.partial(
+                    disk_experts, round_size=self.placement.scratch, like=self.host_experts[i],
+                    read_round=functools.partial(self.tier.read_round, i), kernel=kernel)}
             if decode and self.miss_mode == "host":
                 y, counts[i] = host_compute_misses(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)
             elif decode:
                 y, layer_slots[i], scratch[0], counts[i] = fetch_and_compute(
-                    layer_slots[i], scratch[0], victim_order[i], layer.experts, x, ids, weights, kernel=kernel)
+                    layer_slots[i], scratch[0], victim_order[i], host, x, ids, weights, kernel=kernel, **tier)
             else:
-                y, counts[i] = prefill_experts(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel,
-                                               chunk_size=self.placement.scratch)
+                y, counts[i] = prefill_experts(layer_slots[i], host, x, ids, weights, kernel=kernel,
+                                               chunk_size=self.placement.scratch, **tier)
             return self.combine(y, x)  # the one rounding of the float32 partial outputs
 
         def finish() -> EngineState:
@@ -203,8 +235,31 @@ class OffloadEngine(ResidentEngine):
         """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed."""
         first_observation = self.observe(tables, routing)
         self.state = state._replace(**{name: jnp.asarray(table) for name, table in self.manager_tables().items()})
+        if self.tier is not None:
+            self.state = self.admit_disk_reads(self.state)
         if first_observation:  # policy="static": its table comes from this first step
             self.install_pinned()
+
+    def admit_disk_reads(self, state: EngineState) -> EngineState:
+        """The experts the last step read from disk, admitted into host rows as the policy ranks them (rows whose
+        expert sits in a device slot kept: inclusive)."""
+        policy = self.manager.policy
+        priority = (np.zeros((len(self.layers), self.config.num_experts)) if policy is None
+                    else np.asarray(policy.priority(), np.float64))
+        installs = self.tier.admissions(priority, self.manager.slot_of_expert >= 0)
+        tiers = list(state.host_tier)
+        for position in sorted({install[0] for install in installs}):
+            # A host array is written whole here (a NumPy copy, put back in pinned host memory): simple, and the
+            # rows change only when the disk was read.
+            leaves, treedef = jax.tree.flatten(tiers[position])
+            shardings = [leaf.sharding for leaf in leaves]
+            leaves = [np.array(leaf) for leaf in leaves]
+            for _, row, _, weights in (i for i in installs if i[0] == position):
+                for leaf, value in zip(leaves, jax.tree.leaves(weights.stacked())):
+                    leaf[row] = value[0]
+            tiers[position] = jax.tree.unflatten(treedef, [jax.device_put(leaf, sharding)
+                                                           for leaf, sharding in zip(leaves, shardings)])
+        return state._replace(host_tier=tuple(tiers), host_row_of_expert=jnp.asarray(self.tier.row_of_expert))
 
     def observe(self, tables, routing: np.ndarray) -> bool:
         """after_step's host side: the manager (and history predictor) record the step. Returns whether it
@@ -249,7 +304,12 @@ class OffloadEngine(ResidentEngine):
                               expert_in_slot=experts)
 
     def stats(self) -> list[dict]:
-        return self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))
+        stats = self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))
+        if self.tier is not None:
+            for position, layer in enumerate(stats):
+                layer.update(host_rows=self.tier.rows, disk_reads=int(self.tier.disk_reads[position]),
+                             disk_bytes=int(self.tier.disk_reads[position]) * self.placement.expert_bytes)
+        return stats
 
 
 def make_engine(config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str):

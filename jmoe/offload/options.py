@@ -54,6 +54,9 @@ class OffloadOptions:
     # first `devices` devices, or over `mesh` (a jax.sharding.Mesh with one axis, "expert"); None = one device.
     devices: int | None = None
     mesh: object = None
+    # The disk tier (jmoe.offload.host_tier): pinned host memory for the offloaded layers' experts, in GB; the
+    # experts beyond it stay in the checkpoint files. None = every expert in host memory.
+    host_budget_gb: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -111,6 +114,16 @@ class OffloadOptions:
         if self.prefetch_trace is not None and (self.mesh is not None or (self.devices or 1) > 1):
             raise InputError("prefetch_trace (history prefetch) does not run over several devices yet; use "
                              "prefetch=N (the router's guess) there, or one device")
+        if self.host_budget_gb is not None:
+            object.__setattr__(self, "host_budget_gb", positive_finite("host_budget_gb (GB)", self.host_budget_gb))
+            unsupported = [name for name, used in (("miss_mode='host'", self.miss_mode == "host"),
+                                                   ("prefetch", self.prefetch), ("prefetch_trace", self.prefetch_trace is not None),
+                                                   ("devices/mesh", self.mesh is not None or (self.devices or 1) > 1),
+                                                   ("policy='static'", self.policy == "static"))
+                           if used]
+            if unsupported:
+                raise InputError(f"host_budget_gb (the disk tier) does not work with {', '.join(unsupported)} yet; "
+                                 f"leave those out, or host_budget_gb")
         self.layer_groups  # checks the group settings
         checked_expert_dtype(self.expert_dtype)
         if self.expert_group_size is not None:

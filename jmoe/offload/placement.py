@@ -80,6 +80,9 @@ class Placement:
     fetched_keys: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # layer -> keys fetched ahead
     fetch_buffer_bytes: int = 0  # device memory the fetched layer weights can take at once
     kv_bytes_per_token: int = 0  # KV cache per token of one sequence, all layers (MLA: the compressed latent)
+    # The disk tier: experts per offloaded layer in pinned host rows (jmoe.offload.host_tier), the rest on disk
+    # only; 0 = every expert in host memory. The offloaded experts' nbytes count these rows.
+    host_rows: int = 0
 
     def memory_kind_of(self, path: ParamPath) -> str:
         return self.memory_kind[param_key(path)]
@@ -222,10 +225,30 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
         key = keys[path]
         on_host = key in host_keys or (is_expert_param(path) and moe_position(cfg, path) in offloaded)
         memory_kind[key] = PINNED_HOST if on_host else DEVICE
+    host_rows = tiered_rows(cfg, options.host_budget_gb, len(offloaded_layers), expert_bytes)
+    if host_rows:
+        for path in abstract:
+            if is_expert_param(path) and moe_position(cfg, path) in offloaded:
+                nbytes[keys[path]] = nbytes[keys[path]] // cfg.num_experts * host_rows
+        notes.append(f"host_budget_gb={options.host_budget_gb}: {host_rows} of {cfg.num_experts} experts per "
+                     f"offloaded layer in pinned host memory, the others read from the checkpoint files when needed")
     return Placement(memory_kind, nbytes, {keys[p]: param_group(p) for p in abstract}, offloaded_layers,
                      tuple(min(caches[i], cfg.num_experts) for i in offloaded_layers),
                      scratch if offloaded_layers else 0, expert_bytes, tuple(notes), layer_groups, fetched_keys,
-                     fetch_buffer, kv_per_token)
+                     fetch_buffer, kv_per_token, host_rows)
+
+
+def tiered_rows(cfg: ModelConfig, host_budget_gb: float | None, layers: int, expert_bytes: int) -> int:
+    """Experts per offloaded layer that `host_budget_gb` holds in pinned host memory; 0 when there is no budget,
+    nothing offloaded, or the budget holds every expert (no disk tier)."""
+    if host_budget_gb is None or not layers:
+        return 0
+    rows = int(min(cfg.num_experts, host_budget_gb * 1e9 // (layers * expert_bytes)))
+    if rows < 1:
+        raise InputError(f"host_budget_gb={host_budget_gb} holds no expert of the {layers} offloaded MoE layers "
+                         f"({expert_bytes / 1e9:.4f} GB each): give at least {layers * expert_bytes / 1e9:.4f} GB "
+                         f"(one expert per layer)")
+    return rows if rows < cfg.num_experts else 0
 
 
 def select_params(patterns: list[str] | None, candidates: list[ParamPath], keys: dict[ParamPath, str],

@@ -165,7 +165,8 @@ def usable_victims(slots: LayerSlots, victim_order, protected) -> jax.Array:
 
 
 def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: ExpertWeights, x, ids,
-                      weights, *, kernel: ExpertKernel) -> tuple[jax.Array, LayerSlots, Scratch, StepCounts]:
+                      weights, *, kernel: ExpertKernel, host_rows=None,
+                      disk=None) -> tuple[jax.Array, LayerSlots, Scratch, StepCounts]:
     """Decode path, miss mode "fetch": the missed experts (lowest ids first, up to M) are copied into the
     shared scratch slots by one loop, computed from there, and then admitted into victim cache slots by a
     device-to-device scatter, never over an expert this step needs. A batch that misses more than M
@@ -174,10 +175,15 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     needed = needed_experts(ids, num_experts)
     hits = count_hits(slots.slot_of_expert, ids)
     missing = needed & (slots.slot_of_expert < 0)
+    y_disk = None
+    if host_rows is not None:  # the disk tier: `host` holds rows, host_rows[e] expert e's (-1: on disk only)
+        on_disk = missing & (host_rows < 0)
+        missing = missing & ~on_disk
+        y_disk = disk(x, ids, weights, on_disk)
     n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), num_scratch)
     miss_ids = jnp.nonzero(missing, size=num_scratch, fill_value=0)[0].astype(jnp.int32)
     copies = n_miss if scratch.free is None else ordered_after(n_miss, scratch.free)
-    buffers = copy_loop(scratch.buffers, host, miss_ids, copies)
+    buffers = copy_loop(scratch.buffers, host, miss_ids if host_rows is None else host_rows[miss_ids], copies)
     # Scratch slot of each expert: its rank among the misses, while it is among the first M.
     rank = jnp.where(missing, jnp.cumsum(missing) - 1, -1)
     scratch_slot = jnp.where(rank < num_scratch, rank, -1)
@@ -185,7 +191,9 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     if slots.expert_in_slot.shape[0]:
         y = y + kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
     if min(ids.size, num_experts) > num_scratch:  # this step's shape can miss more experts than M
-        y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel)
+        y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel, host_rows)
+    if y_disk is not None:
+        y = y + y_disk
     evicted = jnp.int32(0)
     if slots.expert_in_slot.shape[0]:
         victims = usable_victims(slots, victim_order, needed)
@@ -202,8 +210,12 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     return y, slots, Scratch(buffers, free), counts
 
 
-def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel) -> jax.Array:
-    """float32 [T, d]: the contribution of the experts marked in `missing` (bool [E]), computed on the host."""
+def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel,
+                          host_rows=None) -> jax.Array:
+    """float32 [T, d]: the contribution of the experts marked in `missing` (bool [E]), computed on the host (from
+    host rows, `host_rows` [E] the row of each expert, with a disk tier)."""
+    if host_rows is not None:  # in row space: row r stands for the expert it holds
+        ids, missing = rows_of(host_rows, ids), rows_marked(host_rows, missing, host.num_experts)
     num_experts = missing.shape[0]
     miss_ids = jnp.nonzero(missing, size=min(num_experts, ids.size), fill_value=0)[0].astype(jnp.int32)
     return experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host,
@@ -262,15 +274,31 @@ def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: 
     return copy_wanted(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32))
 
 
+def rows_of(host_rows, ids) -> jax.Array:
+    """Expert ids [..] -> their host rows (-1: none, or on disk only)."""
+    return jnp.where(ids >= 0, host_rows[jnp.maximum(ids, 0)], -1)
+
+
+def rows_marked(host_rows, marked, num_rows: int) -> jax.Array:
+    """bool [E] over experts -> bool [H] over the rows holding them."""
+    return jnp.zeros((num_rows + 1,), bool).at[jnp.where(marked & (host_rows >= 0), host_rows, num_rows)].set(
+        True)[:num_rows]
+
+
 def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
-                    chunk_size: int) -> tuple[jax.Array, StepCounts]:
+                    chunk_size: int, host_rows=None, disk=None) -> tuple[jax.Array, StepCounts]:
     """Prefill path, chosen by the platform the step is lowered for: on a GPU the missing experts stream
     through chunk buffers (`stream_and_compute`); on CPU, where host and device memory are the same RAM,
     every expert is read where it lives (`experts_in_place`). The counts are the same on both: `copied` is
     what a device copies in. Returns float32 y [T, d] and the counts."""
-    y = jax.lax.platform_dependent(
-        slots, host, x, ids, weights, cpu=functools.partial(experts_in_place, kernel=kernel),
-        default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
+    if host_rows is None:
+        y = jax.lax.platform_dependent(
+            slots, host, x, ids, weights, cpu=functools.partial(experts_in_place, kernel=kernel),
+            default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
+    else:  # the disk tier: the rows hold every cached expert (inclusive), the disk the rest
+        on_disk = needed_experts(ids, host_rows.shape[0]) & (host_rows < 0)
+        y = kernel(x, rows_of(host_rows, ids), weights, to_device(host), out_dtype=jnp.float32)
+        y = y + disk(x, ids, weights, on_disk)
     hits = count_hits(slots.slot_of_expert, ids)
     n_miss = jnp.sum(needed_experts(ids, slots.slot_of_expert.shape[0]) & (slots.slot_of_expert < 0), dtype=jnp.int32)
     return y, StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, jnp.int32(0))

@@ -1,0 +1,147 @@
+"""The disk tier (issue #31): each offloaded layer keeps H of its experts in pinned host rows; the others stay in
+the checkpoint files and are read by byte range when a step meets them.
+
+Inclusive: every expert in a device slot is also in a host row (the slots are filled from the rows, and a row
+whose expert sits in a slot is never given away), so a device eviction is bookkeeping and the rows are written
+only between steps, from what the disk threads read (jmoe.traces.tiers: inclusive at H reads from disk what a
+one-level cache of H misses; exclusive would copy every device victim back).
+
+Inside a step (`disk_experts`): the experts a layer needs that are in neither a slot nor a row are read by a
+loop whose trip count is their number over R, each iteration an `io_callback` that waits for the reader and
+returns R experts' weights, computed by the layer's kernel as one more partial output. No expert missing: no
+iteration, no callback. Between steps (`HostTier.after_step`) the experts read during the step are admitted
+into rows by the cache policy's ranking.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmoe.kernels import ExpertWeights, QuantizedTensor
+from jmoe.memory import PINNED_HOST
+
+
+def expert_weights_from(read: dict[str, np.ndarray], like: ExpertWeights) -> ExpertWeights:
+    """One expert read by an ExpertReader ({"w_gate_up", "w_down", biases, "..._scale"}) as an ExpertWeights shaped
+    like `like` (quantized weights as QuantizedTensors), with a leading axis of 1."""
+    def weight(name):
+        stacked = getattr(like, name)
+        if isinstance(stacked, QuantizedTensor):
+            return QuantizedTensor(read[name][None], read[f"{name}_scale"][None], stacked.fmt, stacked.group)
+        return read[name][None]
+
+    biases = [None if getattr(like, b) is None else read[b][None] for b in ("b_gate_up", "b_down")]
+    return ExpertWeights(weight("w_gate_up"), weight("w_down"), *biases)
+
+
+def disk_experts(x, ids, weights, on_disk, *, round_size: int, like: ExpertWeights, read_round, kernel):
+    """float32 [T, d]: the contribution of the experts marked in `on_disk` (bool [E]), read `round_size` at a time
+    by `read_round(ids int32 [R], valid bool [R])` (a host callback returning that many experts' leaves, shaped
+    like `like`'s, invalid entries zeros) and computed by `kernel` on them."""
+    num_experts = on_disk.shape[0]
+    rounds_max = -(-num_experts // round_size)
+    count = jnp.sum(on_disk, dtype=jnp.int32)
+    order = jnp.nonzero(on_disk, size=rounds_max * round_size, fill_value=0)[0].astype(jnp.int32)
+    rank = jnp.where(on_disk, jnp.cumsum(on_disk) - 1, -1)
+    token_rank = jnp.where(ids >= 0, rank[jnp.maximum(ids, 0)], -1)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((round_size, *a.shape[1:]), a.dtype), like.stacked())
+
+    def body(carry):
+        r, y = carry
+        first = r * round_size
+        round_ids = jax.lax.dynamic_slice_in_dim(order, first, round_size)
+        valid = first + jnp.arange(round_size) < count
+        buffers = jax.experimental.io_callback(read_round, shapes, round_ids, valid, ordered=False)
+        local = token_rank - first
+        slot_ids = jnp.where((token_rank >= 0) & (local >= 0) & (local < round_size), local, -1)
+        return r + 1, y + kernel(x, slot_ids, weights, buffers, out_dtype=jnp.float32)
+
+    rounds = (count + round_size - 1) // round_size
+    _, y = jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.int32(0), jnp.zeros(x.shape, jnp.float32)))
+    return y
+
+
+class HostTier:
+    """The host rows of the offloaded layers, what is in them, and the reads of a step (see the module
+    docstring). `moe_layers`: the decoder layer index of each offloaded layer; `reader`: an expert reader of
+    the checkpoint (jmoe.checkpoint.expert_reader_orbax.open_expert_reader), closed by `close`."""
+
+    def __init__(self, reader, moe_layers: tuple[int, ...], rows: int, num_experts: int, expert_bytes: int):
+        self.reader, self.moe_layers, self.rows = reader, moe_layers, rows
+        self.num_experts, self.expert_bytes = num_experts, expert_bytes
+        self.row_of_expert = np.full((len(moe_layers), num_experts), -1, np.int32)
+        self.expert_in_row = np.full((len(moe_layers), rows), -1, np.int32)
+        self.disk_reads = np.zeros(len(moe_layers), np.int64)
+        self._step_reads: dict[tuple[int, int], ExpertWeights] = {}  # read during the step, not yet in a row
+        self._lock = threading.Lock()
+        self.like: list[ExpertWeights] = []
+
+    # ---- the initial rows ------------------------------------------------------------------------------
+    def initial_rows(self) -> tuple:
+        """Each layer's rows filled with its first H experts, read from the checkpoint (all reads in flight at
+        once), in pinned host memory."""
+        tiers = []
+        for position, layer in enumerate(self.moe_layers):
+            experts = list(range(self.rows))
+            futures = [self.reader.submit(layer, e) for e in experts]
+            reads = [expert_weights_from(f.result(), self.like[position]) for f in futures]
+            tier = jax.tree.map(lambda *a: np.concatenate(a), *reads)
+            tiers.append(jax.device_put(tier, jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                                                memory_kind=PINNED_HOST)))
+            self.row_of_expert[position, experts] = np.arange(self.rows)
+            self.expert_in_row[position] = experts
+        return tuple(tiers)
+
+    # ---- inside a step (on the callback's thread) -------------------------------------------------------
+    def read_round(self, position: int, ids, valid):
+        """The leaves of R experts of offloaded layer `position` (invalid entries zeros), read from disk."""
+        ids, valid = np.asarray(ids), np.asarray(valid)
+        futures = {int(e): self.reader.submit(self.moe_layers[position], int(e)) for e in ids[valid]}
+        like = self.like[position]
+        out = [np.zeros((len(ids), *leaf.shape[1:]), leaf.dtype) for leaf in jax.tree.leaves(like.stacked())]
+        for j, e in enumerate(ids):
+            if not valid[j]:
+                continue
+            weights = expert_weights_from(futures[int(e)].result(), like)
+            for leaf, value in zip(out, jax.tree.leaves(weights.stacked())):
+                leaf[j] = value[0]
+            with self._lock:
+                self._step_reads[position, int(e)] = weights
+                self.disk_reads[position] += 1
+        return jax.tree.unflatten(jax.tree.structure(like.stacked()), out)
+
+    # ---- between steps ----------------------------------------------------------------------------------
+    def admissions(self, priority: np.ndarray, on_device: np.ndarray) -> list[tuple[int, int, int, ExpertWeights]]:
+        """(layer position, row, expert, weights) for each expert read during the last step that the policy values
+        above a row's expert (`priority` [Lo, E], higher keeps); rows whose expert sits in a device slot
+        (`on_device` bool [Lo, E]) are kept. Updates the tables; the caller writes the rows."""
+        with self._lock:
+            reads, self._step_reads = self._step_reads, {}
+        out = []
+        for (position, expert), weights in sorted(reads.items(), key=lambda kv: -priority[kv[0][0], kv[0][1]]):
+            if self.row_of_expert[position, expert] >= 0:
+                continue
+            held = self.expert_in_row[position]
+            free = np.flatnonzero(held < 0)
+            if free.size:
+                row = int(free[0])
+            else:
+                evictable = np.flatnonzero(~on_device[position, held])
+                if not evictable.size:
+                    continue
+                row = int(evictable[np.argmin(priority[position, held[evictable]])])
+                if priority[position, held[row]] >= priority[position, expert]:
+                    continue
+                self.row_of_expert[position, held[row]] = -1
+            self.row_of_expert[position, expert] = row
+            self.expert_in_row[position, row] = expert
+            out.append((position, row, expert, weights))
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+

@@ -1,0 +1,111 @@
+"""The disk tier (jmoe.load(..., host_budget_gb=X), jmoe.offload.host_tier): experts beyond the host budget are
+read from the checkpoint files when a step needs them, and results never change."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import jmoe
+from hf_models import VOCAB
+from jmoe.checkpoint.convert import convert_checkpoint
+from jmoe.checkpoint.expert_reader import THREAD_PREFIX
+from jmoe.errors import InputError
+
+FAMILIES = ["mixtral_e4k2_gqa2", "olmoe_e8k4_clip", "deepseek_v3_qlora_groups", "gpt_oss_e8k3_mqa_tied_yarn"]
+PROMPTS = [list(np.random.RandomState(1).randint(0, VOCAB, 11)), list(np.random.RandomState(2).randint(0, VOCAB, 4))]
+LOGIT_IDS = np.random.RandomState(3).randint(0, VOCAB, (2, 9))
+
+
+def budget_for(directory, rows: int, **load_kwargs) -> float:
+    """The host budget (GB) that holds `rows` experts of every offloaded layer (and half an expert more, so that
+    rounding never leaves one out)."""
+    probe = jmoe.load(directory, cache=0, progress=False, **load_kwargs).placement_plan
+    return (rows + 0.5) * len(probe.offloaded_layers) * probe.expert_bytes / 1e9
+
+
+def reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def results(model):
+    return np.asarray(model.logits(LOGIT_IDS)), model.generate(PROMPTS, max_new_tokens=10)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_cache_and_host_budget_matches_resident(name, hf_checkpoints):
+    directory = hf_checkpoints[name][0]
+    resident = jmoe.load(directory, progress=False)
+    ref_logits, ref_tokens = results(resident)
+    e, k = resident.config.num_experts, resident.config.num_experts_per_tok
+    for cache, rows in ((0, 1), (1, k), (k, e - 1)):  # fewer rows than a token's experts, k, all but one
+        with jmoe.load(directory, cache=cache, host_budget_gb=budget_for(directory, rows), progress=False) as model:
+            assert model.placement_plan.host_rows == rows
+            logits, tokens = results(model)
+            np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0, err_msg=f"cache={cache} rows={rows}")
+            assert tokens == ref_tokens, f"cache={cache} rows={rows}"
+            stats = model.stats()
+            assert all(layer["host_rows"] == rows for layer in stats)
+            assert sum(layer["disk_reads"] for layer in stats) > 0  # the disk was read: rows < E
+            assert all(layer["disk_bytes"] == layer["disk_reads"] * model.placement_plan.expert_bytes
+                       for layer in stats)
+        assert not reader_threads()
+
+
+def test_tiered_experts_are_not_loaded_and_the_placement_counts_the_rows(hf_checkpoints):
+    directory = hf_checkpoints["olmoe_e8k4_clip"][0]
+    whole = jmoe.load(directory, cache=2, progress=False)
+    with jmoe.load(directory, cache=2, host_budget_gb=budget_for(directory, 3), progress=False) as model:
+        for block in model.module().moe_blocks():  # the model holds none of them: the tier's rows do
+            assert block.experts.w_gate_up[...].shape[0] == 0
+        rows = [leaf for tier in model.engine.state.host_tier for leaf in jax.tree.leaves(tier)]
+        assert all(leaf.shape[0] == 3 and leaf.sharding.memory_kind == "pinned_host" for leaf in rows)
+        experts_host = whole.placement_plan.totals()["host_bytes"]
+        assert model.placement_plan.totals()["host_bytes"] == experts_host * 3 // 8
+        assert any("host_budget_gb" in note for note in model.placement_plan.notes)
+
+
+def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_match(hf_checkpoints, tmp_path):
+    directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
+    orbax = convert_checkpoint(directory, tmp_path / "orbax", progress=False)
+    for path, kwargs in ((orbax, {}), (directory, {"expert_dtype": "int8"})):
+        ref_logits, ref_tokens = results(jmoe.load(path, progress=False, **kwargs))
+        budget = budget_for(path, 1, **kwargs)
+        with jmoe.load(path, cache=1, host_budget_gb=budget, progress=False, **kwargs) as model:
+            logits, tokens = results(model)
+            np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0, err_msg=str(kwargs))
+            assert tokens == ref_tokens
+            assert sum(layer["disk_reads"] for layer in model.stats()) > 0
+    assert not reader_threads()
+
+
+def test_budgets_and_options_the_tier_does_not_take_are_clear_errors(hf_checkpoints):
+    directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
+    one_row = budget_for(directory, 1)
+    with pytest.raises(InputError, match=r"host_budget_gb=.* holds no expert .* give at least"):
+        jmoe.load(directory, cache=1, host_budget_gb=one_row / 2, progress=False)
+    for option in ({"miss_mode": "host"}, {"prefetch": 1}, {"devices": 2}):
+        with pytest.raises(InputError, match="host_budget_gb .* does not work with"):
+            jmoe.load(directory, cache=1, host_budget_gb=one_row, progress=False, **option)
+    with pytest.raises(InputError, match="host_budget_gb"):
+        jmoe.load(directory, cache=1, host_budget_gb=-1.0, progress=False)
+    # A budget that holds every expert: no disk tier, no reader.
+    model = jmoe.load(directory, cache=1, host_budget_gb=1000.0, progress=False)
+    assert model.placement_plan.host_rows == 0 and model.engine.tier is None and not reader_threads()
+
+
+def test_the_command_line_takes_a_host_budget_and_reports_disk_reads(hf_checkpoints, tmp_path, capsys):
+    import shutil
+
+    from hf_models import write_word_tokenizer
+    from jmoe.generate import main
+
+    directory = tmp_path / "m"
+    shutil.copytree(hf_checkpoints["mixtral_e4k2_gqa2"][0], directory)
+    write_word_tokenizer(directory)
+    assert main(["--model", str(directory), "--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--cache", "1",
+                 "--host-budget-gb", str(budget_for(directory, 1)), "--stats"]) == 0
+    table = capsys.readouterr().out
+    assert "host rows" in table and "disk reads" in table
+    assert not reader_threads()
