@@ -59,6 +59,9 @@ def test_every_cache_and_host_budget_matches_resident(name, hf_checkpoints):
             assert sum(layer["disk_reads"] for layer in stats) > 0  # the disk was read: rows < E
             assert all(layer["disk_bytes"] == layer["disk_reads"] * model.placement_plan.expert_bytes
                        for layer in stats)
+            model.set_policy("lru")  # starts over: rows refilled, counts at zero, results the same
+            assert all(layer["disk_reads"] == 0 and layer["hits"] == 0 for layer in model.stats())
+            assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens
         assert not reader_threads()
 
 

@@ -123,7 +123,6 @@ class OffloadEngine(ResidentEngine):
         """The state's disk-tier fields: the host rows as first filled, and their table."""
         if self.tier is None:
             return {}
-        self.tier.row_of_expert[:] = -1
         rows = self.tier.initial_rows()
         return {"host_tier": rows, "host_row_of_expert": jnp.asarray(self.tier.row_of_expert)}
 

@@ -83,7 +83,10 @@ class HostTier:
     # ---- the initial rows ------------------------------------------------------------------------------
     def initial_rows(self) -> tuple:
         """Each layer's rows filled with its first H experts, read from the checkpoint (all reads in flight at
-        once), in pinned host memory."""
+        once), in pinned host memory; the tables and counts start over (a new policy, `Model.set_policy`)."""
+        self.row_of_expert[:] = -1
+        self.disk_reads[:] = 0
+        self._step_reads = {}
         tiers = []
         for position, layer in enumerate(self.moe_layers):
             experts = list(range(self.rows))
