@@ -76,6 +76,11 @@ def test_tiered_experts_are_not_loaded_and_the_placement_counts_the_rows(hf_chec
         experts_host = whole.placement_plan.totals()["host_bytes"]
         assert model.placement_plan.totals()["host_bytes"] == experts_host * 3 // 8
         assert any("host_budget_gb" in note for note in model.placement_plan.notes)
+        # 3 rows next to 2 slots: the rows also hold the slots' experts, so the plan warns
+        assert any(note.startswith("warning: 3 host rows per layer is under twice the device cache (2)")
+                   for note in model.placement_plan.notes)
+    with jmoe.load(directory, cache=2, host_budget_gb=budget_for(directory, 4), progress=False) as enough:
+        assert not any(note.startswith("warning") for note in enough.placement_plan.notes)
 
 
 def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_match(hf_checkpoints, tmp_path):

@@ -232,6 +232,14 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
                 nbytes[keys[path]] = nbytes[keys[path]] // cfg.num_experts * host_rows
         notes.append(f"host_budget_gb={options.host_budget_gb}: {host_rows} of {cfg.num_experts} experts per "
                      f"offloaded layer in pinned host memory, the others read from the checkpoint files when needed")
+        largest_cache = max(min(caches[i], cfg.num_experts) for i in offloaded_layers)
+        if host_rows < 2 * largest_cache:
+            # The host rows include the device's experts: at H = C every device miss is a disk read
+            # (bench/results/replay_tiers.md: inclusive at H reads from disk what a one-level cache of H misses).
+            notes.append(f"warning: {host_rows} host rows per layer is under twice the device cache ({largest_cache}): "
+                         f"the rows also hold the device's experts, so nearly every device miss reads the disk; "
+                         f"raise host_budget_gb to at least "
+                         f"{2 * largest_cache * len(offloaded_layers) * expert_bytes / 1e9:.3f} GB or lower the cache")
     return Placement(memory_kind, nbytes, {keys[p]: param_group(p) for p in abstract}, offloaded_layers,
                      tuple(min(caches[i], cfg.num_experts) for i in offloaded_layers),
                      scratch if offloaded_layers else 0, expert_bytes, tuple(notes), layer_groups, fetched_keys,
