@@ -30,7 +30,7 @@ from jmoe.model.params import flat_params
 from jmoe.offload.engine import make_engine
 from jmoe.offload.expert_parallel import ExpertParallelEngine, device_placement, expert_mesh, param_sharding
 from jmoe.offload.options import OffloadOptions
-from jmoe.offload.placement import Placement, plan_placement
+from jmoe.offload.placement import Placement, is_expert_param, moe_position, plan_placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
 from jmoe.plan.headers import read_headers
@@ -301,7 +301,7 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
     tiered = set(placement.offloaded_layers) if placement.host_rows else set()
 
     def unread(path):  # the disk tier's experts: its reader fills their host rows (jmoe.offload.host_tier)
-        return "experts" in path and path[0] == "layers" and config.moe_layer_indices.index(path[1]) in tiered
+        return is_expert_param(path) and moe_position(config, path) in tiered
 
     if headers.format == "jmoe-orbax":
         module = restore_model(model_dir, config, dtype=dtype, sharding_of=sharding, progress=progress, unread=unread)

@@ -84,8 +84,7 @@ class OffloadEngine(ResidentEngine):
         self.host_experts = [layers[i].experts for i in self.layers]
         if self.tier_reader is not None:
             self.tier = HostTier(self.tier_reader, tuple(self.config.moe_layer_indices[i] for i in self.layers),
-                                 self.placement.host_rows, self.config.num_experts, self.placement.expert_bytes)
-            self.tier.like = self.host_experts
+                                 self.host_experts, self.placement.host_rows, self.config.num_experts)
         self.reset(self.initial_policy)
 
     def close(self) -> None:
@@ -242,9 +241,8 @@ class OffloadEngine(ResidentEngine):
     def admit_disk_reads(self, state: EngineState) -> EngineState:
         """The experts the last step read from disk, admitted into host rows as the policy ranks them (rows whose
         expert sits in a device slot kept: inclusive)."""
-        policy = self.manager.policy
-        priority = (np.zeros((len(self.layers), self.config.num_experts)) if policy is None
-                    else np.asarray(policy.priority(), np.float64))
+        # The manager always has a policy here: the static one, which starts without, is refused with a host budget.
+        priority = np.asarray(self.manager.policy.priority(), np.float64)
         installs = self.tier.admissions(priority, self.manager.slot_of_expert >= 0)
         tiers = list(state.host_tier)
         for position in sorted({install[0] for install in installs}):

@@ -9,7 +9,7 @@ one-level cache of H misses; exclusive would copy every device victim back).
 Inside a step (`disk_experts`): the experts a layer needs that are in neither a slot nor a row are read by a
 loop whose trip count is their number over R, each iteration an `io_callback` that waits for the reader and
 returns R experts' weights, computed by the layer's kernel as one more partial output. No expert missing: no
-iteration, no callback. Between steps (`HostTier.after_step`) the experts read during the step are admitted
+iteration, no callback. Between steps (`HostTier.admissions`) the experts read during the step are admitted
 into rows by the cache policy's ranking.
 """
 
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.kernels import ExpertWeights, QuantizedTensor
-from jmoe.memory import PINNED_HOST
+from jmoe.memory import PINNED_HOST, sharding_for
+from jmoe.offload.slots import chunk_slot_ids, rank_among, slot_ids_of
 
 
 def expert_weights_from(read: dict[str, np.ndarray], like: ExpertWeights) -> ExpertWeights:
@@ -46,8 +47,7 @@ def disk_experts(x, ids, weights, on_disk, *, round_size: int, like: ExpertWeigh
     rounds_max = -(-num_experts // round_size)
     count = jnp.sum(on_disk, dtype=jnp.int32)
     order = jnp.nonzero(on_disk, size=rounds_max * round_size, fill_value=0)[0].astype(jnp.int32)
-    rank = jnp.where(on_disk, jnp.cumsum(on_disk) - 1, -1)
-    token_rank = jnp.where(ids >= 0, rank[jnp.maximum(ids, 0)], -1)
+    token_rank = slot_ids_of(rank_among(on_disk), ids)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((round_size, *a.shape[1:]), a.dtype), like.stacked())
 
     def body(carry):
@@ -56,8 +56,7 @@ def disk_experts(x, ids, weights, on_disk, *, round_size: int, like: ExpertWeigh
         round_ids = jax.lax.dynamic_slice_in_dim(order, first, round_size)
         valid = first + jnp.arange(round_size) < count
         buffers = jax.experimental.io_callback(read_round, shapes, round_ids, valid, ordered=False)
-        local = token_rank - first
-        slot_ids = jnp.where((token_rank >= 0) & (local >= 0) & (local < round_size), local, -1)
+        slot_ids = chunk_slot_ids(token_rank, first, round_size)
         return r + 1, y + kernel(x, slot_ids, weights, buffers, out_dtype=jnp.float32)
 
     rounds = (count + round_size - 1) // round_size
@@ -67,18 +66,18 @@ def disk_experts(x, ids, weights, on_disk, *, round_size: int, like: ExpertWeigh
 
 class HostTier:
     """The host rows of the offloaded layers, what is in them, and the reads of a step (see the module
-    docstring). `moe_layers`: the decoder layer index of each offloaded layer; `reader`: an expert reader of
+    docstring). `moe_layers`: the decoder layer index of each offloaded layer; `like`: each one's experts as the
+    model holds them (their leaves' shapes past the expert axis, dtypes, formats); `reader`: an expert reader of
     the checkpoint (jmoe.checkpoint.expert_reader_orbax.open_expert_reader), closed by `close`."""
 
-    def __init__(self, reader, moe_layers: tuple[int, ...], rows: int, num_experts: int, expert_bytes: int):
-        self.reader, self.moe_layers, self.rows = reader, moe_layers, rows
-        self.num_experts, self.expert_bytes = num_experts, expert_bytes
+    def __init__(self, reader, moe_layers: tuple[int, ...], like: list[ExpertWeights], rows: int,
+                 num_experts: int):
+        self.reader, self.moe_layers, self.like, self.rows = reader, moe_layers, like, rows
         self.row_of_expert = np.full((len(moe_layers), num_experts), -1, np.int32)
         self.expert_in_row = np.full((len(moe_layers), rows), -1, np.int32)
         self.disk_reads = np.zeros(len(moe_layers), np.int64)
         self._step_reads: dict[tuple[int, int], ExpertWeights] = {}  # read during the step, not yet in a row
         self._lock = threading.Lock()
-        self.like: list[ExpertWeights] = []
 
     # ---- the initial rows ------------------------------------------------------------------------------
     def initial_rows(self) -> tuple:
@@ -93,8 +92,7 @@ class HostTier:
             futures = [self.reader.submit(layer, e) for e in experts]
             reads = [expert_weights_from(f.result(), self.like[position]) for f in futures]
             tier = jax.tree.map(lambda *a: np.concatenate(a), *reads)
-            tiers.append(jax.device_put(tier, jax.sharding.SingleDeviceSharding(jax.devices()[0],
-                                                                                memory_kind=PINNED_HOST)))
+            tiers.append(jax.device_put(tier, sharding_for(PINNED_HOST)))
             self.row_of_expert[position, experts] = np.arange(self.rows)
             self.expert_in_row[position] = experts
         return tuple(tiers)

@@ -92,6 +92,18 @@ def slot_ids_of(slot_of_expert, ids) -> jax.Array:
     return jnp.where(ids >= 0, slot_of_expert[jnp.maximum(ids, 0)], -1)
 
 
+def rank_among(marked) -> jax.Array:
+    """int [E]: each marked expert's rank among the marked ones, lowest id first (-1: not marked)."""
+    return jnp.where(marked, jnp.cumsum(marked) - 1, -1)
+
+
+def chunk_slot_ids(token_rank, first, size: int) -> jax.Array:
+    """int32 [T, k]: the slot each (token, choice) reads in the chunk holding ranks [first, first + size), from its
+    expert's rank `token_rank` (-1: none, or another chunk's)."""
+    local = token_rank - first
+    return jnp.where((token_rank >= 0) & (local >= 0) & (local < size), local, -1)
+
+
 def admit(slots: LayerSlots, experts, destinations, sources: ExpertWeights) -> tuple[LayerSlots, jax.Array]:
     """Put expert experts[j], whose weights are slot j of `sources`, into cache slot destinations[j]
     (-1 = not admitted: the write is dropped, the tables keep what they had). The experts must be distinct
@@ -185,7 +197,7 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     copies = n_miss if scratch.free is None else ordered_after(n_miss, scratch.free)
     buffers = copy_loop(scratch.buffers, host, miss_ids if host_rows is None else host_rows[miss_ids], copies)
     # Scratch slot of each expert: its rank among the misses, while it is among the first M.
-    rank = jnp.where(missing, jnp.cumsum(missing) - 1, -1)
+    rank = rank_among(missing)
     scratch_slot = jnp.where(rank < num_scratch, rank, -1)
     y = kernel(x, slot_ids_of(scratch_slot, ids), weights, buffers, out_dtype=jnp.float32)
     if slots.expert_in_slot.shape[0]:
@@ -215,7 +227,7 @@ def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel:
     """float32 [T, d]: the contribution of the experts marked in `missing` (bool [E]), computed on the host (from
     host rows, `host_rows` [E] the row of each expert, with a disk tier)."""
     if host_rows is not None:  # in row space: row r stands for the expert it holds
-        ids, missing = rows_of(host_rows, ids), rows_marked(host_rows, missing, host.num_experts)
+        ids, missing = slot_ids_of(host_rows, ids), rows_marked(host_rows, missing, host.num_experts)
     num_experts = missing.shape[0]
     miss_ids = jnp.nonzero(missing, size=min(num_experts, ids.size), fill_value=0)[0].astype(jnp.int32)
     return experts_on_host(x, ids, weights, miss_ids, jnp.sum(missing, dtype=jnp.int32), host,
@@ -274,11 +286,6 @@ def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: 
     return copy_wanted(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32))
 
 
-def rows_of(host_rows, ids) -> jax.Array:
-    """Expert ids [..] -> their host rows (-1: none, or on disk only)."""
-    return jnp.where(ids >= 0, host_rows[jnp.maximum(ids, 0)], -1)
-
-
 def rows_marked(host_rows, marked, num_rows: int) -> jax.Array:
     """bool [E] over experts -> bool [H] over the rows holding them."""
     return jnp.zeros((num_rows + 1,), bool).at[jnp.where(marked & (host_rows >= 0), host_rows, num_rows)].set(
@@ -297,7 +304,7 @@ def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, 
             default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
     else:  # the disk tier: the rows hold every cached expert (inclusive), the disk the rest
         on_disk = needed_experts(ids, host_rows.shape[0]) & (host_rows < 0)
-        y = kernel(x, rows_of(host_rows, ids), weights, to_device(host), out_dtype=jnp.float32)
+        y = kernel(x, slot_ids_of(host_rows, ids), weights, to_device(host), out_dtype=jnp.float32)
         y = y + disk(x, ids, weights, on_disk)
     hits = count_hits(slots.slot_of_expert, ids)
     n_miss = jnp.sum(needed_experts(ids, slots.slot_of_expert.shape[0]) & (slots.slot_of_expert < 0), dtype=jnp.int32)
@@ -331,13 +338,10 @@ def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, 
     n_miss = jnp.sum(missing, dtype=jnp.int32)
     miss_ids = jnp.nonzero(missing, size=num_chunks * chunk_size, fill_value=0)[0].astype(jnp.int32)
     # Rank of each expert among the missing ones: chunk c holds ranks [c*chunk_size, (c+1)*chunk_size).
-    rank = jnp.where(missing, jnp.cumsum(missing) - 1, -1)
-    token_rank = slot_ids_of(rank, ids)
+    token_rank = slot_ids_of(rank_among(missing), ids)
 
     def compute(buffer, first):
-        local = token_rank - first
-        slot_ids = jnp.where((token_rank >= 0) & (local >= 0) & (local < chunk_size), local, -1)
-        return kernel(x, slot_ids, weights, buffer, out_dtype=jnp.float32)
+        return kernel(x, chunk_slot_ids(token_rank, first, chunk_size), weights, buffer, out_dtype=jnp.float32)
 
     for c in range(num_chunks):
         first = c * chunk_size
