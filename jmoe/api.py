@@ -222,7 +222,8 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          expert_dtype: str | None = None, expert_group_size: int | None = None, dtype: str | None = None,
          backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
          check_memory: bool = True, check_finite: bool | None = None, devices: int | None = None,
-         mesh: jax.sharding.Mesh | None = None, host_budget_gb: float | None = None) -> Model:
+         mesh: jax.sharding.Mesh | None = None, host_budget_gb: float | None = None,
+         read_ahead: int = 0) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -271,11 +272,15 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     mesh: the same over a jax.sharding.Mesh whose one axis is named "expert" (jmoe.offload.expert_parallel).
     host_budget_gb: the disk tier (jmoe.offload.host_tier): the offloaded layers keep this many GB of their
         experts in pinned host memory, the rest are read from the checkpoint files when a step needs them.
-        Results are the same. Close the model (`close()`, or `with`) to stop its reader threads.
+        Results are the same. Close the model (`close()`, or `with`) to stop its reader threads. With
+        prefetch_trace, its predictor reads ahead from disk instead of copying to the device:
+    read_ahead: with host_budget_gb and prefetch_trace, between steps start reading the next token's this many
+        best-predicted experts per offloaded layer that are in no host row (0 = off).
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
-                             prefetch_trace, expert_dtype, expert_group_size, devices, mesh, host_budget_gb)
+                             prefetch_trace, expert_dtype, expert_group_size, devices, mesh, host_budget_gb,
+                             read_ahead)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 

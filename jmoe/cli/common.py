@@ -51,11 +51,15 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-budget-gb", type=float, default=None,
                    help="the disk tier: keep this much of the offloaded experts in pinned host memory and read the "
                         "others from the checkpoint files when a step needs them (results unchanged)")
+    g.add_argument("--read-ahead", type=int, default=0, metavar="N",
+                   help="with --host-budget-gb and --prefetch-trace: start reading the next token's N "
+                        "best-predicted experts per layer from disk between steps (default 0: off)")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
     g.add_argument("--prefetch-trace", default=None, metavar="TRACE.npy",
                    help="copy experts ahead of need as predicted from routing history, by the predictor the "
-                        "replay recommends fitted on this routing trace of the model ([tokens, MoE layers, k])")
+                        "replay recommends fitted on this routing trace of the model ([tokens, MoE layers, k]); "
+                        "with --host-budget-gb it chooses the --read-ahead reads instead")
     g.add_argument("--miss-mode", choices=MISS_MODES, default="fetch",
                    help="an expert not on the device: 'fetch' copies it in (default), 'host' computes it on the host")
     g.add_argument("--offload-group-size", type=int, default=0, metavar="G",
@@ -117,7 +121,8 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
     return OffloadOptions(args.cache, args.policy, args.offload_params, args.device_budget_gb, args.prefetch,
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
                           args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace, args.expert_dtype,
-                          args.expert_group_size, args.devices, host_budget_gb=args.host_budget_gb)
+                          args.expert_group_size, args.devices, host_budget_gb=args.host_budget_gb,
+                          read_ahead=args.read_ahead)
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: DistributedOptions | None = None,

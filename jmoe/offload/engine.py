@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmoe.config import ModelConfig
-from jmoe.memory import to_device
+from jmoe.memory import PINNED_HOST, sharding_for, to_device
 from jmoe.model import MoELayerView, router_probabilities
 from jmoe.offload.history_prefetch import BEST, HistoryPrefetch, best_predictor
-from jmoe.offload.host_tier import HostTier, disk_experts
+from jmoe.offload.host_tier import HostTier, disk_experts, write_row
 from jmoe.offload.manager import SlotManager
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import Placement
@@ -71,10 +71,17 @@ class OffloadEngine(ResidentEngine):
         self.initial_policy = options.policy
         self._history_predictor = (None if options.prefetch_trace is None
                                    else best_predictor(options.prefetch_trace, config.num_experts))
-        self.history = None  # HistoryPrefetch, made fresh by reset
+        self.history = None  # HistoryPrefetch of the device prefetch, made fresh by reset
+        # The disk tier's read-ahead (jmoe.offload.host_tier): experts per offloaded layer and step, and the
+        # HistoryPrefetch that predicts them (made fresh by reset). With a host budget the predictor reads ahead
+        # from disk instead of copying to the device.
+        self.read_ahead = options.read_ahead
+        self.read_ahead_history = None
+        self._tiered = options.host_budget_gb is not None
         self.host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
         self._install = jax.jit(self.filled_slots, donate_argnums=(0,))
+        self._write_row = write_row()
         self.tier_reader = None  # an expert reader of the checkpoint, set by jmoe.load with a host budget
         self.tier: HostTier | None = None
 
@@ -102,7 +109,11 @@ class OffloadEngine(ResidentEngine):
     def start_managing(self, policy: str | CachePolicy) -> None:
         """reset's host side: a fresh manager with `policy` (and history predictor); no device memory."""
         if self._history_predictor is not None:
-            self.history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
+            history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
+            if self._tiered:
+                self.read_ahead_history = history
+            else:
+                self.history = history
         self.manager = SlotManager(policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
                                    self.plan_width)
 
@@ -235,27 +246,21 @@ class OffloadEngine(ResidentEngine):
         self.state = state._replace(**{name: jnp.asarray(table) for name, table in self.manager_tables().items()})
         if self.tier is not None:
             self.state = self.admit_disk_reads(self.state)
+            if self.read_ahead_history is not None:
+                self.read_ahead_history.observe(routing)
+                self.tier.read_ahead(self.read_ahead_history.base()[list(self.layers)], self.read_ahead)
         if first_observation:  # policy="static": its table comes from this first step
             self.install_pinned()
 
     def admit_disk_reads(self, state: EngineState) -> EngineState:
-        """The experts the last step read from disk, admitted into host rows as the policy ranks them (rows whose
-        expert sits in a device slot kept: inclusive)."""
+        """The experts the last step read from disk (or read ahead), admitted into host rows as the policy ranks
+        them (rows whose expert sits in a device slot kept: inclusive)."""
         # The manager always has a policy here: the static one, which starts without, is refused with a host budget.
         priority = np.asarray(self.manager.policy.priority(), np.float64)
-        installs = self.tier.admissions(priority, self.manager.slot_of_expert >= 0)
         tiers = list(state.host_tier)
-        for position in sorted({install[0] for install in installs}):
-            # A host array is written whole here (a NumPy copy, put back in pinned host memory): simple, and the
-            # rows change only when the disk was read.
-            leaves, treedef = jax.tree.flatten(tiers[position])
-            shardings = [leaf.sharding for leaf in leaves]
-            leaves = [np.array(leaf) for leaf in leaves]
-            for _, row, _, weights in (i for i in installs if i[0] == position):
-                for leaf, value in zip(leaves, jax.tree.leaves(weights.stacked())):
-                    leaf[row] = value[0]
-            tiers[position] = jax.tree.unflatten(treedef, [jax.device_put(leaf, sharding)
-                                                           for leaf, sharding in zip(leaves, shardings)])
+        for position, row, _, weights in self.tier.admissions(priority, self.manager.slot_of_expert >= 0):
+            expert = jax.device_put(weights, sharding_for(PINNED_HOST))
+            tiers[position] = self._write_row(tiers[position], expert, np.int32(row))
         return state._replace(host_tier=tuple(tiers), host_row_of_expert=jnp.asarray(self.tier.row_of_expert))
 
     def observe(self, tables, routing: np.ndarray) -> bool:
@@ -304,8 +309,11 @@ class OffloadEngine(ResidentEngine):
         stats = self.manager.stats(tuple(self.config.moe_layer_indices[i] for i in self.layers))
         if self.tier is not None:
             for position, layer in enumerate(stats):
-                layer.update(host_rows=self.tier.rows, disk_reads=int(self.tier.disk_reads[position]),
-                             disk_bytes=int(self.tier.disk_reads[position]) * self.placement.expert_bytes)
+                reads, ahead = int(self.tier.disk_reads[position]), int(self.tier.read_ahead_reads[position])
+                layer.update(host_rows=self.tier.rows, disk_reads=reads,
+                             disk_bytes=(reads - int(self.tier.read_ahead_used[position]) + ahead)
+                             * self.placement.expert_bytes,
+                             read_ahead_reads=ahead, read_ahead_used=int(self.tier.read_ahead_used[position]))
         return stats
 
 

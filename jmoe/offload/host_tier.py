@@ -10,16 +10,27 @@ Inside a step (`disk_experts`): the experts a layer needs that are in neither a 
 loop whose trip count is their number over R, each iteration an `io_callback` that waits for the reader and
 returns R experts' weights, computed by the layer's kernel as one more partial output. No expert missing: no
 iteration, no callback. Between steps (`HostTier.admissions`) the experts read during the step are admitted
-into rows by the cache policy's ranking.
+into rows by the cache policy's ranking, each written into its row in place (`write_row`: the rows' buffer is
+donated, so a write costs one expert, not the layer's H).
+
+Read-ahead (`HostTier.read_ahead`, the engine's `read_ahead` option): between steps the history predictor's
+best-scored experts of the next token that are in no row are submitted to the reader, so their reads run
+while the step computes; a step that needs one waits only for what is left of its read. Those done by the
+next admissions compete for rows like the step's own reads; the rest are dropped when the next prediction does
+not name them again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.experimental.compute_on import compute_on
 
 from jmoe.kernels import ExpertWeights, QuantizedTensor
 from jmoe.memory import PINNED_HOST, sharding_for
@@ -64,6 +75,19 @@ def disk_experts(x, ids, weights, on_disk, *, round_size: int, like: ExpertWeigh
     return y
 
 
+@compute_on("device_host")  # on a GPU the rows are host memory: written there, never brought to the device
+@jax.jit
+def _row_written(rows, expert, row):
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, row, 0), rows, expert)
+
+
+def write_row():
+    """A function (rows, expert, row) -> rows with `expert` (leading axis 1, host memory) written into `row`,
+    the rows' buffers donated (in place: no copy of the other rows)."""
+    host = sharding_for(PINNED_HOST)
+    return jax.jit(_row_written, donate_argnums=0, in_shardings=(host, host, None), out_shardings=host)
+
+
 class HostTier:
     """The host rows of the offloaded layers, what is in them, and the reads of a step (see the module
     docstring). `moe_layers`: the decoder layer index of each offloaded layer; `like`: each one's experts as the
@@ -75,8 +99,12 @@ class HostTier:
         self.reader, self.moe_layers, self.like, self.rows = reader, moe_layers, like, rows
         self.row_of_expert = np.full((len(moe_layers), num_experts), -1, np.int32)
         self.expert_in_row = np.full((len(moe_layers), rows), -1, np.int32)
-        self.disk_reads = np.zeros(len(moe_layers), np.int64)
+        self.disk_reads = np.zeros(len(moe_layers), np.int64)  # experts steps needed from disk
+        self.read_ahead_reads = np.zeros(len(moe_layers), np.int64)  # reads read_ahead submitted
+        self.read_ahead_used = np.zeros(len(moe_layers), np.int64)  # of disk_reads, found read ahead
+        self.wait_seconds = 0.0  # steps' time waiting for the disk
         self._step_reads: dict[tuple[int, int], ExpertWeights] = {}  # read during the step, not yet in a row
+        self._ahead: dict[tuple[int, int], concurrent.futures.Future] = {}  # read ahead, not yet used
         self._lock = threading.Lock()
 
     # ---- the initial rows ------------------------------------------------------------------------------
@@ -84,8 +112,11 @@ class HostTier:
         """Each layer's rows filled with its first H experts, read from the checkpoint (all reads in flight at
         once), in pinned host memory; the tables and counts start over (a new policy, `Model.set_policy`)."""
         self.row_of_expert[:] = -1
-        self.disk_reads[:] = 0
+        for counts in (self.disk_reads, self.read_ahead_reads, self.read_ahead_used):
+            counts[:] = 0
+        self.wait_seconds = 0.0
         self._step_reads = {}
+        self._drop_ahead(set())
         tiers = []
         for position, layer in enumerate(self.moe_layers):
             experts = list(range(self.rows))
@@ -101,27 +132,38 @@ class HostTier:
     def read_round(self, position: int, ids, valid):
         """The leaves of R experts of offloaded layer `position` (invalid entries zeros), read from disk."""
         ids, valid = np.asarray(ids), np.asarray(valid)
-        futures = {int(e): self.reader.submit(self.moe_layers[position], int(e)) for e in ids[valid]}
+        with self._lock:
+            ahead = {int(e): self._ahead.pop((position, int(e)), None) for e in ids[valid]}
+            self.read_ahead_used[position] += sum(f is not None for f in ahead.values())
+        futures = {e: f or self.reader.submit(self.moe_layers[position], e) for e, f in ahead.items()}
         like = self.like[position]
         out = [np.zeros((len(ids), *leaf.shape[1:]), leaf.dtype) for leaf in jax.tree.leaves(like.stacked())]
         for j, e in enumerate(ids):
             if not valid[j]:
                 continue
-            weights = expert_weights_from(futures[int(e)].result(), like)
+            waited = time.perf_counter()
+            read = futures[int(e)].result()
+            waited = time.perf_counter() - waited
+            weights = expert_weights_from(read, like)
             for leaf, value in zip(out, jax.tree.leaves(weights.stacked())):
                 leaf[j] = value[0]
             with self._lock:
                 self._step_reads[position, int(e)] = weights
                 self.disk_reads[position] += 1
+                self.wait_seconds += waited
         return jax.tree.unflatten(jax.tree.structure(like.stacked()), out)
 
     # ---- between steps ----------------------------------------------------------------------------------
     def admissions(self, priority: np.ndarray, on_device: np.ndarray) -> list[tuple[int, int, int, ExpertWeights]]:
-        """(layer position, row, expert, weights) for each expert read during the last step that the policy values
-        above a row's expert (`priority` [Lo, E], higher keeps); rows whose expert sits in a device slot
-        (`on_device` bool [Lo, E]) are kept. Updates the tables; the caller writes the rows."""
+        """(layer position, row, expert, weights) for each expert read during the last step, or read ahead and
+        done, that the policy values above a row's expert (`priority` [Lo, E], higher keeps); rows whose expert
+        sits in a device slot (`on_device` bool [Lo, E]) are kept. Updates the tables; the caller writes the
+        rows."""
         with self._lock:
             reads, self._step_reads = self._step_reads, {}
+            done = {key: f for key, f in self._ahead.items() if f.done() and f.exception() is None}
+        for (position, expert), future in done.items():
+            reads.setdefault((position, expert), expert_weights_from(future.result(), self.like[position]))
         out = []
         for (position, expert), weights in sorted(reads.items(), key=lambda kv: -priority[kv[0][0], kv[0][1]]):
             if self.row_of_expert[position, expert] >= 0:
@@ -141,8 +183,31 @@ class HostTier:
             self.row_of_expert[position, expert] = row
             self.expert_in_row[position, row] = expert
             out.append((position, row, expert, weights))
+        with self._lock:
+            for position, _, expert, _ in out:
+                self._ahead.pop((position, expert), None)
         return out
 
+    def read_ahead(self, scores: np.ndarray, count: int) -> None:
+        """Submit the reads of each layer's `count` best-scored experts (`scores` [Lo, E], the predictor's for the
+        next token) that are in no row; earlier read-ahead reads not among them are dropped."""
+        wanted = set()
+        for position, layer_scores in enumerate(scores):
+            candidates = np.flatnonzero(self.row_of_expert[position] < 0)
+            best = candidates[np.argsort(-layer_scores[candidates], kind="stable")[:count]]
+            wanted.update((position, int(e)) for e in best)
+        self._drop_ahead(wanted)
+        with self._lock:
+            for position, expert in sorted(wanted - self._ahead.keys()):
+                self._ahead[position, expert] = self.reader.submit(self.moe_layers[position], expert)
+                self.read_ahead_reads[position] += 1
+
+    def _drop_ahead(self, keep: set) -> None:
+        with self._lock:
+            for key in [k for k in self._ahead if k not in keep]:
+                self._ahead.pop(key).cancel()  # a read already running finishes; its result is let go
+
     def close(self) -> None:
+        self._drop_ahead(set())
         self.reader.close()
 

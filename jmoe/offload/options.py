@@ -57,6 +57,9 @@ class OffloadOptions:
     # The disk tier (jmoe.offload.host_tier): pinned host memory for the offloaded layers' experts, in GB; the
     # experts beyond it stay in the checkpoint files. None = every expert in host memory.
     host_budget_gb: float | None = None
+    # The disk tier's read-ahead: experts per offloaded layer whose reads start before the token that may need
+    # them, chosen by the history predictor fitted on `prefetch_trace`; 0 = off.
+    read_ahead: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -117,13 +120,22 @@ class OffloadOptions:
         if self.host_budget_gb is not None:
             object.__setattr__(self, "host_budget_gb", positive_finite("host_budget_gb (GB)", self.host_budget_gb))
             unsupported = [name for name, used in (("miss_mode='host'", self.miss_mode == "host"),
-                                                   ("prefetch", self.prefetch), ("prefetch_trace", self.prefetch_trace is not None),
+                                                   ("prefetch", self.prefetch),
                                                    ("devices/mesh", self.mesh is not None or (self.devices or 1) > 1),
                                                    ("policy='static'", self.policy == "static"))
                            if used]
             if unsupported:
                 raise InputError(f"host_budget_gb (the disk tier) does not work with {', '.join(unsupported)} yet; "
                                  f"leave those out, or host_budget_gb")
+        object.__setattr__(self, "read_ahead", whole_number("read_ahead", self.read_ahead, 0,
+                                                            "experts per layer read ahead from disk, 0 = off"))
+        if self.host_budget_gb is not None and (self.read_ahead > 0) != (self.prefetch_trace is not None):
+            raise InputError(f"with host_budget_gb, read_ahead (found {self.read_ahead}) and prefetch_trace (found "
+                             f"{'a trace' if self.prefetch_trace is not None else 'none'}) go together: the "
+                             f"predictor fitted on the trace chooses the experts read ahead from disk")
+        if self.host_budget_gb is None and self.read_ahead:
+            raise InputError(f"read_ahead={self.read_ahead} reads experts ahead from disk: it needs host_budget_gb "
+                             f"(the disk tier) and prefetch_trace; leave it at 0 otherwise")
         self.layer_groups  # checks the group settings
         checked_expert_dtype(self.expert_dtype)
         if self.expert_group_size is not None:
