@@ -14,6 +14,7 @@ from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.checkpoint.expert_reader import THREAD_PREFIX
 from jmoe.decode.sampling import SamplingParams
 from jmoe.errors import InputError
+from jmoe.offload.host_tier import STAGED_PER_LAYER
 from jmoe.traces.forced_routing import TraceRouting
 from jmoe.traces.load import load_trace, split_trace
 
@@ -29,10 +30,11 @@ def layer_expert_bytes(directory, expert_dtype=None) -> int:
     return len(probe.offloaded_layers) * probe.expert_bytes
 
 
-def budget_for(directory, rows: int, expert_dtype=None) -> float:
-    """The host budget (GB) that holds `rows` experts of every offloaded layer (and half an expert more, so that
-    rounding never leaves one out)."""
-    return (rows + 0.5) * layer_expert_bytes(directory, expert_dtype) / 1e9
+def budget_for(directory, rows: int, expert_dtype=None, read_ahead: int = 0) -> float:
+    """The host budget (GB) that holds `rows` experts of every offloaded layer and the staged ones (and half an
+    expert more, so that rounding never leaves one out)."""
+    staged = STAGED_PER_LAYER + read_ahead
+    return (rows + staged + 0.5) * layer_expert_bytes(directory, expert_dtype) / 1e9
 
 
 def reader_threads() -> list[threading.Thread]:
@@ -49,8 +51,9 @@ def test_every_cache_and_host_budget_matches_resident(name, hf_checkpoints):
     resident = jmoe.load(directory, progress=False)
     ref_logits, ref_tokens = results(resident)
     e, k = resident.config.num_experts, resident.config.num_experts_per_tok
-    # Fewer rows than a token's experts, and all but one; the first family also k rows next to one slot.
-    settings = [(0, 1), (k, e - 1)] + ([(1, k)] if name == FAMILIES[0] else [])
+    # Fewer rows than a token's experts, and the most a disk tier has (all but the staged one and one more); the
+    # first family also k rows next to one slot.
+    settings = [(0, 1), (k, e - 1 - STAGED_PER_LAYER)] + ([(1, k)] if name == FAMILIES[0] else [])
     for cache, rows in settings:
         with jmoe.load(directory, cache=cache, host_budget_gb=budget_for(directory, rows), progress=False) as model:
             assert model.placement_plan.host_rows == rows
@@ -77,7 +80,7 @@ def test_tiered_experts_are_not_loaded_and_the_placement_counts_the_rows(hf_chec
         rows = [leaf for tier in model.engine.state.host_tier for leaf in jax.tree.leaves(tier)]
         assert all(leaf.shape[0] == 3 and leaf.sharding.memory_kind == "pinned_host" for leaf in rows)
         experts_host = whole.placement_plan.totals()["host_bytes"]
-        assert model.placement_plan.totals()["host_bytes"] == experts_host * 3 // 8
+        assert model.placement_plan.totals()["host_bytes"] == experts_host * (3 + STAGED_PER_LAYER) // 8
         assert any("host_budget_gb" in note for note in model.placement_plan.notes)
         # 3 rows next to 2 slots: the rows also hold the slots' experts, so the plan warns
         assert any(note.startswith("warning: 3 host rows per layer is under twice the device cache (2)")
@@ -109,9 +112,9 @@ def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_p
                      num_hidden_layers=layers, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
     split = split_trace(load_trace("gptoss"), None)
     tuning, rows = split["tune_ids"][:, :layers], split["eval_ids"][:48, :layers]
-    budget = budget_for(directory, 8)
     counts = {}
     for read_ahead in (0, 6):
+        budget = budget_for(directory, 8, read_ahead=read_ahead)
         options = {"prefetch_trace": tuning, "read_ahead": read_ahead} if read_ahead else {}
         with jmoe.load(directory, cache=4, host_budget_gb=budget, progress=False, **options) as model:
             routing = TraceRouting(rows, prompt_len=1, config=model.config)
@@ -131,7 +134,7 @@ def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_p
         * expert_bytes
     prompts = [list(np.random.RandomState(i).randint(0, VOCAB, 6)) for i in range(2)]
     expected = jmoe.load(directory, progress=False).generate(prompts, max_new_tokens=8)
-    with jmoe.load(directory, cache=2, host_budget_gb=budget_for(directory, 5), prefetch_trace=tuning,
+    with jmoe.load(directory, cache=2, host_budget_gb=budget_for(directory, 5, read_ahead=4), prefetch_trace=tuning,
                    read_ahead=4, progress=False) as model:
         assert model.generate(prompts, max_new_tokens=8) == expected
         assert sum(layer["read_ahead_reads"] for layer in model.stats()) > 0
@@ -140,7 +143,8 @@ def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_p
 def test_budgets_and_options_the_tier_does_not_take_are_clear_errors(hf_checkpoints):
     directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
     one_row = budget_for(directory, 1)
-    with pytest.raises(InputError, match=r"host_budget_gb=.* holds no expert .* give at least"):
+    with pytest.raises(InputError, match=r"host_budget_gb=.* holds \d experts .* one host row and 1 staged .* give "
+                                         r"at least"):
         jmoe.load(directory, cache=1, host_budget_gb=one_row / 2, progress=False)
     for option in ({"miss_mode": "host"}, {"prefetch": 1}, {"devices": 2}):
         with pytest.raises(InputError, match="host_budget_gb .* does not work with"):

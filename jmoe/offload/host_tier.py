@@ -9,9 +9,11 @@ one-level cache of H misses; exclusive would copy every device victim back).
 Inside a step (`disk_experts`): the experts a layer needs that are in neither a slot nor a row are read by a
 loop whose trip count is their number over R, each iteration an `io_callback` that waits for the reader and
 returns R experts' weights, computed by the layer's kernel as one more partial output. No expert missing: no
-iteration, no callback. Between steps (`HostTier.admissions`) the experts read during the step are admitted
-into rows by the cache policy's ranking, each written into its row in place (`write_row`: the rows' buffer is
-donated, so a write costs one expert, not the layer's H).
+iteration, no callback. A step keeps one of each layer's reads for admission (the policy's best as of the
+step's start: the others are let go once computed, so a token's reads never pile up in memory); between steps
+(`HostTier.admissions`) the policy's ranking admits it into a row, written in place (`write_row`: the rows'
+buffer is donated, so a write costs one expert, not the layer's H). The host budget counts these staged experts
+(`STAGED_PER_LAYER`, and the read-ahead's) next to the rows.
 
 Read-ahead (`HostTier.read_ahead`, the engine's `read_ahead` option): between steps the history predictor's
 best-scored experts of the next token that are in no row are submitted to the reader, so their reads run
@@ -88,6 +90,10 @@ def write_row():
     return jax.jit(_row_written, donate_argnums=0, in_shardings=(host, host, None), out_shardings=host)
 
 
+# Experts per layer a step keeps for admission (its best read by the policy), held until the step ends.
+STAGED_PER_LAYER = 1
+
+
 class HostTier:
     """The host rows of the offloaded layers, what is in them, and the reads of a step (see the module
     docstring). `moe_layers`: the decoder layer index of each offloaded layer; `like`: each one's experts as the
@@ -103,7 +109,8 @@ class HostTier:
         self.read_ahead_reads = np.zeros(len(moe_layers), np.int64)  # reads read_ahead submitted
         self.read_ahead_used = np.zeros(len(moe_layers), np.int64)  # of disk_reads, found read ahead
         self.wait_seconds = 0.0  # steps' time waiting for the disk
-        self._step_reads: dict[tuple[int, int], ExpertWeights] = {}  # read during the step, not yet in a row
+        self._step_reads: dict[int, tuple[int, ExpertWeights]] = {}  # position -> the read kept for admission
+        self._priority: np.ndarray | None = None  # the policy's ranking at the last admissions [Lo, E]
         self._ahead: dict[tuple[int, int], concurrent.futures.Future] = {}  # read ahead, not yet used
         self._lock = threading.Lock()
 
@@ -115,7 +122,7 @@ class HostTier:
         for counts in (self.disk_reads, self.read_ahead_reads, self.read_ahead_used):
             counts[:] = 0
         self.wait_seconds = 0.0
-        self._step_reads = {}
+        self._step_reads, self._priority = {}, None
         self._drop_ahead(set())
         tiers = []
         for position, layer in enumerate(self.moe_layers):
@@ -148,9 +155,11 @@ class HostTier:
             for leaf, value in zip(out, jax.tree.leaves(weights.stacked())):
                 leaf[j] = value[0]
             with self._lock:
-                self._step_reads[position, int(e)] = weights
                 self.disk_reads[position] += 1
                 self.wait_seconds += waited
+                kept = self._step_reads.get(position)
+                if kept is None or self._rank(position, int(e)) > self._rank(position, kept[0]):
+                    self._step_reads[position] = (int(e), weights)
         return jax.tree.unflatten(jax.tree.structure(like.stacked()), out)
 
     # ---- between steps ----------------------------------------------------------------------------------
@@ -160,8 +169,9 @@ class HostTier:
         sits in a device slot (`on_device` bool [Lo, E]) are kept. Updates the tables; the caller writes the
         rows."""
         with self._lock:
-            reads, self._step_reads = self._step_reads, {}
+            kept, self._step_reads, self._priority = self._step_reads, {}, priority
             done = {key: f for key, f in self._ahead.items() if f.done() and f.exception() is None}
+        reads = {(position, expert): weights for position, (expert, weights) in kept.items()}
         for (position, expert), future in done.items():
             reads.setdefault((position, expert), expert_weights_from(future.result(), self.like[position]))
         out = []
@@ -187,6 +197,9 @@ class HostTier:
             for position, _, expert, _ in out:
                 self._ahead.pop((position, expert), None)
         return out
+
+    def _rank(self, position: int, expert: int) -> float:
+        return -np.inf if self._priority is None else self._priority[position, expert]
 
     def read_ahead(self, scores: np.ndarray, count: int) -> None:
         """Submit the reads of each layer's `count` best-scored experts (`scores` [Lo, E], the predictor's for the

@@ -29,6 +29,7 @@ from jmoe.errors import InputError
 from jmoe.memory import DEVICE, PINNED_HOST
 from jmoe.model import kv_bytes_per_token
 from jmoe.model.params import ParamPath, param_key
+from jmoe.offload.host_tier import STAGED_PER_LAYER
 from jmoe.offload.layer_groups import LayerGroups, prefetch_buffer_bytes
 from jmoe.offload.options import OffloadOptions
 # Scratch slots, shared by every offloaded layer (layers run one after another), in units of top_k: a
@@ -225,13 +226,15 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
         key = keys[path]
         on_host = key in host_keys or (is_expert_param(path) and moe_position(cfg, path) in offloaded)
         memory_kind[key] = PINNED_HOST if on_host else DEVICE
-    host_rows = tiered_rows(cfg, options.host_budget_gb, len(offloaded_layers), expert_bytes)
+    staged = STAGED_PER_LAYER + options.read_ahead
+    host_rows = tiered_rows(cfg, options.host_budget_gb, len(offloaded_layers), expert_bytes, staged)
     if host_rows:
         for path in abstract:
             if is_expert_param(path) and moe_position(cfg, path) in offloaded:
-                nbytes[keys[path]] = nbytes[keys[path]] // cfg.num_experts * host_rows
+                nbytes[keys[path]] = nbytes[keys[path]] // cfg.num_experts * (host_rows + staged)
         notes.append(f"host_budget_gb={options.host_budget_gb}: {host_rows} of {cfg.num_experts} experts per "
-                     f"offloaded layer in pinned host memory, the others read from the checkpoint files when needed")
+                     f"offloaded layer in pinned host rows and {staged} staged (read for admission, read ahead), "
+                     f"the others read from the checkpoint files when needed")
         largest_cache = max(min(caches[i], cfg.num_experts) for i in offloaded_layers)
         if host_rows < 2 * largest_cache:
             # The host rows include the device's experts: at H = C every device miss is a disk read
@@ -246,17 +249,22 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
                      fetch_buffer, kv_per_token, host_rows)
 
 
-def tiered_rows(cfg: ModelConfig, host_budget_gb: float | None, layers: int, expert_bytes: int) -> int:
-    """Experts per offloaded layer that `host_budget_gb` holds in pinned host memory; 0 when there is no budget,
-    nothing offloaded, or the budget holds every expert (no disk tier)."""
+def tiered_rows(cfg: ModelConfig, host_budget_gb: float | None, layers: int, expert_bytes: int,
+                staged: int) -> int:
+    """Experts per offloaded layer that `host_budget_gb` holds in pinned host rows next to `staged` experts per
+    layer in flight (jmoe.offload.host_tier: a step's read kept for admission, the read-ahead); 0 when there is
+    no budget, nothing offloaded, or the budget holds every expert (no disk tier)."""
     if host_budget_gb is None or not layers:
         return 0
-    rows = int(min(cfg.num_experts, host_budget_gb * 1e9 // (layers * expert_bytes)))
-    if rows < 1:
-        raise InputError(f"host_budget_gb={host_budget_gb} holds no expert of the {layers} offloaded MoE layers "
-                         f"({expert_bytes / 1e9:.4f} GB each): give at least {layers * expert_bytes / 1e9:.4f} GB "
-                         f"(one expert per layer)")
-    return rows if rows < cfg.num_experts else 0
+    held = int(host_budget_gb * 1e9 // (layers * expert_bytes))
+    if held >= cfg.num_experts:
+        return 0
+    if held < 1 + staged:
+        raise InputError(f"host_budget_gb={host_budget_gb} holds {held} experts of each of the {layers} offloaded "
+                         f"MoE layers ({expert_bytes / 1e9:.4f} GB each), which the disk tier needs as one host row "
+                         f"and {staged} staged (read for admission, read ahead) per layer: give at least "
+                         f"{(1 + staged) * layers * expert_bytes / 1e9:.4f} GB")
+    return held - staged
 
 
 def select_params(patterns: list[str] | None, candidates: list[ParamPath], keys: dict[ParamPath, str],
