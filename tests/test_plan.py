@@ -276,3 +276,22 @@ def test_command_lines_raise_the_pinned_pool_from_the_plan_before_loading(olmoe_
     assert __import__("os").environ[resources.PINNED_POOL_ENV] == "1"
     assert f"set {resources.PINNED_POOL_ENV}=1 for the pinned experts" in capsys.readouterr().err
     assert model.placement_plan.caches == (2, 2)
+
+
+@pytest.mark.parametrize("target", [None, "h100"])
+def test_a_host_budget_fits_where_every_expert_would_not(olmoe_dir, target):
+    """The disk tier pins only the host rows: host memory that cannot hold every offloaded expert holds them."""
+    every_expert = jmoe.plan(olmoe_dir, cache=2, target=target, compile=False)
+    placement = every_expert.placement
+    budget = 4.5 * len(placement.offloaded_layers) * placement.expert_bytes / 1e9  # 4 of 8 experts a layer
+    # room for 3/4 of the pinned experts (and on this CPU backend, the device arrays, which live in RAM too)
+    on_device = 0 if target else every_expert.needs.device_bytes
+    host_gb = (0.75 * every_expert.needs.host_bytes + on_device) / 2**30
+    short = jmoe.plan(olmoe_dir, cache=2, target=target, compile=False, host_gb=host_gb)
+    assert not short.fits and short.reasons[0].startswith("host memory")
+    tiered = jmoe.plan(olmoe_dir, cache=2, target=target, compile=False, host_gb=host_gb, host_budget_gb=budget)
+    rows = tiered.placement.host_rows
+    assert 0 < rows < 8 and tiered.needs.host_bytes < every_expert.needs.host_bytes
+    assert tiered.fits and tiered.reasons == ()
+    report = tiered.report()
+    assert "FITS" in report and "DOES NOT FIT" not in report and f"disk tier: {rows} of 8" in report

@@ -177,3 +177,143 @@ def test_calibration_reads_the_settings_a_gpu_check_run_measured(tmp_path):
     assert settings[1]["mb_per_token"] == pytest.approx(129.4, abs=0.1) and settings[0]["mb_per_token"] == 0.0
     with pytest.raises(SystemExit, match="full gpu_check run"):
         measured_settings({**results, "mode": "small"})
+
+
+# ---- the disk tier (host_budget_gb): what a decoded token reads from disk, and its time in the estimate ----
+
+def test_disk_reads_per_token_by_hand():
+    # 2 offloaded layers x 2 distinct experts a token x (1 - 0.25) missed by the host rows = 3 experts of 1000 bytes
+    reads = est.disk_reads(3, 2, 8, 2, 1000, (0.25, "given"), 1.5)
+    assert (reads.experts_per_token, reads.bytes_per_token) == pytest.approx((3.0, 3000.0))
+    assert reads.disk_bytes_per_s == 1.5e9 and reads.seconds_per_token == pytest.approx(3000 / 1.5e9)
+    assert reads.as_dict()["seconds_per_token"] == reads.seconds_per_token and reads.disk_source == "as given"
+    every_hit = est.disk_reads(3, 2, 8, 2, 1000, (1.0, "given"), None)
+    assert every_hit.experts_per_token == 0.0 and every_hit.seconds_per_token == 0.0
+    assert every_hit.disk_bytes_per_s == est.DEFAULT_DISK_GBS * 1e9 and "assumed" in every_hit.disk_source
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_disk_time_adds_to_every_decode_step_and_prefill_reads_what_no_host_row_holds(batch):
+    def speed(disk):
+        return est.estimate(fake_programs(), SPEEDS, caches=[None, 4], num_experts=8, top_k=2, expert_bytes=10**7,
+                            expert_array_bytes=3 * 10**8, least_bytes=10**8, host_param_bytes=0, batch=batch,
+                            rows=batch, context=100, hit_rate=0.5, hit_rate_source="given", notes=[], disk=disk)
+
+    disk = est.disk_reads(6, 1, 8, 2, 10**7, (0.75, "given"), 0.5)
+    without, with_disk = speed(None), speed(disk)
+    # one offloaded layer: 8 x (1 - (6/8)^batch) distinct experts a step, a quarter of them read, 1e7 B at 0.5 GB/s
+    step = 8 * (1 - 0.75 ** batch) * 0.25 * 1e7 / 0.5e9
+    for low_or_high in (0, 1):
+        assert (batch / with_disk.decode_tokens_per_s[low_or_high]
+                == pytest.approx(batch / without.decode_tokens_per_s[low_or_high] + step))
+        # prefill reads the 8 - 6 experts outside the host rows once
+        assert (100 * batch / with_disk.prefill_tokens_per_s[low_or_high]
+                == pytest.approx(100 * batch / without.prefill_tokens_per_s[low_or_high] + 2 * 1e7 / 0.5e9))
+    assert with_disk.decode_tokens_per_s_batch1[0] == pytest.approx(
+        1 / (1 / without.decode_tokens_per_s_batch1[0] + disk.seconds_per_token))
+    assert any(line.startswith("disk tier: 5.000 MB a decoded token") for line in with_disk.assumptions)
+    assert not any("disk" in line for line in without.assumptions) and "disk_bytes_per_s" not in without.inputs
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(hf_checkpoints):
+    return hf_checkpoints["olmoe_e8k4_clip"][0]  # 2 MoE layers, 8 experts, top-4
+
+
+def host_budget_for(directory, cache, rows):
+    """A host budget (GB) whose placement keeps `rows` host rows per offloaded layer (and whatever else the
+    placement counts in the budget per layer)."""
+    probe = jmoe.plan(directory, cache=cache)
+    layer_experts = len(probe.placement.offloaded_layers) * probe.placement.expert_bytes
+    for held in range(rows, probe.config.num_experts):
+        budget = (held + 0.5) * layer_experts / 1e9
+        try:
+            if jmoe.plan(directory, cache=cache, host_budget_gb=budget).placement.host_rows == rows:
+                return budget
+        except InputError:  # too small for the disk tier's other experts
+            pass
+    raise AssertionError(f"no host budget keeps {rows} host rows")
+
+
+def test_host_hit_rate_from_a_trace_equals_a_one_level_replay_at_the_host_rows(olmoe_dir):
+    from jmoe.traces.tiers import replay_tiers
+
+    trace = random_trace(layers=2, experts=8, top_k=4)
+    budget = host_budget_for(olmoe_dir, 4, 6)
+    plan = jmoe.plan(olmoe_dir, cache=4, host_budget_gb=budget, trace=trace, policy="lru")
+    one_level = replay(trace, 8, 6, make_policy("lru", 2, 8))
+    assert plan.disk.host_hit_rate == pytest.approx(one_level["hit_rate"])
+    assert plan.disk.host_hit_rate_source.startswith("replayed from a routing trace of 300 tokens")
+    # the two-level replay (device 4 slots, inclusive host tier of 6) reads from disk what that cache misses
+    tiers = replay_tiers(trace, 8, 4, 6, make_policy("lru", 2, 8))
+    assert 1 - plan.disk.host_hit_rate == pytest.approx(tiers["disk_reads"] / tiers["accesses"])
+    # a decoded token reads 2 layers x top-4 x the host misses, each expert's bytes
+    assert plan.disk.experts_per_token == pytest.approx(2 * 4 * (1 - one_level["hit_rate"]))
+    assert plan.disk.bytes_per_token == pytest.approx(plan.disk.experts_per_token * plan.placement.expert_bytes)
+
+
+def test_host_hit_rate_defaults_to_uniform_routing_and_never_below_the_device_hit_rate(olmoe_dir):
+    budget = host_budget_for(olmoe_dir, 2, 4)
+    uniform = jmoe.plan(olmoe_dir, cache=2, host_budget_gb=budget, hit_rate=0.25)
+    assert uniform.disk.host_hit_rate == 0.5 and uniform.disk.host_hit_rate_source.startswith(
+        "uniform routing (host rows / experts)")
+    # a device hit is a host hit (inclusive tiers): a device hit rate above the uniform host rows' is taken
+    above = jmoe.plan(olmoe_dir, cache=2, host_budget_gb=budget, hit_rate=0.9)
+    assert above.disk.host_hit_rate == 0.9 and "every device hit is a host hit" in above.disk.host_hit_rate_source
+    assert jmoe.plan(olmoe_dir, cache=2, host_budget_gb=budget, host_hit_rate=1.0).disk.bytes_per_token == 0
+
+
+def test_a_host_budget_lowers_the_plans_decode_rate_by_exactly_the_disk_time(olmoe_dir, monkeypatch):
+    # programs whose cost analysis counts nothing: both ends read the least a step must, the same with and without
+    # the host budget (whose host rows change the expert arrays' bytes)
+    monkeypatch.setattr(planner, "compile_programs", lambda *args: fake_programs(0.0, 0.0))
+    budget = host_budget_for(olmoe_dir, 2, 4)
+    without = jmoe.plan(olmoe_dir, cache=2, target="h100", hit_rate=0.25)
+    tiered = jmoe.plan(olmoe_dir, cache=2, target="h100", hit_rate=0.25, host_budget_gb=budget, host_hit_rate=0.5,
+                       disk_gbs=0.001)
+    # 2 offloaded layers x top-4 x (1 - 0.5) = 4 experts a token, at 1 MB/s
+    assert tiered.disk.seconds_per_token == pytest.approx(4 * tiered.placement.expert_bytes / 1e6)
+    for low_or_high in (0, 1):
+        assert 1 / tiered.estimate.decode_tokens_per_s[low_or_high] == pytest.approx(
+            1 / without.estimate.decode_tokens_per_s[low_or_high] + tiered.disk.seconds_per_token)
+    assert tiered.estimate.inputs["disk_bytes_per_s"] == 1e6 and tiered.estimate.inputs["host_hit_rate"] == 0.5
+
+
+def test_disk_lines_appear_only_with_a_host_budget(olmoe_dir, capsys):
+    from jmoe.cli.plan import main
+
+    budget = host_budget_for(olmoe_dir, 2, 4)
+    plain = jmoe.plan(olmoe_dir, cache=2)
+    assert plain.disk is None and "disk" not in plain.as_dict() and "disk" not in plain.report()
+    tiered = jmoe.plan(olmoe_dir, cache=2, host_budget_gb=budget, disk_gbs=1.5)
+    report, data = tiered.report(), tiered.as_dict()["disk"]
+    for line in ("disk tier: 4 of 8 experts per offloaded layer in pinned host rows",
+                 "  host hit rate 0.500 (uniform routing (host rows / experts)",
+                 "  disk reads per decoded token (batch 1): 4.00 experts, ", "  disk 1.5 GB/s (as given): "):
+        assert line in report
+    assert data["host_rows"] == 4 and data["experts_per_token"] == 4.0 and data["disk_bytes_per_s"] == 1.5e9
+    assert main([str(olmoe_dir), "--cache", "2", "--host-budget-gb", str(budget), "--host-hit-rate", "1",
+                 "--json"]) == 0
+    disk = __import__("json").loads(capsys.readouterr().out)["disk"]
+    assert disk["experts_per_token"] == 0.0 and disk["host_hit_rate_source"] == "given"
+    assert "assumed" in disk["disk_source"]
+
+
+def test_disk_tier_inputs_are_checked(olmoe_dir, capsys):
+    from jmoe.cli.plan import main
+
+    budget = host_budget_for(olmoe_dir, 2, 4)
+    tiered = dict(cache=2, host_budget_gb=budget)
+    with pytest.raises(InputError, match=r"host_hit_rate must be in \[0, 1\] .*found 1.5; pass a fraction"):
+        jmoe.plan(olmoe_dir, host_hit_rate=1.5, **tiered)
+    with pytest.raises(InputError, match=r"disk_gbs .*--disk-gbs.* must be a finite number > 0, found 0"):
+        jmoe.plan(olmoe_dir, disk_gbs=0, **tiered)
+    with pytest.raises(InputError, match="needs a host budget: give host_budget_gb"):
+        jmoe.plan(olmoe_dir, cache=2, disk_gbs=2.0)
+    with pytest.raises(InputError, match="give host_hit_rate or a routing trace to replay, not both"):
+        jmoe.plan(olmoe_dir, host_hit_rate=0.5, trace=random_trace(experts=8, top_k=4), **tiered)
+    with pytest.raises(InputError, match=r"host_hit_rate \(0.5\) is below the device hit rate \(0.800\)"):
+        jmoe.plan(olmoe_dir, hit_rate=0.8, host_hit_rate=0.5, **tiered)
+    for flag, value in (("--disk-gbs", "-1"), ("--host-hit-rate", "2")):
+        assert main([str(olmoe_dir), "--cache", "2", "--host-budget-gb", str(budget), flag, value]) == 2
+        assert f"error: {flag[2:].replace('-', '_')}" in capsys.readouterr().err

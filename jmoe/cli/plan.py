@@ -2,8 +2,9 @@
 
 Prints where every byte would live and whether it fits (exit status 0 when it fits, 1 when it does not),
 from config.json and the checkpoint headers alone; with --target, for that GPU, compiling the decode and
-prefill programs for it and estimating tokens/s there (--hit-rate / --trace, --host-link-gbs). Takes the same
-offload flags as jmoe.generate.
+prefill programs for it and estimating tokens/s there (--hit-rate / --trace, --host-link-gbs). With
+--host-budget-gb (the disk tier), also what a decoded token reads from disk (--host-hit-rate, --disk-gbs). Takes
+the same offload flags as jmoe.generate.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--policy and the plan's caches for the hit rate")
     p.add_argument("--host-link-gbs", type=float, default=None,
                    help="speed estimate: host-to-device GB/s (default: the target's link, e.g. PCIe 5.0 x16 for h100)")
+    p.add_argument("--host-hit-rate", type=float, default=None,
+                   help="disk tier (--host-budget-gb): the host rows' hit rate (default: --trace replayed with the "
+                        "rows as caches, else uniform routing, rows / experts)")
+    p.add_argument("--disk-gbs", type=float, default=None,
+                   help="disk tier (--host-budget-gb): GB/s the disk reads (default 2.0, assumed NVMe-class)")
     add_offload_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return p
@@ -63,7 +69,8 @@ def plan_from_args(args):
                              context=args.context, host_gb=args.host_gb, device_gb=args.device_gb,
                              compile=not args.no_compile, dtype=args.dtype, backend=args.backend,
                              hit_rate=args.hit_rate, trace=args.trace, host_link_gbs=args.host_link_gbs,
-                             extrapolate_layers=args.extrapolate_layers)
+                             extrapolate_layers=args.extrapolate_layers, host_hit_rate=args.host_hit_rate,
+                             disk_gbs=args.disk_gbs)
 
 
 def main(argv: list[str] | None = None) -> int:

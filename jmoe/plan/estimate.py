@@ -16,10 +16,13 @@ A step's time is its device time plus the host-to-device copies of the experts i
   come from a hit rate (given; replayed from a routing trace with the plan's policy and caches; or, without
   either, uniform routing: cache / experts); a batch of B rows needs E (1 - (1 - k/E)^B) distinct experts
   per layer under independent uniform routing. Prefill streams every offloaded expert once.
+- disk (the disk tier, host_budget_gb): a step's needed experts that no host row holds are read from the
+  checkpoint files: missed as the copies are, at the host rows' hit rate, at a disk's GB/s (given, or assumed).
+  Prefill reads every offloaded expert outside the rows once.
 - host: the work between steps (routing back to the host, the cache manager, the generation loop): a time per
   step plus one per offloaded layer, as measured on the lent H100's host.
 High = the fast ends with copies hidden behind compute (max); low = the slow ends with none hidden (sum); the host
-work adds to both (a step is dispatched after the manager has planned it).
+work adds to both (a step is dispatched after the manager has planned it), and so do the disk reads.
 
 Calibration (bench/results/plan_calibration_h100.md, from bench/results/gpu_check_nvidia_h100_80gb_hbm3.md): with
 the nominal link fractions (0.7-0.9) and no host term, every measured decode speed fell below the range (0.37-0.58
@@ -47,6 +50,9 @@ HOST_SECONDS_PER_OFFLOADED_LAYER = (0.3e-3, 0.15e-3)
 # interconnect's bandwidth for the bytes; a ring all-reduce sends 2 (N - 1) / N of them, the others (N - 1) / N.
 COLLECTIVE_SECONDS = (30e-6, 8e-6)
 INTERCONNECT_EFFICIENCY = (0.5, 0.8)
+# The disk tier's disk when not given, GB/s: NVMe-class, assumed. The dev machine's disk read 1.36 GB/s sequential,
+# Orbax experts as fast, safetensors experts at 28% of it (they transpose): bench/results/disk_reads.md.
+DEFAULT_DISK_GBS = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +121,47 @@ def distinct_experts(num_experts: int, top_k: int, rows: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** rows)
 
 
+def missed_experts(offloaded_layers: int, num_experts: int, top_k: float, hit_rate: float, rows: int) -> float:
+    """Experts one decode step of `rows` tokens needs and does not find, over the offloaded layers, at this hit rate."""
+    return offloaded_layers * distinct_experts(num_experts, top_k, rows) * (1 - hit_rate)
+
+
 def decode_copy_bytes(offloaded_caches: list[int], num_experts: int, top_k: int, expert_bytes: int, hit_rate: float,
                       rows: int, host_param_bytes: int = 0) -> float:
     """Bytes one decode step copies to the device: each offloaded layer's missed experts, plus the non-expert
     parameters kept on the host (layer groups copy them in every step)."""
-    misses = len(offloaded_caches) * distinct_experts(num_experts, top_k, rows) * (1 - hit_rate)
-    return misses * expert_bytes + host_param_bytes
+    return missed_experts(len(offloaded_caches), num_experts, top_k, hit_rate, rows) * expert_bytes + host_param_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskReads:
+    """The disk tier (host_budget_gb): what a decoded token (batch 1) reads from the checkpoint files."""
+    host_rows: int  # experts per offloaded layer in pinned host rows
+    host_hit_rate: float  # of the offloaded layers' accesses: found in a host row (inclusive: device hits too)
+    host_hit_rate_source: str
+    experts_per_token: float
+    bytes_per_token: float
+    disk_bytes_per_s: float
+    disk_source: str
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.bytes_per_token / self.disk_bytes_per_s
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "seconds_per_token": self.seconds_per_token}
+
+
+def disk_reads(host_rows: int, offloaded_layers: int, num_experts: int, top_k: float, expert_bytes: int,
+               host_hit: tuple[float, str], disk_gbs: float | None) -> DiskReads:
+    """A decoded token's disk reads: the experts it needs that no host row holds, at the host rows' hit rate."""
+    experts = missed_experts(offloaded_layers, num_experts, top_k, host_hit[0], 1)
+    if disk_gbs is None:
+        disk_gbs, source = DEFAULT_DISK_GBS, ("NVMe-class, assumed, not measured: pass disk_gbs; this project's dev "
+                                              "machine read 1.36 GB/s, bench/results/disk_reads.md")
+    else:
+        source = "as given"
+    return DiskReads(host_rows, *host_hit, experts, experts * expert_bytes, disk_gbs * 1e9, source)
 
 
 def prefill_copy_bytes(offloaded_caches: list[int], num_experts: int, expert_bytes: int,
@@ -139,10 +180,12 @@ def host_seconds(offloaded_layers: int) -> tuple[float, float]:
 
 
 def tokens_per_s(tokens: int, device: tuple[float, float], copies: tuple[float, float],
-                 host: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+                 host: tuple[float, float] = (0.0, 0.0), disk: float = 0.0) -> tuple[float, float]:
     """[low, high]: low = slow device time + slow copies, none hidden; high = fast ones, copies hidden; the host
-    work between steps adds to both."""
-    return tokens / (device[0] + copies[0] + host[0]), tokens / (max(device[1], copies[1]) + host[1])
+    work between steps adds to both, and so do the disk reads: a layer's step waits on its reads (an io_callback
+    inside the step, jmoe.offload.host_tier), nothing is computed meanwhile."""
+    return (tokens / (device[0] + copies[0] + host[0] + disk),
+            tokens / (max(device[1], copies[1]) + host[1] + disk))
 
 
 def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds, list[str]]:
@@ -171,14 +214,15 @@ def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds,
 def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], num_experts: int, top_k: float,
              expert_bytes: int, expert_array_bytes: int, least_bytes: int, host_param_bytes: int, batch: int,
              rows: int, context: int, hit_rate: float, hit_rate_source: str, notes: list[str],
-             devices: int = 1) -> Estimate | None:
+             devices: int = 1, disk: DiskReads | None = None) -> Estimate | None:
     """The speed estimate from the compiled "decode" and "prefill" programs; None when either has no cost
     analysis. expert_array_bytes: every expert array (resident, host, slots); least_bytes: what a step reads
     besides experts (non-expert device weights + KV cache). Batch 1 takes the batch's decode program's device
     time (the same weights; more KV cache and activations, so batch 1 is underestimated when rows > 1) with
     one row's copies. Under expert parallelism over `devices` GPUs everything is one device's: its programs, its
     share of the experts (num_experts = E / N, top_k = k / N: the routed experts a device holds on average), its
-    own host link; the programs' collectives add to the device time."""
+    own host link; the programs' collectives add to the device time. `disk`: the disk tier's reads, whose time
+    adds to every step's."""
     needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
     if any(p is None or not p.cost_analysis for p in needed.values()):
         return None
@@ -197,13 +241,22 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
         between = collective_seconds(program.collectives, devices, speeds)
         return own[0] + between[0], own[1] + between[1]
 
+    def disk_seconds(tokens):
+        """A decode step's disk reads; prefill (tokens None) reads every expert outside the host rows once."""
+        if disk is None:
+            return 0.0
+        read = (len(offloaded) * (num_experts - disk.host_rows) if tokens is None
+                else missed_experts(len(offloaded), num_experts, top_k, disk.host_hit_rate, tokens))
+        return read * expert_bytes / disk.disk_bytes_per_s
+
     def decode_rate(program, tokens):
         copied = decode_copy_bytes(offloaded, num_experts, top_k, expert_bytes, hit_rate, tokens, host_param_bytes)
-        return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds), host)
+        return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds), host, disk_seconds(tokens))
 
     slow_bytes, fast_bytes = prefill_copy_bytes(offloaded, num_experts, expert_bytes, host_param_bytes)
     prefill = tokens_per_s(rows * context, device(needed["prefill"], rows * context),
-                           (link_seconds(slow_bytes, speeds)[0], link_seconds(fast_bytes, speeds)[1]), host)
+                           (link_seconds(slow_bytes, speeds)[0], link_seconds(fast_bytes, speeds)[1]), host,
+                           disk_seconds(None))
     inputs = {"memory_bytes_per_s": speeds.memory_bytes_per_s, "peak_flops": speeds.peak_flops,
               "host_link_bytes_per_s": speeds.host_link_bytes_per_s, "hit_rate": hit_rate,
               "expert_bytes": expert_bytes, "expert_array_bytes": expert_array_bytes, "least_bytes": least_bytes,
@@ -229,6 +282,12 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
                            f"(routed uniformly over the devices) and host link; each collective of the compiled "
                            f"programs costs {COLLECTIVE_SECONDS[0] * 1e6:g} / {COLLECTIVE_SECONDS[1] * 1e6:g} us "
                            f"plus its bytes at {INTERCONNECT_EFFICIENCY} of {link} (not measured)")
+    if disk is not None:
+        inputs.update(host_hit_rate=disk.host_hit_rate, disk_bytes_per_s=disk.disk_bytes_per_s)
+        assumptions.append(f"disk tier: {disk.bytes_per_token / 1e6:,.3f} MB a decoded token (host hit rate "
+                           f"{disk.host_hit_rate:.3f}) at {disk.disk_bytes_per_s / 1e9:g} GB/s ({disk.disk_source}), "
+                           f"{disk.seconds_per_token * 1e3:,.3f} ms added to every token's step, none hidden; prefill "
+                           f"reads every offloaded expert outside the host rows once")
     if rows > 1:
         assumptions.append(f"batch 1: the device time of the {rows}-row decode program (a lower estimate)")
     return Estimate(decode_rate(needed["decode"], batch), decode_rate(needed["decode"], 1), prefill, hit_rate,

@@ -1,6 +1,7 @@
 """The expert-cache hit rate a plan's speed estimate assumes: given by the user, replayed from a routing trace
 of the model with the plan's policy and per-layer caches (jmoe.traces.replay, the engine's eviction rule), or,
-without either, what uniform routing gives (a cache of c of E experts holds a needed expert with chance c/E)."""
+without either, what uniform routing gives (a cache of c of E experts holds a needed expert with chance c/E).
+The disk tier's host rows (host_budget_gb) get theirs the same way, the rows as the caches."""
 
 from __future__ import annotations
 
@@ -54,18 +55,43 @@ def uniform_hit_rate(caches: list[int | None], num_experts: int) -> float:
     return float(np.mean([c / num_experts for c in offloaded])) if offloaded else 1.0
 
 
-def hit_rate(given: float | None, trace, policy, caches: list[int | None], num_experts: int) -> tuple[float, str]:
-    """(hit rate, where it comes from)."""
+def fraction(name: str, value: float) -> float:
+    """`value` as a float in [0, 1] (a hit rate), else InputError naming `name`."""
+    if not 0.0 <= value <= 1.0:
+        raise InputError(f"{name} must be in [0, 1] (the share of the offloaded layers' expert accesses that hit), "
+                         f"found {value}; pass a fraction such as 0.8, or leave it out for the default")
+    return float(value)
+
+
+def hit_rate(given: float | None, trace, policy, caches: list[int | None], num_experts: int,
+             name: str = "hit_rate", capacity: str = "cache") -> tuple[float, str]:
+    """(hit rate, where it comes from) of caches of these capacities (`name`, `capacity`: what the messages call
+    the given rate and the capacity)."""
     if given is not None and trace is not None:
-        raise InputError("give a hit rate or a routing trace to replay, not both")
+        raise InputError(f"give {name} or a routing trace to replay, not both")
     if given is not None:
-        if not 0.0 <= given <= 1.0:
-            raise InputError(f"hit_rate must be in [0, 1], found {given}")
-        return float(given), "given"
+        return fraction(name, given), "given"
     if not any(c is not None for c in caches):
         return 1.0, "every expert resident"
     if trace is not None:
         trace = load_routing_trace(trace, len(caches), num_experts)
         return replayed_hit_rate(trace, policy, caches, num_experts), (
             f"replayed from a routing trace of {trace.shape[0]} tokens, policy {policy}")
-    return uniform_hit_rate(caches, num_experts), "uniform routing (cache / experts); pass a trace or hit_rate"
+    return uniform_hit_rate(caches, num_experts), f"uniform routing ({capacity} / experts); pass a trace or {name}"
+
+
+def host_hit_rate(given: float | None, trace, policy, caches: list[int | None], host_rows: int, num_experts: int,
+                  device_hit_rate: float) -> tuple[float, str]:
+    """(hit rate, source) of the disk tier's host rows. The tiers are inclusive, so the disk reads exactly what a
+    one-level cache of `host_rows` misses (jmoe.traces.tiers, bench/results/replay_tiers.md): `hit_rate` with the
+    rows as every offloaded layer's cache. A device hit is a host hit, so it is never below the device's."""
+    rate, source = hit_rate(given, trace, policy, [None if c is None else host_rows for c in caches], num_experts,
+                            "host_hit_rate", "host rows")
+    if rate >= device_hit_rate:
+        return rate, source
+    if given is not None:
+        raise InputError(f"host_hit_rate ({given}) is below the device hit rate ({device_hit_rate:.3f}): the host "
+                         f"rows hold every expert of the device slots, so a device hit is a host hit; pass "
+                         f"host_hit_rate >= {device_hit_rate:.3f}")
+    return device_hit_rate, (f"the device hit rate: {source} gives {rate:.3f}, less, and every device hit is a "
+                             f"host hit (inclusive tiers)")

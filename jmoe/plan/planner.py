@@ -21,9 +21,9 @@ from jmoe.offload.placement import Placement
 from jmoe.memory import PINNED_HOST
 from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, gib, memory_needs, on_one_host
 from jmoe.plan.depth import REDUCE_FROM_LAYERS
-from jmoe.plan.estimate import Estimate, estimate, speeds_of
+from jmoe.plan.estimate import DiskReads, Estimate, disk_reads, estimate, speeds_of
 from jmoe.plan.headers import CheckpointHeaders, read_headers
-from jmoe.plan.hit_rate import hit_rate as plan_hit_rate
+from jmoe.plan.hit_rate import fraction, host_hit_rate as plan_host_hit_rate, hit_rate as plan_hit_rate
 from jmoe.plan.programs import Program, compile_programs
 from jmoe.plan.resources import Resources, ensure_pinned_pool, resources
 from jmoe.plan.targets import Target, load_target
@@ -48,6 +48,7 @@ class Plan:
     # Expert parallelism over this many devices of one host: the placement, slots, KV cache and programs are one
     # device's; needs.host_bytes is the host's (every device's pinned share).
     devices: int = 1
+    disk: DiskReads | None = None  # the disk tier's reads (host_budget_gb; None: every expert in host memory)
 
     @property
     def config(self):
@@ -80,6 +81,7 @@ class Plan:
             "programs": {name: program.as_dict() for name, program in self.programs.items()},
             "fits": self.fits, "reasons": list(self.reasons), "notes": list(self.notes),
             "estimate": None if self.estimate is None else self.estimate.as_dict(),
+            **({} if self.disk is None else {"disk": self.disk.as_dict()}),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -94,7 +96,8 @@ class Plan:
 def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batch: int = 1,
          context: int | None = None, host_gb: float | None = None, device_gb: float | None = None,
          compile: bool = True, dtype: str | None = None, backend: str = "auto", hit_rate: float | None = None,
-         trace=None, host_link_gbs: float | None = None, extrapolate_layers: bool = False, **offload) -> Plan:
+         trace=None, host_link_gbs: float | None = None, extrapolate_layers: bool = False,
+         host_hit_rate: float | None = None, disk_gbs: float | None = None, **offload) -> Plan:
     """Plan a model's memory without loading it: see jmoe.plan for the result.
 
     path: a Hugging Face or jmoe-Orbax checkpoint directory; only config.json and the headers are read.
@@ -112,6 +115,9 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
         expert-cache hit rate of the offloaded layers, or a routing trace of the model ([tokens, MoE layers, k],
         an int array or a .npy file) replayed with the plan's policy and caches (default: uniform routing,
         cache / experts); the host link's GB/s instead of the target's (PCIe 5.0 x16 for an H100).
+    host_hit_rate, disk_gbs: the disk tier (host_budget_gb): the host rows' hit rate (default: replayed from the
+        trace with the rows as the caches, else uniform routing, rows / experts) and the GB/s the disk reads
+        (default 2.0, assumed); `Plan.disk` says what a decoded token reads from disk, the estimate adds its time.
     extrapolate_layers: a deep model (16+ layers) whose layers repeat is compiled at two shallow depths and its
         programs' sizes, flops, bytes, loops and kernels extrapolated to its depth (jmoe.plan.depth): several times
         faster, exact for everything but temporaries, which are then not counted.
@@ -123,13 +129,15 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
         raise InputError(f"plan: {e}; the load options are {fields}, dtype, backend") from None
     return plan_with_options(path, options, target=target, batch=batch, context=context, host_gb=host_gb,
                              device_gb=device_gb, compile=compile, dtype=dtype, backend=backend, hit_rate=hit_rate,
-                             trace=trace, host_link_gbs=host_link_gbs, extrapolate_layers=extrapolate_layers)
+                             trace=trace, host_link_gbs=host_link_gbs, extrapolate_layers=extrapolate_layers,
+                             host_hit_rate=host_hit_rate, disk_gbs=disk_gbs)
 
 
 def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None, batch: int = 1, context=None,
                       host_gb=None, device_gb=None, compile: bool = True, dtype=None, backend: str = "auto",
                       hit_rate: float | None = None, trace=None, host_link_gbs: float | None = None,
-                      extrapolate_layers: bool = False) -> Plan:
+                      extrapolate_layers: bool = False, host_hit_rate: float | None = None,
+                      disk_gbs: float | None = None) -> Plan:
     """`plan` with the offload settings already gathered in an OffloadOptions (the command line uses this)."""
     check_backend(backend)
     if options.mesh is not None:
@@ -139,6 +147,12 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     host_gb = None if host_gb is None else positive_finite("host_gb", host_gb)
     device_gb = None if device_gb is None else positive_finite("device_gb", device_gb)
     host_link_gbs = None if host_link_gbs is None else positive_finite("host_link_gbs", host_link_gbs)
+    disk_gbs = None if disk_gbs is None else positive_finite("disk_gbs (the GB/s the disk reads, --disk-gbs)",
+                                                             disk_gbs)
+    host_hit_rate = None if host_hit_rate is None else fraction("host_hit_rate", host_hit_rate)
+    if options.host_budget_gb is None and (host_hit_rate, disk_gbs) != (None, None):
+        raise InputError("host_hit_rate and disk_gbs describe the disk tier, which needs a host budget: give "
+                         "host_budget_gb (--host-budget-gb) too, or leave them out")
     headers = read_headers(path, dtype, options.expert_dtype, options.expert_group_size)
     cfg = headers.config
     batch = whole_number("batch", batch, 1, "rows planned for")
@@ -152,6 +166,12 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
                          f"(devices={devices}); pass hit_rate, or plan without the trace for uniform routing")
     # one device's: its caches over its share of the experts; checked before compiling
     hit = plan_hit_rate(hit_rate, trace, options.policy, caches, cfg.num_experts // devices)
+    disk = None
+    if placement.host_rows:  # the disk tier (one device only: several are refused with a host budget)
+        host_hit = plan_host_hit_rate(host_hit_rate, trace, options.policy, caches, placement.host_rows,
+                                      cfg.num_experts, hit[0])
+        disk = disk_reads(placement.host_rows, len(placement.offloaded_layers), cfg.num_experts,
+                          cfg.num_experts_per_tok, placement.expert_bytes, host_hit, disk_gbs)
     programs = {}
     if target is not None and compile:
         programs = compile_programs(cfg, headers.dtype, options, backend, rows, context, target.config_text,
@@ -191,12 +211,12 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
                          expert_bytes=placement.expert_bytes, expert_array_bytes=expert_arrays,
                          least_bytes=needs.device_weight_bytes - resident_experts + needs.kv_bytes,
                          host_param_bytes=host_params, batch=batch, rows=rows, context=context, hit_rate=hit[0],
-                         hit_rate_source=hit[1], notes=assumptions, devices=devices)
+                         hit_rate_source=hit[1], notes=assumptions, devices=devices, disk=disk)
     if speed is None:
         notes.append("no speed estimate: it needs a target and the programs compiled for it, with their cost "
                      "analysis")
     return Plan(headers, options, placement, batch, rows, context, target, needs, available, not reasons,
-                tuple(reasons), tuple(placement.notes) + tuple(notes), programs, speed, devices)
+                tuple(reasons), tuple(placement.notes) + tuple(notes), programs, speed, devices, disk)
 
 
 def moe_layer_caches(placement: Placement, num_moe_layers: int) -> list[int | None]:

@@ -49,6 +49,7 @@ def format_plan(plan) -> str:
     lines += format_collectives(plan)
     lines.append("FITS" if plan.fits else "DOES NOT FIT")
     lines += [f"- {reason}" for reason in plan.reasons]
+    lines += format_disk(plan)
     lines += format_estimate(plan)
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
@@ -69,6 +70,20 @@ def format_estimate(plan) -> list[str]:
     lines.append(f"  prefill, {plan.context}-token prompt{'':<2}{span(speed.prefill_tokens_per_s)}")
     lines += [f"  assumes: {line}" for line in speed.assumptions]
     return lines
+
+
+def format_disk(plan) -> list[str]:
+    """The disk tier (host_budget_gb): what a decoded token reads from the checkpoint files, and how long."""
+    disk = plan.disk
+    if disk is None:
+        return []
+    return ["", f"disk tier: {disk.host_rows} of {plan.config.num_experts} experts per offloaded layer in pinned host "
+                f"rows, the others read from the checkpoint files when a step needs them",
+            f"  host hit rate {disk.host_hit_rate:.3f} ({disk.host_hit_rate_source})",
+            f"  disk reads per decoded token (batch 1): {disk.experts_per_token:,.2f} experts, "
+            f"{disk.bytes_per_token / 1e6:,.3f} MB",
+            f"  disk {disk.disk_bytes_per_s / 1e9:g} GB/s ({disk.disk_source}): "
+            f"{disk.seconds_per_token * 1e3:,.3f} ms a token"]
 
 
 def format_collectives(plan) -> list[str]:
