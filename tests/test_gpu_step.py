@@ -12,7 +12,8 @@ import pytest
 import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.offload.slots import LayerSlots, Scratch, empty_slots, fetch_and_compute, stream_and_compute
+from jmoe.offload.slots import (LayerSlots, Scratch, empty_slots, fetch_and_compute, rows_as_slots,
+                               slot_ids_of, stream_and_compute)
 from jmoe.plan.hlo import control_flow, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
@@ -150,6 +151,36 @@ def test_gpu_prefill_streaming_is_exact(chunk_size):
                        jnp.full((e,), -1, jnp.int32).at[cached].set(jnp.arange(2)), cached)
     y = jax.jit(functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))(slots, host, x, ids, weights)
     expected = ExpertKernel("reference", "swiglu")(x, ids, weights, host)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [2, 3])
+def test_gpu_prefill_over_the_disk_tier_streams_only_needed_rows(chunk_size):
+    """The disk tier's prefill on the GPU path: the host rows taken as the layer's experts (rows_as_slots), the
+    rows whose expert a slot holds read from the slot, the other needed rows streamed, the experts in no row
+    left to the disk (here: computed apart and added). Equals every expert computed resident."""
+    rng = np.random.RandomState(2)
+    e, d, f, t, k = 8, 32, 16, 12, 2
+    experts = ExpertWeights(jnp.asarray(rng.randn(e, d, 2 * f), jnp.float32),
+                            jnp.asarray(rng.randn(e, f, d), jnp.float32))
+    in_row = jnp.asarray([6, 1, 4, 3, 0], jnp.int32)  # row -> expert; experts 2, 5, 7 on disk only
+    host_rows = jnp.full((e,), -1, jnp.int32).at[in_row].set(jnp.arange(5, dtype=jnp.int32))
+    rows = jax.tree.map(lambda a: a[in_row], experts)
+    cached = jnp.asarray([4, 6], jnp.int32)  # in rows 2 and 0 (inclusive)
+    slots = LayerSlots(jax.tree.map(lambda a: a[cached], experts),
+                       jnp.full((e,), -1, jnp.int32).at[cached].set(jnp.arange(2)), cached)
+    x = jnp.asarray(rng.randn(t, d), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32).at[3].set(-1)
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), t), jnp.float32)
+    kernel = ExpertKernel("xla_tiled", "swiglu")
+    row_slots = rows_as_slots(slots, host_rows, 5)
+    np.testing.assert_array_equal(np.asarray(row_slots.slot_of_expert), [1, -1, 0, -1, -1])
+    np.testing.assert_array_equal(np.asarray(row_slots.expert_in_slot), [2, 0])
+    from_rows = jax.jit(functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))(
+        row_slots, rows, x, slot_ids_of(host_rows, ids), weights)
+    on_disk = jnp.where(host_rows[jnp.maximum(ids, 0)] < 0, ids, -1)
+    expected = ExpertKernel("reference", "swiglu")(x, ids, weights, experts)
+    y = from_rows + ExpertKernel("reference", "swiglu")(x, on_disk, weights, experts)
     np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=2e-5, atol=2e-5)
 
 

@@ -211,9 +211,11 @@ class OffloadEngine(ResidentEngine):
                 evicted[nxt] = evicted[nxt] + ahead_evicted
             host, tier = layer.experts, {}
             if self.tier is not None:  # host rows, and the experts in none of them read from disk
+                # k experts a round (one round for a decode row): a round's buffers are host memory the size of
+                # its experts, allocated whole, so the scratch's M (up to E) would cost M experts per read.
                 host = state.host_tier[i]
                 tier = {"host_rows": state.host_row_of_expert[i], "disk": functools.partial(
-                    disk_experts, round_size=self.placement.scratch, like=self.host_experts[i],
+                    disk_experts, round_size=self.config.num_experts_per_tok, like=self.host_experts[i],
                     read_round=functools.partial(self.tier.read_round, i), kernel=kernel)}
             if decode and self.miss_mode == "host":
                 y, counts[i] = host_compute_misses(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)

@@ -303,12 +303,24 @@ def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, 
             slots, host, x, ids, weights, cpu=functools.partial(experts_in_place, kernel=kernel),
             default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
     else:  # the disk tier: the rows hold every cached expert (inclusive), the disk the rest
+        # The same two paths over the rows, as if the rows were the layer's experts: on a GPU only the needed
+        # rows no slot holds stream in, never the whole tier.
+        y, _ = prefill_experts(rows_as_slots(slots, host_rows, jax.tree.leaves(host)[0].shape[0]), host, x,
+                               slot_ids_of(host_rows, ids), weights, kernel=kernel, chunk_size=chunk_size)
         on_disk = needed_experts(ids, host_rows.shape[0]) & (host_rows < 0)
-        y = kernel(x, slot_ids_of(host_rows, ids), weights, to_device(host), out_dtype=jnp.float32)
         y = y + disk(x, ids, weights, on_disk)
     hits = count_hits(slots.slot_of_expert, ids)
     n_miss = jnp.sum(needed_experts(ids, slots.slot_of_expert.shape[0]) & (slots.slot_of_expert < 0), dtype=jnp.int32)
     return y, StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, jnp.int32(0))
+
+
+def rows_as_slots(slots: LayerSlots, host_rows, rows: int) -> LayerSlots:
+    """`slots` indexed by host row instead of expert (the disk tier: `host_rows` int32 [E] is each expert's row,
+    -1 = on disk only; `rows` of them): which slot holds each row's expert, which row each slot's."""
+    expert_in_row = jnp.full((rows,), -1, jnp.int32).at[jnp.where(host_rows >= 0, host_rows, rows)].set(
+        jnp.arange(host_rows.shape[0], dtype=jnp.int32), mode="drop")
+    return LayerSlots(slots.buffers, slot_ids_of(slots.slot_of_expert, expert_in_row),
+                      slot_ids_of(host_rows, slots.expert_in_slot))
 
 
 def experts_in_place(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel) -> jax.Array:
