@@ -273,7 +273,7 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
     host_budget_gb: the disk tier (jmoe.offload.host_tier): the offloaded layers keep this many GB of their
         experts in pinned host memory, the rest are read from the checkpoint files when a step needs them.
         Results are the same. Close the model (`close()`, or `with`) to stop its reader threads. With
-        prefetch_trace, its predictor reads ahead from disk instead of copying to the device:
+        prefetch_trace, its predictor reads ahead from disk instead of copying to the device.
     read_ahead: with host_budget_gb and prefetch_trace, between steps start reading the next token's this many
         best-predicted experts per offloaded layer that are in no host row (0 = off).
     """

@@ -77,7 +77,6 @@ class OffloadEngine(ResidentEngine):
         # from disk instead of copying to the device.
         self.read_ahead = options.read_ahead
         self.read_ahead_history = None
-        self._tiered = options.host_budget_gb is not None
         self.host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
         self._install = jax.jit(self.filled_slots, donate_argnums=(0,))
@@ -110,7 +109,7 @@ class OffloadEngine(ResidentEngine):
         """reset's host side: a fresh manager with `policy` (and history predictor); no device memory."""
         if self._history_predictor is not None:
             history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
-            if self._tiered:
+            if self.placement.host_rows:  # a disk tier (a budget that holds every expert makes none)
                 self.read_ahead_history = history
             else:
                 self.history = history

@@ -298,15 +298,16 @@ def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, 
     through chunk buffers (`stream_and_compute`); on CPU, where host and device memory are the same RAM,
     every expert is read where it lives (`experts_in_place`). The counts are the same on both: `copied` is
     what a device copies in. Returns float32 y [T, d] and the counts."""
+    compute = functools.partial(
+        jax.lax.platform_dependent, cpu=functools.partial(experts_in_place, kernel=kernel),
+        default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
     if host_rows is None:
-        y = jax.lax.platform_dependent(
-            slots, host, x, ids, weights, cpu=functools.partial(experts_in_place, kernel=kernel),
-            default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
+        y = compute(slots, host, x, ids, weights)
     else:  # the disk tier: the rows hold every cached expert (inclusive), the disk the rest
         # The same two paths over the rows, as if the rows were the layer's experts: on a GPU only the needed
         # rows no slot holds stream in, never the whole tier.
-        y, _ = prefill_experts(rows_as_slots(slots, host_rows, jax.tree.leaves(host)[0].shape[0]), host, x,
-                               slot_ids_of(host_rows, ids), weights, kernel=kernel, chunk_size=chunk_size)
+        y = compute(rows_as_slots(slots, host_rows, jax.tree.leaves(host)[0].shape[0]), host, x,
+                    slot_ids_of(host_rows, ids), weights)
         on_disk = needed_experts(ids, host_rows.shape[0]) & (host_rows < 0)
         y = y + disk(x, ids, weights, on_disk)
     hits = count_hits(slots.slot_of_expert, ids)

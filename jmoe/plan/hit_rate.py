@@ -82,9 +82,11 @@ def hit_rate(given: float | None, trace, policy, caches: list[int | None], num_e
 
 def host_hit_rate(given: float | None, trace, policy, caches: list[int | None], host_rows: int, num_experts: int,
                   device_hit_rate: float) -> tuple[float, str]:
-    """(hit rate, source) of the disk tier's host rows. The tiers are inclusive, so the disk reads exactly what a
-    one-level cache of `host_rows` misses (jmoe.traces.tiers, bench/results/replay_tiers.md): `hit_rate` with the
-    rows as every offloaded layer's cache. A device hit is a host hit, so it is never below the device's."""
+    """(hit rate, source) of the disk tier's host rows. The tiers are inclusive, so the replay's two-level tier reads
+    from disk exactly what a one-level cache of `host_rows` misses (jmoe.traces.tiers,
+    bench/results/replay_tiers.md): `hit_rate` with the rows as every offloaded layer's cache. The engine admits
+    at most one read per layer and step (jmoe.offload.host_tier), so for it this is an estimate. A device hit is a
+    host hit, so it is never below the device's."""
     rate, source = hit_rate(given, trace, policy, [None if c is None else host_rows for c in caches], num_experts,
                             "host_hit_rate", "host rows")
     if rate >= device_hit_rate:
