@@ -95,7 +95,7 @@ class Model:
         after a weight update they would hold the old values."""
         module = nnx.merge(self.graphdef, self.params)
         for block in module.moe_blocks():
-            block.experts.per_expert = None
+            block.experts.drop_views()
         return module
 
     @property

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.float_bits import float_leaves, is_float_bits, plain
 from jmoe.kernels.pallas_grouped import moe_ffn_pallas
 from jmoe.kernels.quantized import QuantizedTensor, is_quantized
 from jmoe.kernels.reference import moe_ffn_reference
@@ -40,8 +41,14 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
     """
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0])]
-    return jax.lax.platform_dependent(*args, cuda=functools.partial(moe_ffn_pallas, activation=activation),
+    return jax.lax.platform_dependent(*args, cuda=functools.partial(_IMPLS["pallas"], activation=activation),
                                       default=functools.partial(cpu, activation=activation, per_expert=per_expert))
+
+
+def _on_plain_arrays(impl, *args, **kwargs):
+    """`impl` on FloatBits weights as the float arrays they stand for: the Pallas and Triton kernels take refs of
+    plain arrays (and a GPU slices 16-bit floats as they are, so no program there holds FloatBits)."""
+    return impl(*(plain(a) for a in args), **kwargs)
 
 
 _IMPLS = {
@@ -51,14 +58,21 @@ _IMPLS = {
     "xla": moe_ffn_ragged,  # prefill: sort by slot + lax.ragged_dot
     "xla_tiled": moe_ffn_tiled,  # prefill: sorted row tiles, one scan step per tile
     "pairs": moe_ffn_pairs,  # decode on CPU: a loop of one matrix-vector FFN per (token, choice)
-    "pallas": moe_ffn_pallas,  # Pallas grouped GEMM (Triton lowering on GPU)
-    "triton": moe_ffn_triton,  # Triton via jax-triton, GPU only
+    "pallas": functools.partial(_on_plain_arrays, moe_ffn_pallas),  # Pallas grouped GEMM (Triton lowering on GPU)
+    "triton": functools.partial(_on_plain_arrays, moe_ffn_triton),  # Triton via jax-triton, GPU only
 }
 BACKENDS = tuple(_IMPLS)
 # The backends that read `per_expert` arrays (on CPU); the others read the stacked weights, which hold the
 # same values.
 PER_EXPERT_BACKENDS = ("auto", "xla_tiled", "pairs")
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _as_arrays(weight):
+    """A weight's arrays as JAX arrays (QuantizedTensor and FloatBits leaf by leaf); None stays None."""
+    if weight is None:
+        return None
+    return jax.tree.map(jnp.asarray, weight) if is_quantized(weight) or is_float_bits(weight) else jnp.asarray(weight)
 
 
 def validate_inputs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None):
@@ -114,7 +128,8 @@ def validate_per_expert(per_expert, stacked: "ExpertWeights") -> tuple:
     ValueError saying what was expected and what was found."""
 
     def layout(tree):
-        return jax.tree.structure(tree), [(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(tree)]
+        return (jax.tree.structure(tree, is_leaf=is_float_bits),
+                [(tuple(a.shape), jnp.dtype(a.dtype)) for a in float_leaves(tree)])
 
     structure, leaves = layout(stacked)
     one = structure, [((1, *shape[1:]), dtype) for shape, dtype in leaves]
@@ -146,8 +161,7 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=N
     """
     # A backend chosen by platform traces every branch, which NumPy inputs cannot enter: convert once.
     x, slot_ids, weights = (jnp.asarray(a) for a in (x, slot_ids, weights))
-    w_gate_up, w_down = (jax.tree.map(jnp.asarray, w) if is_quantized(w) else jnp.asarray(w) for w in (w_gate_up, w_down))
-    b_gate_up, b_down = (None if b is None else jnp.asarray(b) for b in (b_gate_up, b_down))
+    w_gate_up, w_down, b_gate_up, b_down = (_as_arrays(w) for w in (w_gate_up, w_down, b_gate_up, b_down))
     validate_inputs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     if per_expert is not None:
         per_expert = validate_per_expert(per_expert, ExpertWeights(w_gate_up, w_down, b_gate_up, b_down))

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jmoe.kernels.dispatch import ExpertWeights
+from jmoe.kernels.float_bits import FloatBits, as_float_bits
 from jmoe.memory import DEVICE, PINNED_HOST
 
 # Experts smaller than this are read stacked: below it the copy stays in the cache and the views gain little,
@@ -50,6 +51,30 @@ def per_expert_views(experts: ExpertWeights) -> tuple[ExpertWeights, ...] | None
             return None  # JAX copied it: the views would cost their size again
         rows.append(jax.tree.unflatten(treedef, row))
     return tuple(rows)
+
+
+def float_bits_views(experts: ExpertWeights) -> ExpertWeights | None:
+    """The stacked experts with every 16-bit float leaf as FloatBits of a uint16 view of its buffer (same memory
+    kind, no copy; jmoe.kernels.float_bits says why), or None where there is none to make: no such leaf, leaves not
+    in one CPU device's device or pinned-host memory, or a view that JAX would have to copy."""
+    stacked = experts.stacked()
+    leaves = jax.tree.leaves(stacked)
+    if not all(isinstance(a, jax.Array) and _in_one_cpu_memory(a) for a in leaves):
+        return None
+
+    copied = []
+
+    def view(a):
+        bits = as_float_bits(np.asarray(a))  # the array's own buffer on a CPU, no copy
+        if bits is None:
+            return a
+        held = jax.device_put(bits.bits, a.sharding)
+        copied.append(held.unsafe_buffer_pointer() != bits.bits.ctypes.data)
+        return FloatBits(held, a.dtype)
+
+    views = jax.tree.map(view, stacked)
+    # None where JAX copied one (the views would cost their size again) or no leaf is a 16-bit float.
+    return views if copied and not any(copied) else None
 
 
 def _in_one_cpu_memory(array: jax.Array) -> bool:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor, per_expert_views
+from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor, float_bits_views, per_expert_views
 from jmoe.kernels.quantized import quantized_shapes
 
 INIT_STD = 0.02
@@ -64,11 +64,17 @@ class PerExpertArrays(nnx.Variable):
     (jmoe.kernels.per_expert_views). Not a Param: nothing saves, places or counts it."""
 
 
+class FloatBitsArrays(nnx.Variable):
+    """The stacked experts with their 16-bit float leaves as uint16 views (jmoe.kernels.float_bits_views), which the
+    steps read and copy instead. Not a Param: nothing saves, places or counts it."""
+
+
 class Experts(nnx.Module):
     """The E experts of one MoE layer, stacked. Quantized experts (`expert_dtype` one of
     jmoe.kernels.FORMATS) hold each weight as two parameters, its values (`w_gate_up`) and scales
     (`w_gate_up_scale`); they start as zeros and are filled by loading, which quantizes them. On a CPU,
-    `hold_per_expert_arrays` adds views of each expert, which the CPU kernels read without copying."""
+    `hold_per_expert_arrays` adds views of each expert, which the CPU kernels read without copying, and of 16-bit
+    float experts as their uint16 bits, which XLA:CPU slices and copies without converting them."""
 
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs, expert_dtype: str | None = None,
                  group: int = 0, bias: bool = False):
@@ -85,6 +91,7 @@ class Experts(nnx.Module):
         self.b_gate_up = nnx.Param(jnp.zeros((e, 2 * f), dtype)) if bias else None
         self.b_down = nnx.Param(jnp.zeros((e, d), dtype)) if bias else None
         self.per_expert = nnx.data(None)  # set by hold_per_expert_arrays
+        self.float_bits = nnx.data(None)  # set by hold_per_expert_arrays
 
     def weights(self) -> ExpertWeights:
         # get_value, unlike [...], also works on an abstract model (shape structs), which jmoe.plan compiles.
@@ -96,10 +103,21 @@ class Experts(nnx.Module):
                                                  getattr(self, f"{name}_scale").get_value(), self.format, self.group)
                                  for name in ("w_gate_up", "w_down"))
         per_expert = None if self.per_expert is None else self.per_expert.get_value()
+        if self.float_bits is not None:
+            return self.float_bits.get_value()._replace(per_expert=per_expert)
         return ExpertWeights(w_gate_up, w_down, *biases, per_expert=per_expert)
 
     def hold_per_expert_arrays(self) -> None:
         """Where the experts sit in a CPU device's memory and are large enough to gain from it, also hold them one
-        per array (views, no memory), so that the CPU kernels read each in place; elsewhere nothing changes."""
+        per array (views, no memory), so that the CPU kernels read each in place; and where they are 16-bit floats
+        there, their bits (views too), which the steps slice and copy. Elsewhere nothing changes."""
+        self.drop_views()  # views of the parameters, never of earlier views
         views = per_expert_views(self.weights())
         self.per_expert = None if views is None else PerExpertArrays(views)
+        bits = float_bits_views(self.weights())
+        self.float_bits = None if bits is None else FloatBitsArrays(bits)
+
+    def drop_views(self) -> None:
+        """Forget the views hold_per_expert_arrays made: after a weight update they would hold the old values."""
+        self.per_expert = None
+        self.float_bits = None

@@ -36,20 +36,24 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from jmoe.kernels import ExpertWeights, QuantizedTensor
+from jmoe.kernels.float_bits import as_float_bits, is_float_bits
 from jmoe.memory import PINNED_HOST, sharding_for
 from jmoe.offload.slots import chunk_slot_ids, rank_among, slot_ids_of
 
 
 def expert_weights_from(read: dict[str, np.ndarray], like: ExpertWeights) -> ExpertWeights:
     """One expert read by an ExpertReader ({"w_gate_up", "w_down", biases, "..._scale"}) as an ExpertWeights shaped
-    like `like` (quantized weights as QuantizedTensors), with a leading axis of 1."""
+    like `like` (quantized weights as QuantizedTensors, 16-bit floats as FloatBits where `like` holds them so), with a
+    leading axis of 1."""
     def weight(name):
         stacked = getattr(like, name)
+        if stacked is None:
+            return None
         if isinstance(stacked, QuantizedTensor):
             return QuantizedTensor(read[name][None], read[f"{name}_scale"][None], stacked.fmt, stacked.group)
-        return read[name][None]
+        return as_float_bits(read[name][None]) if is_float_bits(stacked) else read[name][None]
 
-    biases = [None if getattr(like, b) is None else read[b][None] for b in ("b_gate_up", "b_down")]
+    biases = [weight(b) for b in ("b_gate_up", "b_down")]
     return ExpertWeights(weight("w_gate_up"), weight("w_down"), *biases)
 
 
