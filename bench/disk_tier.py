@@ -16,9 +16,9 @@ process, alternated, the page cache dropped before each:
   same orientation and checks on the bytes.
 Cache 0: on this CPU the device slots would be a second copy in the same RAM. With a limit, each process runs in
 a memory cgroup (v1, needs root) of that size, page cache included: `budget` = --budget-gb + 2 GB (the issue's
-resident-memory target) and + 4 GB did not hold even the mmap engine, whose own host tier is 2 GB: a decode
-step's anonymous memory on XLA:CPU peaks 5-6 GB above the model's (its compiled temporaries alone 2.8-3.9 GB:
-bfloat16 scratch and host rows converted whole to float32), and + 8 GB still not jmoe's (its peak: 14 GB),
+resident-memory target) and + 4 GB did not hold the engines at commit 6b8e86a, when XLA:CPU still converted the
+bfloat16 scratch and rows to float32 whole (since the FloatBits change jmoe peaks at 7.9 GB unlimited: rows,
+the scratch's M = E slots and 1.1 GB of step temporaries; bench/results/disk_tier.md),
 so the default is `none`, the machine's RAM (the kernel's page cache then serves both engines' rereads: the
 storage column counts what reached the disk); `budget` is --budget-gb + 8 GB for both, a number that many GB.
 Reported: decode tokens/s, disk bytes per token (as the tier counts them, and as the kernel counts the
