@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BITS_OF = {jnp.dtype(jnp.bfloat16): np.uint16, jnp.dtype(jnp.float16): np.uint16}
+FLOAT16_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -60,10 +60,14 @@ def is_float_bits(weight) -> bool:
     return isinstance(weight, FloatBits)
 
 
-def as_float_bits(array) -> FloatBits | None:
-    """A NumPy array of a 16-bit float dtype as FloatBits of a view of its buffer (no copy); None for other dtypes."""
-    bits = BITS_OF.get(jnp.dtype(array.dtype))
-    return None if bits is None else FloatBits(np.asarray(array).view(bits), array.dtype)
+def is_float16(dtype) -> bool:
+    """Whether `dtype` is a 16-bit float (bfloat16 or float16), which XLA:CPU moves through float32."""
+    return jnp.dtype(dtype) in FLOAT16_DTYPES
+
+
+def as_float_bits(array: np.ndarray) -> FloatBits:
+    """A NumPy array of a 16-bit float dtype as FloatBits of a view of its buffer (no copy)."""
+    return FloatBits(array.view(np.uint16), array.dtype)
 
 
 def plain(weight):

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jmoe.kernels.dispatch import ExpertWeights
-from jmoe.kernels.float_bits import FloatBits, as_float_bits
+from jmoe.kernels.float_bits import FloatBits, is_float16
 from jmoe.memory import DEVICE, PINNED_HOST
 
 # Experts smaller than this are read stacked: below it the copy stays in the cache and the views gain little,
@@ -36,8 +36,8 @@ def per_expert_views(experts: ExpertWeights) -> tuple[ExpertWeights, ...] | None
     None where that is not free or not worth it: leaves not in one CPU device's device or pinned-host memory,
     experts too small or too many, or a view that JAX would have to copy (a buffer not aligned for zero-copy)."""
     stacked = experts.stacked()
-    leaves = jax.tree.leaves(stacked)
-    if not all(isinstance(a, jax.Array) and _in_one_cpu_memory(a) for a in leaves):
+    leaves = _cpu_leaves(stacked)
+    if leaves is None:
         return None
     count = stacked.num_experts
     if count == 0 or count > MAX_EXPERTS or sum(a.nbytes for a in leaves) // count < MIN_EXPERT_BYTES:
@@ -46,9 +46,9 @@ def per_expert_views(experts: ExpertWeights) -> tuple[ExpertWeights, ...] | None
     treedef = jax.tree.structure(stacked)
     rows = []
     for e in range(count):
-        row = [jax.device_put(host[e:e + 1], a.sharding) for host, a in zip(hosts, leaves)]
-        if any(view.unsafe_buffer_pointer() != host[e:e + 1].ctypes.data for view, host in zip(row, hosts)):
-            return None  # JAX copied it: the views would cost their size again
+        row = [_view(host[e:e + 1], a.sharding) for host, a in zip(hosts, leaves)]
+        if any(view is None for view in row):
+            return None
         rows.append(jax.tree.unflatten(treedef, row))
     return tuple(rows)
 
@@ -58,23 +58,33 @@ def float_bits_views(experts: ExpertWeights) -> ExpertWeights | None:
     kind, no copy; jmoe.kernels.float_bits says why), or None where there is none to make: no such leaf, leaves not
     in one CPU device's device or pinned-host memory, or a view that JAX would have to copy."""
     stacked = experts.stacked()
-    leaves = jax.tree.leaves(stacked)
-    if not all(isinstance(a, jax.Array) and _in_one_cpu_memory(a) for a in leaves):
+    leaves = _cpu_leaves(stacked)
+    if leaves is None or not any(is_float16(a.dtype) for a in leaves):
         return None
-
-    copied = []
-
-    def view(a):
-        bits = as_float_bits(np.asarray(a))  # the array's own buffer on a CPU, no copy
+    out = []
+    for a in leaves:
+        if not is_float16(a.dtype):
+            out.append(a)
+            continue
+        bits = _view(np.asarray(a).view(np.uint16), a.sharding)  # the array's own buffer on a CPU, no copy
         if bits is None:
-            return a
-        held = jax.device_put(bits.bits, a.sharding)
-        copied.append(held.unsafe_buffer_pointer() != bits.bits.ctypes.data)
-        return FloatBits(held, a.dtype)
+            return None
+        out.append(FloatBits(bits, a.dtype))
+    return jax.tree.unflatten(jax.tree.structure(stacked), out)
 
-    views = jax.tree.map(view, stacked)
-    # None where JAX copied one (the views would cost their size again) or no leaf is a 16-bit float.
-    return views if copied and not any(copied) else None
+
+def _cpu_leaves(stacked: ExpertWeights) -> list[jax.Array] | None:
+    """The leaves of `stacked`, or None unless every one is a JAX array in one CPU device's device or pinned-host
+    memory (where a NumPy view of its buffer is the array itself)."""
+    leaves = jax.tree.leaves(stacked)
+    return leaves if all(isinstance(a, jax.Array) and _in_one_cpu_memory(a) for a in leaves) else None
+
+
+def _view(host: np.ndarray, sharding) -> jax.Array | None:
+    """`host` as a JAX array with `sharding` sharing its buffer, or None where JAX would copy it (a buffer not
+    aligned for zero-copy): a view that costs its size again is not worth holding."""
+    view = jax.device_put(host, sharding)
+    return view if view.unsafe_buffer_pointer() == host.ctypes.data else None
 
 
 def _in_one_cpu_memory(array: jax.Array) -> bool:

@@ -94,6 +94,9 @@ class Experts(nnx.Module):
         self.float_bits = nnx.data(None)  # set by hold_per_expert_arrays
 
     def weights(self) -> ExpertWeights:
+        per_expert = None if self.per_expert is None else self.per_expert.get_value()
+        if self.float_bits is not None:
+            return self.float_bits.get_value()._replace(per_expert=per_expert)
         # get_value, unlike [...], also works on an abstract model (shape structs), which jmoe.plan compiles.
         biases = [None if b is None else b.get_value() for b in (self.b_gate_up, self.b_down)]
         if self.format is None:
@@ -102,9 +105,6 @@ class Experts(nnx.Module):
             w_gate_up, w_down = (QuantizedTensor(getattr(self, name).get_value(),
                                                  getattr(self, f"{name}_scale").get_value(), self.format, self.group)
                                  for name in ("w_gate_up", "w_down"))
-        per_expert = None if self.per_expert is None else self.per_expert.get_value()
-        if self.float_bits is not None:
-            return self.float_bits.get_value()._replace(per_expert=per_expert)
         return ExpertWeights(w_gate_up, w_down, *biases, per_expert=per_expert)
 
     def hold_per_expert_arrays(self) -> None:
