@@ -27,18 +27,35 @@ def _scatter_rows(kv_cache, rows, new):
     return jax.tree.map(lambda c, n: c.at[rows].set(n, mode="drop"), kv_cache, new)
 
 
+def _first_columns(kv_cache, entries: int, columns: int):
+    """Zeros in the shape of `entries` rows of the cache's first `columns` columns."""
+    return jax.tree.map(lambda c: jnp.zeros((entries, columns, *c.shape[2:]), c.dtype), kv_cache)
+
+
+def _scatter_first_columns(kv_cache, rows, new):
+    """The cache with rows[p]'s first columns replaced by new[p] (rows past the cache dropped)."""
+    columns = jnp.arange(jax.tree.leaves(new)[0].shape[1])
+    return jax.tree.map(lambda c, n: c.at[rows[:, None], columns[None, :]].set(n, mode="drop"), kv_cache, new)
+
+
 def make_prefill_fn(graphdef, engine, visible: int):
     """(params, engine state, kv cache, tokens int32 [P, T], rows int32 [P], start int32 [P], valid int32 [P])
     -> (float32 logits [P, V] at each entry's last real token, bool [L] finite per layer), routing, kv cache,
     engine state. Entry p writes its first valid[p] tokens into row rows[p] from column start[p]; the
     columns after them may hold padding, which later writes of that row replace before anything reads them.
-    Attention reads the first `visible` columns (static, >= every start + T; T when every start is 0)."""
+    Attention reads the first `visible` columns (static, >= every start + T). `visible` == T is the program
+    for first chunks (every start 0): it reads nothing of the rows' cache and writes only their first T
+    columns, where gathering and scattering whole rows was a third of an 8-entry, 128-token step at context
+    1024 (22 of 66 ms)."""
 
     def prefill(params, engine_state, kv_cache, tokens, rows, start, valid):
         pad = jnp.zeros(tokens.shape[:1], jnp.int32)
-        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, _gather_rows(kv_cache, rows),
+        first_chunks = visible == tokens.shape[1]
+        step_cache = _first_columns(kv_cache, *tokens.shape) if first_chunks else _gather_rows(kv_cache, rows)
+        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, step_cache,
                                     start, pad, last_only=True, visible_len=visible, valid_len=valid)
-        kv_cache = _scatter_rows(kv_cache, rows, out.kv_cache)
+        scatter = _scatter_first_columns if first_chunks else _scatter_rows
+        kv_cache = scatter(kv_cache, rows, out.kv_cache)
         return (out.logits[:, 0], out.finite), out.routing, kv_cache, engine_state
 
     return jax.jit(prefill, donate_argnums=(1, 2))
