@@ -8,8 +8,8 @@ Writes once under --workdir a random bfloat16 checkpoint shaped to the GPT-OSS-2
 x 32 experts, top-4; Mixtral's tensor names, expert width chosen so the experts take --size-gb), then decodes
 --tokens tokens with the routing forced from the trace's report split (`TraceRouting`), every engine in its own
 process, alternated, the page cache dropped before each:
-- `jmoe`: jmoe.load(cache=0, host_budget_gb=B): the policy's rows in pinned host memory, the rest read by byte
-  range (demand reads only);
+- `jmoe`: jmoe.load(cache=0, host_budget_gb=B, scratch_rows=1): the policy's rows in pinned host memory, the
+  rest read by byte range (demand reads only), scratch slots for one row's misses;
 - `jmoe+ra`: the same with --read-ahead N, the history predictor fitted on the trace's tuning split;
 - `mmap` (the llama.cpp way): the same experts read from np.memmaps of the same files (the page cache decides
   what stays), through the same engine at its smallest host tier (one row and one staged expert per layer), the
@@ -17,8 +17,8 @@ process, alternated, the page cache dropped before each:
 Cache 0: on this CPU the device slots would be a second copy in the same RAM. With a limit, each process runs in
 a memory cgroup (v1, needs root) of that size, page cache included: `budget` = --budget-gb + 2 GB (the issue's
 resident-memory target) and + 4 GB did not hold the engines at commit 6b8e86a, when XLA:CPU still converted the
-bfloat16 scratch and rows to float32 whole (since the FloatBits change jmoe peaks at 7.9 GB unlimited: rows,
-the scratch's M = E slots and 1.1 GB of step temporaries; bench/results/disk_tier.md),
+bfloat16 scratch and rows to float32 whole (since the FloatBits change jmoe peaked at 7.9 GB unlimited: rows,
+the scratch's M = E slots, since scratch_rows=1 M = k, and 1.1 GB of step temporaries; bench/results/disk_tier.md),
 so the default is `none`, the machine's RAM (the kernel's page cache then serves both engines' rereads: the
 storage column counts what reached the disk); `budget` is --budget-gb + 8 GB for both, a number that many GB.
 Reported: decode tokens/s, disk bytes per token (as the tier counts them, and as the kernel counts the
@@ -99,7 +99,9 @@ def run_engine(args) -> dict:
 
     split = split_trace(load_trace(TRACE), None)
     rows = split["eval_ids"][:args.tokens]
-    options = {"cache": 0, "host_budget_gb": args.budget_gb, "check_memory": False, "progress": False}
+    # One decoded row: scratch slots for its top-k misses (the default's 8 rows' were 1.1 GB here).
+    options = {"cache": 0, "host_budget_gb": args.budget_gb, "scratch_rows": 1, "check_memory": False,
+               "progress": False}
     if args.engine == "jmoe+ra":
         options.update(prefetch_trace=split["tune_ids"], read_ahead=args.read_ahead)
     if args.engine == "mmap":

@@ -223,7 +223,7 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
          check_memory: bool = True, check_finite: bool | None = None, devices: int | None = None,
          mesh: jax.sharding.Mesh | None = None, host_budget_gb: float | None = None,
-         read_ahead: int = 0) -> Model:
+         read_ahead: int = 0, scratch_rows: int = 8) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -276,11 +276,15 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         prefetch_trace, its predictor reads ahead from disk instead of copying to the device.
     read_ahead: with host_budget_gb and prefetch_trace, between steps start reading the next token's this many
         best-predicted experts per offloaded layer that are in no host row (0 = off).
+    scratch_rows: the scratch slots the offloaded layers share hold the missed experts of this many decode rows
+        (scratch_rows x top_k, at most the experts per layer); a step that misses more computes the rest on the
+        host, and prefill streams experts through chunks of that many. Fewer hold less device memory: a disk
+        tier decoding one row needs 1. Results are the same.
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
                              prefetch_trace, expert_dtype, expert_group_size, devices, mesh, host_budget_gb,
-                             read_ahead)
+                             read_ahead, scratch_rows)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 

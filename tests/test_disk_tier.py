@@ -52,11 +52,15 @@ def test_every_cache_and_host_budget_matches_resident(name, hf_checkpoints):
     ref_logits, ref_tokens = results(resident)
     e, k = resident.config.num_experts, resident.config.num_experts_per_tok
     # Fewer rows than a token's experts, and the most a disk tier has (all but the staged one and one more); the
-    # first family also k rows next to one slot.
-    settings = [(0, 1), (k, e - 1 - STAGED_PER_LAYER)] + ([(1, k)] if name == FAMILIES[0] else [])
-    for cache, rows in settings:
-        with jmoe.load(directory, cache=cache, host_budget_gb=budget_for(directory, rows), progress=False) as model:
+    # first family also k rows next to one slot, and scratch slots for one row's misses (both prompts' misses do
+    # not fit them: the rest are computed on the host, from host rows or disk).
+    settings = [(0, 1, 8), (k, e - 1 - STAGED_PER_LAYER, 8)] + ([(1, k, 8), (0, 1, 1)] if name == FAMILIES[0] else [])
+    for cache, rows, scratch_rows in settings:
+        with jmoe.load(directory, cache=cache, host_budget_gb=budget_for(directory, rows), scratch_rows=scratch_rows,
+                       progress=False) as model:
             assert model.placement_plan.host_rows == rows
+            assert model.placement_plan.scratch == jax.tree.leaves(model.engine.state.scratch)[0].shape[0] == min(
+                e, scratch_rows * k)
             logits, tokens = results(model)
             np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0, err_msg=f"cache={cache} rows={rows}")
             assert tokens == ref_tokens, f"cache={cache} rows={rows}"
@@ -151,6 +155,8 @@ def test_budgets_and_options_the_tier_does_not_take_are_clear_errors(hf_checkpoi
             jmoe.load(directory, cache=1, host_budget_gb=one_row, progress=False, **option)
     with pytest.raises(InputError, match="host_budget_gb"):
         jmoe.load(directory, cache=1, host_budget_gb=-1.0, progress=False)
+    with pytest.raises(InputError, match=r"scratch_rows .*, found 0"):
+        jmoe.load(directory, cache=1, host_budget_gb=one_row, scratch_rows=0, progress=False)
     trace = np.zeros((8, 2, 2), np.int32)
     for options in ({"read_ahead": 2}, {"prefetch_trace": trace}):  # each needs the other with a host budget
         with pytest.raises(InputError, match="read_ahead .* and prefetch_trace .* go together"):
@@ -172,7 +178,8 @@ def test_the_command_line_takes_a_host_budget_and_reports_disk_reads(hf_checkpoi
     shutil.copytree(hf_checkpoints["mixtral_e4k2_gqa2"][0], directory)
     write_word_tokenizer(directory)
     assert main(["--model", str(directory), "--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--cache", "1",
-                 "--host-budget-gb", str(budget_for(directory, 1)), "--stats"]) == 0
-    table = capsys.readouterr().out
-    assert "host rows" in table and "disk reads" in table
+                 "--host-budget-gb", str(budget_for(directory, 1)), "--scratch-rows", "1", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert "host rows" in captured.out and "disk reads" in captured.out
+    assert "+ 2 scratch slots" in captured.err  # one row's top-2 misses (the placement summary)
     assert not reader_threads()

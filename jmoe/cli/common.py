@@ -68,6 +68,9 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-num-in-group", type=int, default=1, metavar="N", help="offloaded layers per group")
     g.add_argument("--offload-prefetch-step", type=int, default=1, metavar="K",
                    help="fetch an offloaded layer's weights when the layer K before it starts")
+    g.add_argument("--scratch-rows", type=int, default=8, metavar="R",
+                   help="decode rows whose missed experts all copy into the shared scratch slots (R x top-k of "
+                        "them); more misses compute on the host. Fewer hold less memory (default: %(default)s)")
     g.add_argument("--devices", type=int, default=None, metavar="N",
                    help="expert parallelism: split every MoE layer's experts over this process's first N devices "
                         "(N must divide the number of experts); --cache counts per device (default: one device)")
@@ -122,7 +125,7 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
                           args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace, args.expert_dtype,
                           args.expert_group_size, args.devices, host_budget_gb=args.host_budget_gb,
-                          read_ahead=args.read_ahead)
+                          read_ahead=args.read_ahead, scratch_rows=args.scratch_rows)
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: DistributedOptions | None = None,

@@ -60,6 +60,10 @@ class OffloadOptions:
     # The disk tier's read-ahead: experts per offloaded layer whose reads start before the token that may need
     # them, chosen by the history predictor fitted on `prefetch_trace`; 0 = off.
     read_ahead: int = 0
+    # Decode rows whose missed experts all copy into the scratch slots the offloaded layers share: scratch_rows x
+    # top_k slots (at most the experts per layer). A step that misses more computes the rest on the host. Fewer
+    # rows hold less memory (a disk tier's budget decoding one row needs 1) and stream prefill in smaller chunks.
+    scratch_rows: int = 8
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -136,6 +140,9 @@ class OffloadOptions:
         if self.host_budget_gb is None and self.read_ahead:
             raise InputError(f"read_ahead={self.read_ahead} reads experts ahead from disk: it needs host_budget_gb "
                              f"(the disk tier) and prefetch_trace; leave it at 0 otherwise")
+        object.__setattr__(self, "scratch_rows", whole_number("scratch_rows", self.scratch_rows, 1,
+                                                              "decode rows whose missed experts all copy into the "
+                                                              "scratch slots"))
         self.layer_groups  # checks the group settings
         checked_expert_dtype(self.expert_dtype)
         if self.expert_group_size is not None:

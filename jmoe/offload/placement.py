@@ -32,9 +32,6 @@ from jmoe.model.params import ParamPath, param_key
 from jmoe.offload.host_tier import STAGED_PER_LAYER
 from jmoe.offload.layer_groups import LayerGroups, prefetch_buffer_bytes
 from jmoe.offload.options import OffloadOptions
-# Scratch slots, shared by every offloaded layer (layers run one after another), in units of top_k: a
-# decode batch of up to this many rows copies all its misses in (more rows compute the rest on the host).
-SCRATCH_ROWS = 8
 BUDGET_KV_TOKENS = 4096  # KV cache reserved by device_budget_gb: one sequence of this many tokens
 
 
@@ -188,7 +185,8 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
             caches[i] = 0 if caches[i] is None else caches[i]
     expert_paths = [p for p in abstract if is_expert_param(p)]
     expert_bytes = sum(nbytes[keys[p]] for p in expert_paths) // max(1, cfg.num_moe_layers * cfg.num_experts)
-    scratch = min(cfg.num_experts, SCRATCH_ROWS * cfg.num_experts_per_tok)
+    # Scratch slots, shared by every offloaded layer (layers run one after another), in units of top_k.
+    scratch = min(cfg.num_experts, options.scratch_rows * cfg.num_experts_per_tok)
 
     if device_budget_gb is not None:
         budget = int(device_budget_gb * 2**30)
