@@ -168,6 +168,28 @@ def test_penalties_and_logprobs_follow_the_models_logits(engine, model, prompt_i
         assert [lp for _, lp in event.top_logprobs] == pytest.approx(list(row[top]), abs=1e-4)
 
 
+def test_plain_greedy_decode_steps_run_no_choice_and_a_later_penalised_request_starts_clean(engine, model,
+                                                                                             prompt_ids):
+    prompt = prompt_ids[2]
+    resets = []
+    choose = engine._choose_tokens
+    engine._choose_tokens = lambda logits, requests, reset: resets.append(reset) or choose(logits, requests, reset)
+    try:
+        plain = [engine.submit(prompt, greedy(12)), engine.submit(prompt_ids[0], greedy(12))]
+        run_until_done(engine, plain)
+        assert resets and all(resets)  # only the prefill steps chose: the decode steps took each row's argmax
+        # Row 0 again: its penalty counts were left behind by the decode steps, and the prefill starts them over.
+        penalised = engine.submit(prompt, RequestParams(max_tokens=12, temperature=0.0, frequency_penalty=1.5,
+                                                        presence_penalty=0.5))
+        run_until_done(engine, [penalised])
+    finally:
+        del engine._choose_tokens  # the method again
+    assert penalised.row == plain[0].row
+    for request in plain:
+        assert reference_choices(model, request.prompt, request.tokens)[0] == request.tokens
+    assert reference_choices(model, prompt, penalised.tokens, presence=0.5, frequency=1.5)[0] == penalised.tokens
+
+
 def test_stop_strings_stop_tokens_and_eos(engine, model, prompt_ids):
     tokenizer = model.tokenizer
     free = engine.submit(prompt_ids[0], greedy(16))

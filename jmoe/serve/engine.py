@@ -365,9 +365,14 @@ class ServingEngine:
         visible = next(v for v in self.visible_buckets if v >= furthest)
         began = time.perf_counter()
         args = self._decode_args(tokens, positions, active)
-        (logits, finite), routing, self.kv_cache, state = self._program(
+        (logits, argmax, finite), routing, self.kv_cache, state = self._program(
             ("decode", visible, entries), self._decode[visible], args)(*args)
-        choice = self._choose_tokens(logits, rows, reset=False)
+        if all(r is None or r.params.plain_greedy for r in rows):
+            # Every token is its row's argmax: no choice program (0.2-0.5 ms a step, a tenth of it). The rows' penalty
+            # counts are left behind, which only a request with penalties reads, and it resets them when it starts.
+            choice = (argmax, None, None, None)
+        else:
+            choice = self._choose_tokens(logits, rows, reset=False)
         chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
         check_finite_layers(finite, "decode step")
         self._observe("decode", began, len(generating), routing)

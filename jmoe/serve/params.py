@@ -91,6 +91,11 @@ class RequestParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty and no log-probabilities: the token is the argmax of the raw logits."""
+        return self.greedy and not self.presence_penalty and not self.frequency_penalty and self.logprobs is None
+
 
 def generation_defaults(model_dir: str | Path | None) -> dict:
     """The sampling defaults a checkpoint's generation_config.json sets, as RequestParams fields:

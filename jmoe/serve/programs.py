@@ -63,16 +63,20 @@ def make_prefill_fn(graphdef, engine, visible: int):
 
 def make_decode_fn(graphdef, engine, visible: int):
     """(params, engine state, kv cache, tokens int32 [R], positions int32 [R], active bool [R]) -> (float32
-    logits [R, V], bool [L] finite), routing, kv cache, engine state: the cache's first R rows (R, static, may
-    be fewer than the cache holds: every active row is among them), each row's token written at its own
-    column; inactive rows route nowhere (their write lands on a column their next real write replaces).
-    Attention reads the first `visible` columns (static; every active position is below it)."""
+    logits [R, V], int32 [R] each row's argmax, bool [L] finite), routing, kv cache, engine state: the cache's
+    first R rows (R, static, may be fewer than the cache holds: every active row is among them), each row's
+    token written at its own column; inactive rows route nowhere (their write lands on a column their next real
+    write replaces). Attention reads the first `visible` columns (static; every active position is below it).
+    The argmax is the token of a plain greedy row (RequestParams.plain_greedy): a step of only those needs no
+    choice program."""
 
     def decode(params, engine_state, kv_cache, tokens, positions, active):
         pad = jnp.zeros(tokens.shape, jnp.int32)
         out, engine_state = forward(graphdef, params, engine, engine_state, tokens[:, None], kv_cache, positions,
                                     pad, last_only=True, visible_len=visible, valid_len=active.astype(jnp.int32))
-        return (out.logits[:, 0], out.finite), out.routing, out.kv_cache, engine_state
+        logits = out.logits[:, 0]
+        return (logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), out.finite), out.routing, out.kv_cache, \
+            engine_state
 
     return jax.jit(decode, donate_argnums=(1, 2))
 
