@@ -18,7 +18,8 @@ Cache 0: on this CPU the device slots would be a second copy in the same RAM. Wi
 a memory cgroup (v1, needs root) of that size, page cache included: `budget` = --budget-gb + 2 GB (the issue's
 resident-memory target) and + 4 GB did not hold the engines at commit 6b8e86a, when XLA:CPU still converted the
 bfloat16 scratch and rows to float32 whole (since the FloatBits change jmoe peaked at 7.9 GB unlimited: rows,
-the scratch's M = E slots, since scratch_rows=1 M = k, and 1.1 GB of step temporaries; bench/results/disk_tier.md),
+the scratch's M = E slots and 1.1 GB of step temporaries; with scratch_rows=1, M = k, 7.0 GB;
+bench/results/disk_tier.md),
 so the default is `none`, the machine's RAM (the kernel's page cache then serves both engines' rereads: the
 storage column counts what reached the disk); `budget` is --budget-gb + 8 GB for both, a number that many GB.
 Reported: decode tokens/s, disk bytes per token (as the tier counts them, and as the kernel counts the
@@ -99,7 +100,7 @@ def run_engine(args) -> dict:
 
     split = split_trace(load_trace(TRACE), None)
     rows = split["eval_ids"][:args.tokens]
-    # One decoded row: scratch slots for its top-k misses (the default's 8 rows' were 1.1 GB here).
+    # One decoded row: scratch slots for its top-k misses (the default 8 rows' 32 = E slots were 1.26 GB here).
     options = {"cache": 0, "host_budget_gb": args.budget_gb, "scratch_rows": 1, "check_memory": False,
                "progress": False}
     if args.engine == "jmoe+ra":
