@@ -7,7 +7,10 @@ asynchronously (where offloaded experts live). Inside a jitted program the same 
 
 from __future__ import annotations
 
+import inspect
+
 import jax
+from jax.experimental import compute_on as compute_on_module
 
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
@@ -28,3 +31,23 @@ def to_device(x):
 def to_host(x):
     """Inside a jitted program: a copy of `x` in host memory (for computations run on the host)."""
     return jax.device_put(x, jax.memory.Space.Host)
+
+
+# jax 0.10's compute_on is a context manager (around a jitted call: XLA:GPU then offloads the computation to the
+# host); jax 0.11 made it a function transform and dropped the context manager (importing a module that used the
+# old form failed on the lent H100's jax 0.11 image).
+_COMPUTE_ON_IS_A_TRANSFORM = "out_memory_spaces" in inspect.signature(compute_on_module.compute_on).parameters
+
+
+def computed_on_host(fn):
+    """`fn` as a function that, called inside a jitted program, runs on the host CPU (on a GPU, XLA offloads it
+    there) with its outputs in host memory. Its arguments should be in host memory already (`to_host`)."""
+    if _COMPUTE_ON_IS_A_TRANSFORM:
+        return compute_on_module.compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    jitted = jax.jit(fn)
+
+    def on_host(*args):
+        with compute_on_module.compute_on("device_host"):
+            return jitted(*args)
+
+    return on_host

@@ -10,22 +10,15 @@ derived from its host inputs (or explicitly placed in host memory).
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import compute_on as compute_on_module
 
 from jmoe.kernels import ExpertWeights
 from jmoe.kernels.activations import get_activation
 from jmoe.kernels.bias import bias_rows
 from jmoe.kernels.quantized import materialize
-from jmoe.memory import to_device, to_host
-
-# jax 0.10's compute_on is a context manager (around a jitted call: XLA:GPU then offloads the computation to the
-# host); jax 0.11 made it a function transform and dropped the context manager.
-_COMPUTE_ON_IS_A_TRANSFORM = "out_memory_spaces" in inspect.signature(compute_on_module.compute_on).parameters
-
+from jmoe.memory import computed_on_host, to_device, to_host
 
 def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, activation: str):
     act = get_activation(activation)
@@ -51,9 +44,6 @@ def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, ac
     return jax.lax.fori_loop(0, count, add_expert, to_host(jnp.zeros(x.shape, jnp.float32)))
 
 
-_experts_on_host_jitted = jax.jit(_experts_on_host, static_argnames=("activation",))
-
-
 def experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, activation: str):
     """float32 [T, d] on the device: sum over `experts[:count]` (int32, distinct) of every token's routing
     weight for that expert times the expert's FFN, computed on the host from `host` (the layer's experts
@@ -63,11 +53,5 @@ def experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, act
     steps; big prefill steps stream experts to the device instead (jmoe.offload.slots).
     """
     x, ids, weights, experts, count = to_host((x, ids, weights, experts, count))
-    if _COMPUTE_ON_IS_A_TRANSFORM:
-        on_host = compute_on_module.compute_on(functools.partial(_experts_on_host, activation=activation),
-                                               compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-        y = on_host(x, ids, weights, experts, count, host)
-    else:
-        with compute_on_module.compute_on("device_host"):
-            y = _experts_on_host_jitted(x, ids, weights, experts, count, host, activation=activation)
-    return to_device(y)
+    on_host = computed_on_host(functools.partial(_experts_on_host, activation=activation))
+    return to_device(on_host(x, ids, weights, experts, count, host))

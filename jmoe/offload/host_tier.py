@@ -33,11 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.experimental.compute_on import compute_on
-
 from jmoe.kernels import ExpertWeights, QuantizedTensor
 from jmoe.kernels.float_bits import as_float_bits, is_float_bits
-from jmoe.memory import PINNED_HOST, sharding_for
+from jmoe.memory import PINNED_HOST, computed_on_host, sharding_for
 from jmoe.offload.slots import chunk_slot_ids, rank_among, slot_ids_of
 
 
@@ -82,8 +80,6 @@ def disk_experts(x, ids, weights, on_disk, *, round_size: int, like: ExpertWeigh
     return y
 
 
-@compute_on("device_host")  # on a GPU the rows are host memory: written there, never brought to the device
-@jax.jit
 def _row_written(rows, expert, row):
     return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, row, 0), rows, expert)
 
@@ -92,11 +88,20 @@ def write_row():
     """A function (rows, expert, row) -> rows with `expert` (leading axis 1, host memory) written into `row`,
     the rows' buffers donated (in place: no copy of the other rows)."""
     host = sharding_for(PINNED_HOST)
-    return jax.jit(_row_written, donate_argnums=0, in_shardings=(host, host, None), out_shardings=host)
+    # On a GPU the rows are host memory: written there, never brought to the device.
+    return jax.jit(computed_on_host(_row_written), donate_argnums=0, in_shardings=(host, host, None),
+                   out_shardings=host)
 
 
 # Experts per layer a step keeps for admission (its best read by the policy), held until the step ends.
 STAGED_PER_LAYER = 1
+
+
+def host_budget_gb_holding(rows: int, layer_expert_bytes: int, read_ahead: int = 0) -> float:
+    """The host_budget_gb whose tier holds `rows` host rows per offloaded layer with the staged and read-ahead
+    experts beside them (`layer_expert_bytes`: one expert of every offloaded layer together), and half an expert
+    more, so that rounding never leaves one out."""
+    return (rows + STAGED_PER_LAYER + read_ahead + 0.5) * layer_expert_bytes / 1e9
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
