@@ -94,7 +94,7 @@ def run_engine(args) -> dict:
     import jmoe
     from jmoe.checkpoint import expert_reader_orbax
     from jmoe.decode.sampling import SamplingParams
-    from jmoe.offload.host_tier import STAGED_PER_LAYER
+    from jmoe.offload.host_tier import host_budget_gb_holding
     from jmoe.traces.forced_routing import TraceRouting
     from jmoe.traces.load import load_trace, split_trace
 
@@ -109,7 +109,7 @@ def run_engine(args) -> dict:
         reader = memmap_reader_class()
         expert_reader_orbax.open_expert_reader = lambda model_dir, cfg, **kw: reader(model_dir, cfg, **kw)
         layer_bytes = LAYERS * args.expert_bytes
-        options["host_budget_gb"] = (1 + STAGED_PER_LAYER + 0.5) * layer_bytes / 1e9  # the smallest host tier
+        options["host_budget_gb"] = host_budget_gb_holding(1, layer_bytes)  # the smallest host tier
     began = time.perf_counter()
     with jmoe.load(args.directory, **options) as model:
         loaded = time.perf_counter() - began

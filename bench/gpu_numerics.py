@@ -171,11 +171,17 @@ def families(workdir: Path, budget: Budget, log) -> SectionResult:
     return result
 
 
-def offload_settings(num_experts: int) -> list[tuple[str, dict]]:
+def offload_settings(num_experts: int, layer_expert_bytes: int) -> list[tuple[str, dict]]:
+    from jmoe.offload.host_tier import host_budget_gb_holding
+
     settings = [(f"cache {c}, miss {mode}", dict(cache=c, miss_mode=mode))
                 for c in (0, 2, num_experts - 1, num_experts) for mode in ("fetch", "host")]
-    return settings + [("cache 2, prefetch 2", dict(cache=2, prefetch=2)),
-                       ("cache 2, layer groups (2, 1)", dict(cache=2, offload_group_size=2, offload_num_in_group=1))]
+    # The disk tier: experts in no host row are read from the checkpoint inside the step (io_callback).
+    disk = [(f"cache {c}, disk tier ({rows} host rows)", dict(cache=c, host_budget_gb=host_budget_gb_holding(
+        rows, layer_expert_bytes))) for c, rows in ((0, 1), (2, num_experts // 2))]
+    return settings + disk + [("cache 2, prefetch 2", dict(cache=2, prefetch=2)),
+                              ("cache 2, layer groups (2, 1)", dict(cache=2, offload_group_size=2,
+                                                                    offload_num_in_group=1))]
 
 
 def offload(workdir: Path, budget: Budget, log) -> SectionResult:
@@ -193,11 +199,13 @@ def offload(workdir: Path, budget: Budget, log) -> SectionResult:
                         f"{resident.config.num_layers} layers): {NEW_TOKENS} greedy tokens and the prompt's logits "
                         f"against every expert resident; pass = same tokens, logits within {OFFLOAD_TOLERANCE} x "
                         f"max(1, max |logit|)")
-    for name, options in offload_settings(num_experts):
+    probe = jmoe.load(directory, cache=0, progress=False).placement_plan
+    layer_expert_bytes = len(probe.offloaded_layers) * probe.expert_bytes
+    for name, options in offload_settings(num_experts, layer_expert_bytes):
         def compare(options=options):
-            model = jmoe.load(directory, progress=False, **options)
-            same = model.generate(PROMPT, NEW_TOKENS) == tokens
-            error = relative_error(model.logits([PROMPT]), logits)
+            with jmoe.load(directory, progress=False, **options) as model:
+                same = model.generate(PROMPT, NEW_TOKENS) == tokens
+                error = relative_error(model.logits([PROMPT]), logits)
             return same and error <= OFFLOAD_TOLERANCE, f"tokens equal: {same}, logits relative error {error:.1e}"
 
         result.attempt(name, budget, compare)

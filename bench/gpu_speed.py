@@ -94,6 +94,24 @@ def caches_for(num_experts: int, top_k: int, small: bool) -> list[int | None]:
     return [None, top_k] if small else [None, *sorted({max(top_k, num_experts // 2), top_k}, reverse=True)]
 
 
+def speed_settings(directory: Path, name: str, first: bool, small: bool) -> list[tuple[str, dict]]:
+    """(label, jmoe.load options) of one model: its caches (caches_for), then for the first model the smallest
+    cache with the disk tier holding half the experts in host rows: what its in-step reads cost on the device."""
+    import jmoe
+    from jmoe.offload.host_tier import host_budget_gb_holding
+
+    num_experts, top_k = _experts_and_top_k(directory)
+    caches = caches_for(num_experts, top_k, small)
+    settings = [(f"{name}, {'resident' if c is None else f'cache {c}'}", {"cache": c}) for c in caches]
+    if first:
+        placement = jmoe.plan(directory, cache=top_k, compile=False).placement
+        rows = num_experts // 2
+        budget_gb = host_budget_gb_holding(rows, len(placement.offloaded_layers) * placement.expert_bytes)
+        settings.append((f"{name}, cache {top_k}, disk tier ({rows} host rows)",
+                         {"cache": top_k, "host_budget_gb": budget_gb}))
+    return settings
+
+
 def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None, budget: Budget, log) -> SectionResult:
     import jax
     import jmoe
@@ -111,20 +129,22 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
         "step / host ms: a third generation's medians of the compiled step (dispatch until its outputs are ready) "
         "and of the host work after it (finish_step: routing back, the cache manager)",
     ]
+    first_model = next(iter(speed_models(small)))
     for name in speed_models(small):
         directory = speed_checkpoint(workdir, name, small)
         resident_step = None
-        caches = caches_for(*_experts_and_top_k(directory), small)
-        for cache in caches:
-            label = f"{name}, {'resident' if cache is None else f'cache {cache}'}"
+        settings = speed_settings(directory, name, name == first_model, small)
+        most_copying = [label for label, options in settings if "host_budget_gb" not in options][-1]
+        for label, options in settings:
+            cache = options["cache"]
             if budget.out_of_time():
                 result.check(label, None, OUT_OF_TIME)
                 continue
             gc.collect()
             before = device_bytes_in_use()
-            model = jmoe.load(directory, cache=cache, progress=False, check_finite=False)
+            model = jmoe.load(directory, progress=False, check_finite=False, **options)
             held = device_bytes_in_use()
-            plan = jmoe.plan(directory, cache=cache, compile=False).needs
+            plan = jmoe.plan(directory, compile=False, **options).needs
             predicted = plan.device_weight_bytes + plan.slot_bytes + plan.fetch_buffer_bytes
             if held is not None:
                 result.measurements[f"{label}: device bytes held / planned"] = (held - before) / predicted
@@ -143,7 +163,7 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
                 _generate(model, tokens)
             for part, ms in step_split(times).items():
                 result.measurements[f"{label}: {part}"] = ms
-            if name == next(iter(speed_models(small))) and cache == caches[-1]:  # one trace: the most copying
+            if name == first_model and label == most_copying:  # one trace: the most copying
                 summary = traced_steps(lambda: _generate(model, tokens), workdir / "trace" / label.replace(", ", "_"),
                                        tokens)
                 top = summary.pop("top device events", [])
@@ -153,10 +173,14 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
                 resident_step = step
             else:
                 result.measurements[f"{label}: MB moved per token"] = moved / 1e6
+                if "host_budget_gb" in options:
+                    disk = sum(layer["disk_reads"] for layer in model.stats()) / 2 / (tokens + 32)
+                    result.measurements[f"{label}: experts read from disk per token"] = disk
                 if copy_gbs and resident_step and moved:
                     overlap = 1 - (step - resident_step) / (moved / (copy_gbs * 1e9))
                     result.measurements[f"{label}: copy time overlapped (inferred)"] = min(1.0, max(0.0, overlap))
             log(f"decode speed: {label}: {tps:.1f} tokens/s")
+            model.close()  # the disk tier's reader threads and files
             del model
     return result
 

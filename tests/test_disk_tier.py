@@ -14,7 +14,7 @@ from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.checkpoint.expert_reader import THREAD_PREFIX
 from jmoe.decode.sampling import SamplingParams
 from jmoe.errors import InputError
-from jmoe.offload.host_tier import STAGED_PER_LAYER
+from jmoe.offload.host_tier import STAGED_PER_LAYER, host_budget_gb_holding
 from jmoe.traces.forced_routing import TraceRouting
 from jmoe.traces.load import load_trace, split_trace
 
@@ -31,10 +31,8 @@ def layer_expert_bytes(directory, expert_dtype=None) -> int:
 
 
 def budget_for(directory, rows: int, expert_dtype=None, read_ahead: int = 0) -> float:
-    """The host budget (GB) that holds `rows` experts of every offloaded layer and the staged ones (and half an
-    expert more, so that rounding never leaves one out)."""
-    staged = STAGED_PER_LAYER + read_ahead
-    return (rows + staged + 0.5) * layer_expert_bytes(directory, expert_dtype) / 1e9
+    """The host budget (GB) that holds `rows` experts of every offloaded layer and the staged ones."""
+    return host_budget_gb_holding(rows, layer_expert_bytes(directory, expert_dtype), read_ahead)
 
 
 def reader_threads() -> list[threading.Thread]:
