@@ -12,10 +12,14 @@ budget does not reach is recorded as "not run: out of time", never skipped silen
   environment  JAX version, devices, which optional packages the image has (jax-triton, torch, ...)
   kernels      every kernel backend in every expert format against `reference` (bench.gpu_numerics)
   families     every family's logits on the device against JAX's CPU backend (a child process)
-  offload      tokens and logits at caches 0, 2, E-1, E (fetch and host misses), prefetch, layer groups
+  offload      tokens and logits at caches 0, 2, E-1, E (fetch and host misses), the disk tier (host rows),
+               prefetch, layer groups
   bandwidth    host-to-device GB/s: the step's in-program expert copies, jax.device_put, a plain 1 GiB copy
   decode       tokens/s of Mixtral- and DeepSeek-shaped bf16 models of a few GB, resident and at caches, with
-               device memory held against jmoe.plan and experts checked to be in pinned host memory
+               device memory held against jmoe.plan and experts checked to be in pinned host memory, and the
+               first model's disk tier (half the experts in host rows: the in-step reads' cost, traced)
+The report is rewritten after every section (sections not reached marked so): a run killed at the lent
+machine's time limit keeps what it measured. Failed checks are logged as their section ends.
 It builds its own random-weight checkpoints under --workdir (bench.gpu_models) and needs only the image's
 packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
 --small (and --smoke) use one kernel shape, models of smoke size (bench.common.SMOKE_SIZES) and two caches per
@@ -33,7 +37,7 @@ import time
 from pathlib import Path
 
 from bench.common import add_smoke_argument, smoke_run, write_result
-from bench.gpu_results import Budget, SectionResult, markdown, summary
+from bench.gpu_results import NOT_REACHED, Budget, SectionResult, markdown, summary
 
 BUDGET_SECONDS = 540  # 9 minutes: a lent machine allows 10 per command
 SMOKE_BUDGET_SECONDS = 90  # every section starts; the suite runs every kernel check in full (tests/test_gpu_check.py)
@@ -78,7 +82,9 @@ def section_functions(args) -> dict:
             "bandwidth": bandwidth, "decode": decode}
 
 
-def run_sections(args) -> dict[str, SectionResult]:
+def run_sections(args, after_section=lambda results: None) -> dict[str, SectionResult]:
+    """Each asked-for section in order; `after_section(results)` after each, the sections not reached yet marked so
+    (a report written there survives a run killed at the lent machine's time limit)."""
     budget = Budget(args.budget_s)
 
     def log(message):
@@ -101,7 +107,14 @@ def run_sections(args) -> dict[str, SectionResult]:
             traceback.print_exc()
             results[name] = SectionResult(status=f"failed: {type(error).__name__}: {error}"[:600])
         results[name].seconds = time.perf_counter() - began
-        log(f"{name}: {results[name].status}")
+        checks = results[name].checks
+        log(f"{name}: {results[name].status}; checks: {sum(c['passed'] is True for c in checks)} passed, "
+            f"{sum(c['passed'] is False for c in checks)} failed, {sum(c['passed'] is None for c in checks)} not run")
+        for c in checks:
+            if c["passed"] is False:
+                log(f"  FAIL {c['name']}: {c['detail']}")
+        pending = {n: SectionResult(status=NOT_REACHED) for n in args.sections if n not in results}
+        after_section({**results, **pending})
     return results
 
 
@@ -151,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         SMOKE_BUDGET_SECONDS if args.smoke else BUDGET_SECONDS)
     args.tokens = args.tokens or (4 if args.small else 64)
     with smoke_run(args):
-        results = run_sections(args)
+        results = run_sections(args, after_section=lambda partial: write_report(args, partial))
         path = write_report(args, results)
         print(path.with_suffix(".json").read_text() if args.smoke else path)
     return 1 if summary(results)["failed"] or any(r.status.startswith("failed") for r in results.values()) else 0

@@ -12,6 +12,7 @@ import time
 import traceback
 
 OUT_OF_TIME = "not run: out of time"
+NOT_REACHED = "not run: the run ended before this section (stopped, or killed at its time limit)"
 
 
 @dataclasses.dataclass
@@ -33,8 +34,12 @@ class Budget:
         self.section_end = max(time.perf_counter() + share * self.seconds, self.began + self.allotted * self.seconds)
 
     def out_of_time(self) -> bool:
+        return self.left() <= 0
+
+    def left(self) -> float:
+        """Seconds until the current section's deadline (or the whole budget's, if sooner)."""
         now = time.perf_counter()
-        return now >= self.section_end or now - self.began >= self.seconds
+        return min(self.section_end - now, self.began + self.seconds - now)
 
 
 @dataclasses.dataclass
@@ -87,12 +92,12 @@ def markdown(sections: dict[str, SectionResult], header: str) -> str:
             lines.append("")
         if section.measurements:
             lines += ["| measurement | value |", "|---|---|"]
-            lines += [f"| {key} | {_fmt(value)} |" for key, value in section.measurements.items()]
+            lines += [f"| {key} | {format_value(value)} |" for key, value in section.measurements.items()]
             lines.append("")
         lines += [f"- {note}" for note in section.notes]
         lines.append("")
     return "\n".join(lines)
 
 
-def _fmt(value) -> str:
+def format_value(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)

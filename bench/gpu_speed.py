@@ -14,7 +14,7 @@ from bench.common import median_seconds
 from bench.decode import PROMPT, jmoe_decode
 from bench.gpu_profile import step_split, step_timer, traced_steps
 from bench.gpu_models import hf_config, speed_models, write_checkpoint
-from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult
+from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult, format_value
 
 PLAIN_COPY_BYTES = 1 << 30  # the link's peak: one plain 1 GiB copy (16 MiB in small mode)
 COPIED_EXPERTS = 8  # experts per timed in-program copy: enough bytes that launch overhead does not dominate
@@ -128,6 +128,10 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
         "jax.profiler trace of one more generation (copies' busy time that overlaps kernels)",
         "step / host ms: a third generation's medians of the compiled step (dispatch until its outputs are ready) "
         "and of the host work after it (finish_step: routing back, the cache manager)",
+        "disk tier: the first model at its smallest cache with half its experts in host rows (the checkpoint's "
+        "files are in the page cache after the first generation: this measures the in-step reads' cost, not a "
+        "disk); 'step ms waiting for disk reads' is the step's time in the reads' callbacks waiting for the reader "
+        "threads, and it is traced too",
     ]
     first_model = next(iter(speed_models(small)))
     for name in speed_models(small):
@@ -148,38 +152,53 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
             predicted = plan.device_weight_bytes + plan.slot_bytes + plan.fetch_buffer_bytes
             if held is not None:
                 result.measurements[f"{label}: device bytes held / planned"] = (held - before) / predicted
-            offloaded = [leaf for leaf in jax.tree.leaves(model.params)
+            disk_tier = "host_budget_gb" in options
+            # The disk tier's experts live in its host rows (engine state), not in the parameters.
+            held_on_host = jax.tree.leaves(model.engine.state.host_tier) if disk_tier else jax.tree.leaves(model.params)
+            offloaded = [leaf for leaf in held_on_host
                          if getattr(getattr(leaf, "sharding", None), "memory_kind", None) == PINNED_HOST]
             if cache is not None:
                 result.check(f"{label}: experts in pinned host memory", len(offloaded) > 0,
-                             f"{len(offloaded)} parameter arrays with memory_kind {PINNED_HOST!r}, "
-                             f"{sum(a.nbytes for a in offloaded) / 2**30:.2f} GiB (planned "
+                             f"{len(offloaded)} {'host-row' if disk_tier else 'parameter'} arrays with memory_kind "
+                             f"{PINNED_HOST!r}, {sum(a.nbytes for a in offloaded) / 2**30:.2f} GiB (planned "
                              f"{plan.host_bytes / 2**30:.2f} GiB)")
-            before_stats = _bytes_moved(model)
+            before_moved, before_read = _bytes_moved(model), _disk_reads(model)
             tps, step = jmoe_decode(model, tokens)
-            moved = (_bytes_moved(model) - before_stats) / 2 / (tokens + 32)  # two generations; per token
+            per_token = 2 * (tokens + 32)  # jmoe_decode's two generations, prompt tokens included
+            moved = (_bytes_moved(model) - before_moved) / per_token
             result.measurements[f"{label}: decode tokens/s"] = tps
-            with step_timer(model) as times:
-                _generate(model, tokens)
-            for part, ms in step_split(times).items():
-                result.measurements[f"{label}: {part}"] = ms
-            if name == first_model and label == most_copying:  # one trace: the most copying
-                summary = traced_steps(lambda: _generate(model, tokens), workdir / "trace" / label.replace(", ", "_"),
-                                       tokens)
-                top = summary.pop("top device events", [])
-                result.measurements.update({f"{label}, profiled: {key}": value for key, value in summary.items()})
-                result.notes += [f"{label}, profiled, top device event: {line}" for line in top]
             if cache is None:
                 resident_step = step
             else:
                 result.measurements[f"{label}: MB moved per token"] = moved / 1e6
-                if "host_budget_gb" in options:
-                    disk = sum(layer["disk_reads"] for layer in model.stats()) / 2 / (tokens + 32)
-                    result.measurements[f"{label}: experts read from disk per token"] = disk
                 if copy_gbs and resident_step and moved:
                     overlap = 1 - (step - resident_step) / (moved / (copy_gbs * 1e9))
                     result.measurements[f"{label}: copy time overlapped (inferred)"] = min(1.0, max(0.0, overlap))
-            log(f"decode speed: {label}: {tps:.1f} tokens/s")
+            if disk_tier:
+                result.measurements[f"{label}: experts read from disk per token"] = (
+                    (_disk_reads(model) - before_read) / per_token)
+            generation_s = 2 * tokens * step  # a generation's decode, doubled for its prompt step and slack
+            if budget.left() < generation_s:  # a slow setting (the disk tier) must not cost the later ones
+                result.notes.append(f"{label}: step / host split and trace not measured: a generation takes about "
+                                    f"{generation_s:.0f} s, {budget.left():.0f} s of the section were left")
+            else:
+                waited = model.engine.tier.wait_seconds if disk_tier else 0.0
+                with step_timer(model) as times:
+                    _generate(model, tokens)
+                for part, ms in step_split(times).items():
+                    result.measurements[f"{label}: {part}"] = ms
+                if disk_tier:  # the step's wait for reads, against its whole time: the reader or the device?
+                    waited = (model.engine.tier.wait_seconds - waited) / len(times["step"])
+                    result.measurements[f"{label}: step ms waiting for disk reads"] = waited * 1e3
+                # Traces: the most copying cache, and the disk tier's in-step reads.
+                if name == first_model and (label == most_copying or disk_tier) and budget.left() > generation_s:
+                    summary = traced_steps(lambda: _generate(model, tokens),
+                                           workdir / "trace" / label.replace(", ", "_").replace(" ", "_"), tokens)
+                    top = summary.pop("top device events", [])
+                    result.measurements.update({f"{label}, profiled: {key}": value for key, value in summary.items()})
+                    result.notes += [f"{label}, profiled, top device event: {line}" for line in top]
+            log(f"decode speed: {label}: " + ", ".join(f"{key.split(': ')[-1]} {format_value(value)}" for key, value in
+                                                      result.measurements.items() if key.startswith(label + ":")))
             model.close()  # the disk tier's reader threads and files
             del model
     return result
@@ -200,6 +219,10 @@ def _experts_and_top_k(directory: Path) -> tuple[int, int]:
 
 def _bytes_moved(model) -> int:
     return sum(layer["bytes_moved"] for layer in model.stats())
+
+
+def _disk_reads(model) -> int:
+    return sum(layer.get("disk_reads", 0) for layer in model.stats())
 
 
 def measured_copy_gbs(result: SectionResult) -> float | None:
