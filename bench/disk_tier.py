@@ -1,7 +1,7 @@
 """Decoding a model larger than this machine's RAM through the disk tier (issue #31), against the llama.cpp way.
 
   python -m bench.disk_tier [--size-gb 30] [--budget-gb 4] [--tokens 8] [--read-ahead 1] [--rounds 2]
-                            [--limits none] [--workdir DIR] [--clean]
+                            [--limits none] [--format safetensors|orbax] [--workdir DIR] [--clean]
   python -m bench.disk_tier --smoke          # a tiny checkpoint in a temporary directory, no result file
 
 Writes once under --workdir a random bfloat16 checkpoint shaped to the GPT-OSS-20B routing trace (24 MoE layers
@@ -14,6 +14,9 @@ process, alternated, the page cache dropped before each:
 - `mmap` (the llama.cpp way): the same experts read from np.memmaps of the same files (the page cache decides
   what stays), through the same engine at its smallest host tier (one row and one staged expert per layer), the
   same orientation and checks on the bytes.
+With `--format orbax` every engine reads jmoe's Orbax conversion of that checkpoint instead (converted once; the
+experts stored one per chunk as the engine holds them, so a read applies no orientation): jmoe through its Orbax
+expert reader (TensorStore), `mmap` through np.memmaps of the same OCDBT data files at each expert's chunk.
 Cache 0: on this CPU the device slots would be a second copy in the same RAM. With a limit, each process runs in
 a memory cgroup (v1, needs root) of that size, page cache included: `budget` = --budget-gb + 2 GB (the issue's
 resident-memory target) and + 4 GB did not hold the engines at commit 6b8e86a, when XLA:CPU still converted the
@@ -82,6 +85,32 @@ def memmap_reader_class():
     return MemmapExpertReader
 
 
+ZARR_SHARD_INDEX_BYTES = 20  # zarr3's sharding index after one inner chunk: offset, length (u64 each), crc32c
+
+
+def memmap_orbax_reader_class():
+    """OrbaxExpertReader whose bytes come from np.memmaps of the checkpoint's OCDBT data files (the llama.cpp way on
+    jmoe's own format, as stored: no orientation to apply), everything after the bytes (file and CRC-32 checks) the
+    same. Each expert chunk is its raw values followed by zarr3's shard index, checked here."""
+    from jmoe.checkpoint.expert_reader_orbax import OrbaxExpertReader
+
+    class MemmapOrbaxExpertReader(OrbaxExpertReader):
+        def _read_param(self, key, p):
+            (chunk,) = self._chunks[key[0], key[1], p.name]
+            value = chunk.value
+            maps = self.__dict__.setdefault("_maps", {})
+            if value.file not in maps:
+                maps[value.file] = np.memmap(value.file, np.uint8, "r")
+            raw = maps[value.file][value.offset:value.offset + value.length]
+            nbytes = int(np.prod(p.shape)) * p.stored.itemsize
+            offset, length = raw[-ZARR_SHARD_INDEX_BYTES:-4].view("<u8")
+            if (offset, length, value.length) != (0, nbytes, nbytes + ZARR_SHARD_INDEX_BYTES):
+                raise RuntimeError(f"{chunk.describe(self._state_dir)}: not one uncompressed chunk of {nbytes} bytes")
+            return raw[:nbytes].copy().view(p.stored).reshape(p.shape)
+
+    return MemmapOrbaxExpertReader
+
+
 def storage_read_bytes() -> int:
     """Bytes this process caused to be read from storage (the kernel's count: page cache hits excluded)."""
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -93,6 +122,7 @@ def storage_read_bytes() -> int:
 def run_engine(args) -> dict:
     import jmoe
     from jmoe.checkpoint import expert_reader_orbax
+    from jmoe.checkpoint.orbax_store import is_orbax_checkpoint
     from jmoe.decode.sampling import SamplingParams
     from jmoe.offload.host_tier import host_budget_gb_holding
     from jmoe.traces.forced_routing import TraceRouting
@@ -106,7 +136,7 @@ def run_engine(args) -> dict:
     if args.engine == "jmoe+ra":
         options.update(prefetch_trace=split["tune_ids"], read_ahead=args.read_ahead)
     if args.engine == "mmap":
-        reader = memmap_reader_class()
+        reader = memmap_orbax_reader_class() if is_orbax_checkpoint(args.directory) else memmap_reader_class()
         expert_reader_orbax.open_expert_reader = lambda model_dir, cfg, **kw: reader(model_dir, cfg, **kw)
         layer_bytes = LAYERS * args.expert_bytes
         options["host_budget_gb"] = host_budget_gb_holding(1, layer_bytes)  # the smallest host tier
@@ -177,6 +207,24 @@ def child_run(args, engine: str, limit_gb: float | None, expert_bytes: int) -> d
         limit.close()
 
 
+def orbax_conversion(written: Path, directory: Path) -> Path:
+    """`written` converted to jmoe's Orbax format at `directory` (once: reused when complete)."""
+    from jmoe.checkpoint.convert import convert_checkpoint
+    from jmoe.checkpoint.orbax_store import MANIFEST
+
+    if not (directory / MANIFEST).is_file():
+        convert_checkpoint(written, directory, overwrite=True, progress=False)
+    return directory
+
+
+def checkpoint_data_files(directory: Path) -> list[Path]:
+    """The files holding a checkpoint's tensors: safetensors shards, or an Orbax checkpoint's OCDBT data files."""
+    found = sorted(directory.glob("*.safetensors")) or sorted(p for p in directory.rglob("d/*") if p.is_file())
+    if not found:
+        raise RuntimeError(f"{directory}: no safetensors files and no OCDBT data files")
+    return found
+
+
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -184,7 +232,8 @@ def median(runs: list[dict], key: str) -> float:
 def report(args, cfg, expert_bytes: int, checkpoint_gb: float, sequential: float, runs: dict, dropped: bool,
            load: tuple) -> str:
     lines = [
-        f"Checkpoint: {checkpoint_gb:.1f} GB of random bfloat16 under `{args.workdir}` ({cfg.num_layers} MoE layers x "
+        f"Checkpoint: {checkpoint_gb:.1f} GB of random bfloat16, {args.format} format, at `{args.directory}` "
+        f"({cfg.num_layers} MoE layers x "
         f"{cfg.num_experts} experts of {expert_bytes / 1e6:.1f} MB, top-{cfg.num_experts_per_tok}: hidden "
         f"{cfg.hidden_size}, expert width {cfg.expert_intermediate_size}); routing forced from the {TRACE} trace's "
         f"report split, {args.tokens} tokens (1 prompt token, {args.tokens - 1} decode steps); host budget "
@@ -244,7 +293,10 @@ def main(argv=None) -> None:
                         help="memory limits to run under: budget (= budget + 8 GB), none, or a number of GB")
     parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES))
     parser.add_argument("--workdir", type=Path, default=Path("/work/jmoe_bench_disk_tier"))
-    parser.add_argument("--clean", action="store_true", help="remove the checkpoint afterwards")
+    parser.add_argument("--format", choices=("safetensors", "orbax"), default="safetensors",
+                        help="the checkpoint every engine reads: the written safetensors, or jmoe's Orbax conversion "
+                             "of it (converted once under --workdir; its experts stored as the engine holds them)")
+    parser.add_argument("--clean", action="store_true", help="remove the checkpoint(s) afterwards")
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # a child's run
     parser.add_argument("--directory", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--expert-bytes", type=int, help=argparse.SUPPRESS)
@@ -259,15 +311,17 @@ def main(argv=None) -> None:
     with smoke_run(args):
         load = tuple(open("/proc/loadavg").read().split()[:3])
         config = SMOKE_CONFIG if args.smoke else config_for(args.size_gb)
-        args.directory = write_checkpoint(args.workdir / "checkpoint", config)
-        cfg = parse_config(json.loads((args.directory / "config.json").read_text()))
+        written = write_checkpoint(args.workdir / "checkpoint", config)
+        args.directory = written if args.format == "safetensors" else orbax_conversion(written, args.workdir / "orbax")
+        cfg = parse_config(json.loads((written / "config.json").read_text()))
         expert_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
-        checkpoint_gb = sum(p.stat().st_size for p in args.directory.glob("*.safetensors")) / 1e9
+        data_files = checkpoint_data_files(args.directory)
+        checkpoint_gb = sum(p.stat().st_size for p in data_files) / 1e9
         if args.smoke:  # the two readers and read-ahead, briefly
             args.budget_gb, args.tokens, args.rounds = 6.5 * LAYERS * expert_bytes / 1e9, 4, 1
             args.engines = ["mmap", "jmoe+ra"]
         dropped = not args.smoke and drop_page_cache()
-        sequential = sequential_gbs(sorted(args.directory.glob("layer-*.safetensors"))[0])
+        sequential = sequential_gbs(max(data_files, key=lambda p: p.stat().st_size))
         limits = [None if limit == "none" else args.budget_gb + LIMIT_HEADROOM_GB if limit == "budget" else float(limit)
                   for limit in (["none"] if args.smoke else args.limits)]
         runs: dict[tuple, list[dict]] = {}
@@ -280,10 +334,13 @@ def main(argv=None) -> None:
                     print(json.dumps(result), flush=True)
         body = report(args, cfg, expert_bytes, checkpoint_gb, sequential, runs, dropped, load)
         print(body)
-        path = write_result("disk_tier.md", "Decoding through the disk tier against memory-mapped experts", body)
+        name = "disk_tier.md" if args.format == "safetensors" else f"disk_tier_{args.format}.md"
+        path = write_result(name, f"Decoding through the disk tier against memory-mapped experts ({args.format})",
+                            body)
         print(f"wrote {path}")
         if args.clean:
-            shutil.rmtree(args.directory)
+            for directory in (written, args.workdir / "orbax"):
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
