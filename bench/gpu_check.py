@@ -14,7 +14,8 @@ budget does not reach is recorded as "not run: out of time", never skipped silen
   families     every family's logits on the device against JAX's CPU backend (a child process)
   offload      tokens and logits at caches 0, 2, E-1, E (fetch and host misses), the disk tier (host rows),
                prefetch, layer groups
-  bandwidth    host-to-device GB/s: the step's in-program expert copies, jax.device_put, a plain 1 GiB copy
+  bandwidth    host-to-device GB/s: the step's in-program expert copies, jax.device_put, a plain 1 GiB copy;
+               a decode step's slot admission three ways (time, and the same slots written)
   decode       tokens/s of Mixtral- and DeepSeek-shaped bf16 models of a few GB, resident and at caches, with
                device memory held against jmoe.plan and experts checked to be in pinned host memory, and the
                first model's disk tier (half the experts in host rows: the in-step reads' cost, traced)
