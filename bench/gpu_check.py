@@ -18,7 +18,8 @@ budget does not reach is recorded as "not run: out of time", never skipped silen
                a decode step's slot admission three ways (time, and the same slots written)
   decode       tokens/s of Mixtral- and DeepSeek-shaped bf16 models of a few GB, resident and at caches, with
                device memory held against jmoe.plan and experts checked to be in pinned host memory, and the
-               first model's disk tier (half the experts in host rows: the in-step reads' cost, traced)
+               first model's disk tier on its Orbax conversion (half the experts in host rows: the in-step
+               reads' cost, traced)
 The report is rewritten after every section (sections not reached marked so): a run killed at the lent
 machine's time limit keeps what it measured. Failed checks are logged as their section ends.
 It builds its own random-weight checkpoints under --workdir (bench.gpu_models) and needs only the image's

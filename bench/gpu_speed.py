@@ -167,22 +167,34 @@ def caches_for(num_experts: int, top_k: int, small: bool) -> list[int | None]:
     return [None, top_k] if small else [None, *sorted({max(top_k, num_experts // 2), top_k}, reverse=True)]
 
 
-def speed_settings(directory: Path, name: str, first: bool, small: bool) -> list[tuple[str, dict]]:
-    """(label, jmoe.load options) of one model: its caches (caches_for), then for the first model the smallest
-    cache with the disk tier holding half the experts in host rows: what its in-step reads cost on the device."""
+def speed_settings(directory: Path, name: str, first: bool, small: bool) -> list[tuple[str, Path, dict]]:
+    """(label, checkpoint, jmoe.load options) of one model: its caches (caches_for), then for the first model the
+    smallest cache with the disk tier holding half the experts in host rows, read from its Orbax conversion (experts
+    stored as held: a read applies no orientation; on a Zen 4 core a 39 MB expert took 20-27 ms from Orbax and
+    65-82 ms from safetensors, bench/results/disk_tier_orbax.md): what the in-step reads cost on the device."""
     import jmoe
     from jmoe.offload.host_tier import host_budget_gb_holding
 
     num_experts, top_k = _experts_and_top_k(directory)
     caches = caches_for(num_experts, top_k, small)
-    settings = [(f"{name}, {'resident' if c is None else f'cache {c}'}", {"cache": c}) for c in caches]
-    if first:
-        placement = jmoe.plan(directory, cache=top_k, compile=False).placement
+    settings = [(f"{name}, {'resident' if c is None else f'cache {c}'}", directory, {"cache": c}) for c in caches]
+    if first:  # the conversion is made when the setting's turn comes (ensure_converted): it may run out of time
+        placement = jmoe.plan(directory, cache=top_k, compile=False).placement  # the conversion's, too
         rows = num_experts // 2
         budget_gb = host_budget_gb_holding(rows, len(placement.offloaded_layers) * placement.expert_bytes)
-        settings.append((f"{name}, cache {top_k}, disk tier ({rows} host rows)",
-                         {"cache": top_k, "host_budget_gb": budget_gb}))
+        settings.append((f"{name}, cache {top_k}, disk tier ({rows} host rows, Orbax)",
+                         directory.with_name(directory.name + "_orbax"), {"cache": top_k, "host_budget_gb": budget_gb}))
     return settings
+
+
+def ensure_converted(checkpoint: Path, source: Path) -> Path:
+    """`checkpoint` itself, or for a setting that reads an Orbax conversion, that conversion of `source` (made once)."""
+    from jmoe.checkpoint.convert import convert_checkpoint
+    from jmoe.checkpoint.orbax_store import MANIFEST
+
+    if checkpoint != source and not (checkpoint / MANIFEST).is_file():
+        convert_checkpoint(source, checkpoint, overwrite=True, progress=False)
+    return checkpoint
 
 
 def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None, budget: Budget, log) -> SectionResult:
@@ -201,27 +213,28 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
         "jax.profiler trace of one more generation (copies' busy time that overlaps kernels)",
         "step / host ms: a third generation's medians of the compiled step (dispatch until its outputs are ready) "
         "and of the host work after it (finish_step: routing back, the cache manager)",
-        "disk tier: the first model at its smallest cache with half its experts in host rows (the checkpoint's "
-        "files are in the page cache after the first generation: this measures the in-step reads' cost, not a "
-        "disk); 'step ms waiting for disk reads' is the step's time in the reads' callbacks waiting for the reader "
-        "threads, and it is traced too",
+        "disk tier: the first model at its smallest cache with half its experts in host rows, read from its Orbax "
+        "conversion (the files are in the page cache after the first generation: this measures the in-step reads' "
+        "cost, not a disk); 'step ms waiting for disk reads' is the step's time in the reads' callbacks waiting for "
+        "the reader threads, and it is traced too",
     ]
     first_model = next(iter(speed_models(small)))
     for name in speed_models(small):
         directory = speed_checkpoint(workdir, name, small)
         resident_step = None
         settings = speed_settings(directory, name, name == first_model, small)
-        most_copying = [label for label, options in settings if "host_budget_gb" not in options][-1]
-        for label, options in settings:
+        most_copying = [label for label, _, options in settings if "host_budget_gb" not in options][-1]
+        for label, checkpoint, options in settings:
             cache = options["cache"]
             if budget.out_of_time():
                 result.check(label, None, OUT_OF_TIME)
                 continue
+            checkpoint = ensure_converted(checkpoint, directory)
             gc.collect()
             before = device_bytes_in_use()
-            model = jmoe.load(directory, progress=False, check_finite=False, **options)
+            model = jmoe.load(checkpoint, progress=False, check_finite=False, **options)
             held = device_bytes_in_use()
-            plan = jmoe.plan(directory, compile=False, **options).needs
+            plan = jmoe.plan(checkpoint, compile=False, **options).needs
             predicted = plan.device_weight_bytes + plan.slot_bytes + plan.fetch_buffer_bytes
             if held is not None:
                 result.measurements[f"{label}: device bytes held / planned"] = (held - before) / predicted
