@@ -19,7 +19,7 @@ from flax import nnx
 
 from jmoe.config import MLA_NORM_EPS, ModelConfig
 from jmoe.model.attention import write_cache
-from jmoe.model.layers import Linear, RMSNorm
+from jmoe.model.layers import Linear, RMSNorm, weight_for
 from jmoe.model.rope import RoPE, apply_rope, deinterleave
 
 
@@ -58,7 +58,7 @@ class MLAttention(nnx.Module):
         visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
         c = latent_cache[:b, :visible, 0].astype(x.dtype)  # [B, S, r]: the step's rows (see Attention)
         kr = rope_cache[:b, :visible, 0].astype(x.dtype)  # [B, S, dr]
-        w_kv = self.kv_b.kernel[...].reshape(r, cfg.num_heads, dn + m.v_head_dim)
+        w_kv = weight_for(self.kv_b.kernel[...], c).reshape(r, cfg.num_heads, dn + m.v_head_dim)
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
         rope_scores = jnp.einsum("bthd,bsd->bhts", q_rope, kr)
         if t == 1:  # absorbed: queries meet the latents themselves

@@ -15,7 +15,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.model.attention import Attention
-from jmoe.model.layers import INIT_STD, DenseMLP, RMSNorm, normal_param
+from jmoe.model.layers import INIT_STD, DenseMLP, RMSNorm, normal_param, weight_for
 from jmoe.model.mla import MLAttention
 from jmoe.model.moe import MoEBlock, MoELayerView
 from jmoe.model.rope import rope_tables
@@ -131,7 +131,7 @@ class MoETransformer(nnx.Module):
                 x, jnp.maximum(valid_len - 1, 0)[:, None, None], axis=1)
         x = self.final_norm(x)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head).astype(jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", x, weight_for(head, x)).astype(jnp.float32)
         routing_ids = (jnp.stack(routing) if routing
                        else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32))
         return ForwardOut(logits, tuple(new_cache), routing_ids, jnp.stack(finite))
