@@ -41,7 +41,9 @@ _COMPUTE_ON_IS_A_TRANSFORM = "out_memory_spaces" in inspect.signature(compute_on
 
 def computed_on_host(fn):
     """`fn` as a function that, called inside a jitted program, runs on the host CPU (on a GPU, XLA offloads it
-    there) with its outputs in host memory. Its arguments should be in host memory already (`to_host`)."""
+    there) with its outputs in host memory. Its arguments should be in host memory already (`to_host`). Make it
+    once per function and reuse it: on jax 0.10, one made afresh at every call inside a step lost the host
+    placement (the H100-target compile of host miss mode then no longer put the computation on the host)."""
     if _COMPUTE_ON_IS_A_TRANSFORM:
         return compute_on_module.compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     jitted = jax.jit(fn)

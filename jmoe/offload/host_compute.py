@@ -20,6 +20,7 @@ from jmoe.kernels.bias import bias_rows
 from jmoe.kernels.quantized import materialize
 from jmoe.memory import computed_on_host, to_device, to_host
 
+
 def _experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, activation: str):
     act = get_activation(activation)
     f = host.w_down.shape[1]
@@ -53,5 +54,10 @@ def experts_on_host(x, ids, weights, experts, count, host: ExpertWeights, *, act
     steps; big prefill steps stream experts to the device instead (jmoe.offload.slots).
     """
     x, ids, weights, experts, count = to_host((x, ids, weights, experts, count))
-    on_host = computed_on_host(functools.partial(_experts_on_host, activation=activation))
-    return to_device(on_host(x, ids, weights, experts, count, host))
+    return to_device(_on_host(activation)(x, ids, weights, experts, count, host))
+
+
+@functools.cache
+def _on_host(activation: str):
+    # One per activation, made once: see computed_on_host.
+    return computed_on_host(functools.partial(_experts_on_host, activation=activation))
