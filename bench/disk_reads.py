@@ -160,8 +160,9 @@ def report(args, sequential: list[float], runs: dict[str, list[dict]], dropped: 
 
 def convert_once(hf_dir: Path, out_dir: Path) -> Path:
     from jmoe.checkpoint.convert import convert_checkpoint
+    from jmoe.checkpoint.orbax_store import MANIFEST
 
-    if not (out_dir / "jmoe_manifest.json").is_file():
+    if not (out_dir / MANIFEST).is_file():
         convert_checkpoint(hf_dir, out_dir, overwrite=True, progress=False)
     return out_dir
 

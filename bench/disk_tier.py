@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import add_smoke_argument, smoke_run, write_result
-from bench.disk_reads import drop_page_cache, sequential_gbs, write_checkpoint
+from bench.disk_reads import convert_once, drop_page_cache, sequential_gbs, write_checkpoint
 
 TRACE = "gptoss"
 LAYERS, EXPERTS, TOP_K = 24, 32, 4  # the GPT-OSS-20B trace's
@@ -95,13 +95,15 @@ def memmap_orbax_reader_class():
     from jmoe.checkpoint.expert_reader_orbax import OrbaxExpertReader
 
     class MemmapOrbaxExpertReader(OrbaxExpertReader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._maps = {path: np.memmap(path, np.uint8, "r") for path in
+                          {c.value.file for chunks in self._chunks.values() for c in chunks if c.value.file}}
+
         def _read_param(self, key, p):
             (chunk,) = self._chunks[key[0], key[1], p.name]
             value = chunk.value
-            maps = self.__dict__.setdefault("_maps", {})
-            if value.file not in maps:
-                maps[value.file] = np.memmap(value.file, np.uint8, "r")
-            raw = maps[value.file][value.offset:value.offset + value.length]
+            raw = self._maps[value.file][value.offset:value.offset + value.length]
             nbytes = int(np.prod(p.shape)) * p.stored.itemsize
             offset, length = raw[-ZARR_SHARD_INDEX_BYTES:-4].view("<u8")
             if (offset, length, value.length) != (0, nbytes, nbytes + ZARR_SHARD_INDEX_BYTES):
@@ -207,16 +209,6 @@ def child_run(args, engine: str, limit_gb: float | None, expert_bytes: int) -> d
         limit.close()
 
 
-def orbax_conversion(written: Path, directory: Path) -> Path:
-    """`written` converted to jmoe's Orbax format at `directory` (once: reused when complete)."""
-    from jmoe.checkpoint.convert import convert_checkpoint
-    from jmoe.checkpoint.orbax_store import MANIFEST
-
-    if not (directory / MANIFEST).is_file():
-        convert_checkpoint(written, directory, overwrite=True, progress=False)
-    return directory
-
-
 def checkpoint_data_files(directory: Path) -> list[Path]:
     """The files holding a checkpoint's tensors: safetensors shards, or an Orbax checkpoint's OCDBT data files."""
     found = sorted(directory.glob("*.safetensors")) or sorted(p for p in directory.rglob("d/*") if p.is_file())
@@ -312,7 +304,7 @@ def main(argv=None) -> None:
         load = tuple(open("/proc/loadavg").read().split()[:3])
         config = SMOKE_CONFIG if args.smoke else config_for(args.size_gb)
         written = write_checkpoint(args.workdir / "checkpoint", config)
-        args.directory = written if args.format == "safetensors" else orbax_conversion(written, args.workdir / "orbax")
+        args.directory = written if args.format == "safetensors" else convert_once(written, args.workdir / "orbax")
         cfg = parse_config(json.loads((written / "config.json").read_text()))
         expert_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
         data_files = checkpoint_data_files(args.directory)

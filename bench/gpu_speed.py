@@ -12,6 +12,7 @@ import numpy as np
 
 from bench.common import median_seconds
 from bench.decode import PROMPT, jmoe_decode
+from bench.disk_reads import convert_once
 from bench.gpu_profile import step_split, step_timer, traced_steps
 from bench.gpu_models import hf_config, speed_models, write_checkpoint
 from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult, format_value
@@ -178,23 +179,13 @@ def speed_settings(directory: Path, name: str, first: bool, small: bool) -> list
     num_experts, top_k = _experts_and_top_k(directory)
     caches = caches_for(num_experts, top_k, small)
     settings = [(f"{name}, {'resident' if c is None else f'cache {c}'}", directory, {"cache": c}) for c in caches]
-    if first:  # the conversion is made when the setting's turn comes (ensure_converted): it may run out of time
+    if first:  # its conversion is made when the setting's turn comes (decode_speed): it may run out of time
         placement = jmoe.plan(directory, cache=top_k, compile=False).placement  # the conversion's, too
         rows = num_experts // 2
         budget_gb = host_budget_gb_holding(rows, len(placement.offloaded_layers) * placement.expert_bytes)
         settings.append((f"{name}, cache {top_k}, disk tier ({rows} host rows, Orbax)",
                          directory.with_name(directory.name + "_orbax"), {"cache": top_k, "host_budget_gb": budget_gb}))
     return settings
-
-
-def ensure_converted(checkpoint: Path, source: Path) -> Path:
-    """`checkpoint` itself, or for a setting that reads an Orbax conversion, that conversion of `source` (made once)."""
-    from jmoe.checkpoint.convert import convert_checkpoint
-    from jmoe.checkpoint.orbax_store import MANIFEST
-
-    if checkpoint != source and not (checkpoint / MANIFEST).is_file():
-        convert_checkpoint(source, checkpoint, overwrite=True, progress=False)
-    return checkpoint
 
 
 def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None, budget: Budget, log) -> SectionResult:
@@ -229,7 +220,8 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
             if budget.out_of_time():
                 result.check(label, None, OUT_OF_TIME)
                 continue
-            checkpoint = ensure_converted(checkpoint, directory)
+            if checkpoint != directory:  # the setting reads an Orbax conversion: made at its turn, once
+                convert_once(directory, checkpoint)
             gc.collect()
             before = device_bytes_in_use()
             model = jmoe.load(checkpoint, progress=False, check_finite=False, **options)

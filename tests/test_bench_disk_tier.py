@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from bench.disk_reads import write_checkpoint
-from bench.disk_tier import SMOKE_CONFIG, memmap_orbax_reader_class, orbax_conversion
+from bench.disk_reads import convert_once, write_checkpoint
+from bench.disk_tier import SMOKE_CONFIG, memmap_orbax_reader_class
 from jmoe.checkpoint.expert_reader_orbax import OrbaxExpertReader
 from jmoe.config import load_config
 from jmoe.errors import CheckpointError
@@ -15,7 +15,7 @@ from jmoe.errors import CheckpointError
 @pytest.fixture(scope="module")
 def orbax_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("disk_tier")
-    return orbax_conversion(write_checkpoint(root / "hf", {**SMOKE_CONFIG, "num_hidden_layers": 2}), root / "orbax")
+    return convert_once(write_checkpoint(root / "hf", {**SMOKE_CONFIG, "num_hidden_layers": 2}), root / "orbax")
 
 
 def test_memmap_orbax_reader_matches_the_orbax_reader(orbax_dir):
