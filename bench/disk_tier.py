@@ -53,7 +53,9 @@ LAYERS, EXPERTS, TOP_K = 24, 32, 4  # the GPT-OSS-20B trace's
 BASE_CONFIG = dict(model_type="mixtral", hidden_size=2048, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
                    num_hidden_layers=LAYERS, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
                    vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
-SMOKE_CONFIG = {**BASE_CONFIG, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 2, "head_dim": 16}
+# A smoke run's model: toy widths and the trace's first 4 layers (tracing the step's 24 layers took most of its time)
+SMOKE_CONFIG = {**BASE_CONFIG, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 2, "head_dim": 16,
+                "num_hidden_layers": 4}
 ENGINES = ("mmap", "jmoe", "jmoe+ra")
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 HEADROOM_GB = 2.0  # the issue's resident-memory target: budget + 2 GB
@@ -131,16 +133,16 @@ def run_engine(args) -> dict:
     from jmoe.traces.load import load_trace, split_trace
 
     split = split_trace(load_trace(TRACE), None)
-    rows = split["eval_ids"][:args.tokens]
+    rows = split["eval_ids"][:args.tokens, :args.layers]
     # One decoded row: scratch slots for its top-k misses (the default 8 rows' 32 = E slots were 1.26 GB here).
     options = {"cache": 0, "host_budget_gb": args.budget_gb, "scratch_rows": 1, "check_memory": False,
                "progress": False}
     if args.engine == "jmoe+ra":
-        options.update(prefetch_trace=split["tune_ids"], read_ahead=args.read_ahead)
+        options.update(prefetch_trace=split["tune_ids"][:, :args.layers], read_ahead=args.read_ahead)
     if args.engine == "mmap":
         reader = memmap_orbax_reader_class() if is_orbax_checkpoint(args.directory) else memmap_reader_class()
         expert_reader_orbax.open_expert_reader = lambda model_dir, cfg, **kw: reader(model_dir, cfg, **kw)
-        layer_bytes = LAYERS * args.expert_bytes
+        layer_bytes = args.layers * args.expert_bytes
         options["host_budget_gb"] = host_budget_gb_holding(1, layer_bytes)  # the smallest host tier
     began = time.perf_counter()
     with jmoe.load(args.directory, **options) as model:
@@ -189,10 +191,10 @@ class MemoryLimit:
             self.path.rmdir()
 
 
-def child_run(args, engine: str, limit_gb: float | None, expert_bytes: int) -> dict:
+def child_run(args, engine: str, limit_gb: float | None, expert_bytes: int, layers: int) -> dict:
     command = [sys.executable, "-m", "bench.disk_tier", "--engine", engine, "--directory", str(args.directory),
                "--budget-gb", str(args.budget_gb), "--tokens", str(args.tokens), "--read-ahead", str(args.read_ahead),
-               "--expert-bytes", str(expert_bytes)]
+               "--expert-bytes", str(expert_bytes), "--layers", str(layers)]
     limit = MemoryLimit(None if limit_gb is None else int(limit_gb * 1e9))
     try:
         # The child waits on stdin until it is in the cgroup, so that all its memory is counted there.
@@ -292,6 +294,7 @@ def main(argv=None) -> None:
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # a child's run
     parser.add_argument("--directory", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--expert-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)  # the model's MoE layers: the trace's first
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     if args.engine:
@@ -310,7 +313,7 @@ def main(argv=None) -> None:
         data_files = checkpoint_data_files(args.directory)
         checkpoint_gb = sum(p.stat().st_size for p in data_files) / 1e9
         if args.smoke:  # the two readers and read-ahead, briefly
-            args.budget_gb, args.tokens, args.rounds = 6.5 * LAYERS * expert_bytes / 1e9, 4, 1
+            args.budget_gb, args.tokens, args.rounds = 6.5 * cfg.num_moe_layers * expert_bytes / 1e9, 4, 1
             args.engines = ["mmap", "jmoe+ra"]
         dropped = not args.smoke and drop_page_cache()
         sequential = sequential_gbs(max(data_files, key=lambda p: p.stat().st_size))
@@ -321,7 +324,7 @@ def main(argv=None) -> None:
             for limit in limits:
                 for engine in args.engines:
                     dropped &= args.smoke or drop_page_cache()
-                    result = child_run(args, engine, limit, expert_bytes)
+                    result = child_run(args, engine, limit, expert_bytes, cfg.num_moe_layers)
                     runs.setdefault((limit, engine), []).append(result)
                     print(json.dumps(result), flush=True)
         body = report(args, cfg, expert_bytes, checkpoint_gb, sequential, runs, dropped, load)
