@@ -24,8 +24,8 @@ The report is rewritten after every section (sections not reached marked so): a 
 machine's time limit keeps what it measured. Failed checks are logged as their section ends.
 It builds its own random-weight checkpoints under --workdir (bench.gpu_models) and needs only the image's
 packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
---small (and --smoke) use one kernel shape, models of smoke size (bench.common.SMOKE_SIZES) and two caches per
-speed model; a smoke run's 90 s budget leaves items of the slower sections not run (recorded as such):
+--small (and --smoke) use one kernel shape, two of the families (gpu_numerics.SMALL_FAMILIES), models of smoke size
+(bench.common.SMOKE_SIZES) and two caches per speed model; a smoke run's 90 s budget leaves items of the slower sections not run (recorded as such):
 tests/test_gpu_check.py runs every kernel check in full.
 """
 
@@ -79,7 +79,7 @@ def section_functions(args) -> dict:
 
     return {"environment": environment,
             "kernels": lambda args, budget, log: gpu_numerics.kernels(args.small, budget, log),
-            "families": lambda args, budget, log: gpu_numerics.families(args.workdir, budget, log),
+            "families": lambda args, budget, log: gpu_numerics.families(args.workdir, args.small, budget, log),
             "offload": lambda args, budget, log: gpu_numerics.offload(args.workdir, budget, log),
             "bandwidth": bandwidth, "decode": decode}
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_reference is not None:
         from bench.gpu_numerics import cpu_logits, family_checkpoints
 
-        cpu_logits(family_checkpoints(args.cpu_reference), args.cpu_reference / "cpu_logits.npz")
+        cpu_logits(family_checkpoints(args.cpu_reference, args.small), args.cpu_reference / "cpu_logits.npz")
         return 0
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(args.sections) - set(SHARES))
