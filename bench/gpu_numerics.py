@@ -207,8 +207,7 @@ def offload(workdir: Path, budget: Budget, log) -> SectionResult:
                         f"against every expert resident; pass = same tokens, logits within {OFFLOAD_TOLERANCE} x "
                         f"max(1, max |logit|)")
     probe = jmoe.load(directory, cache=0, progress=False).placement_plan
-    layer_expert_bytes = len(probe.offloaded_layers) * probe.expert_bytes
-    for name, options in offload_settings(num_experts, layer_expert_bytes):
+    for name, options in offload_settings(num_experts, probe.layer_expert_bytes):
         def compare(options=options):
             with jmoe.load(directory, progress=False, **options) as model:
                 same = model.generate(PROMPT, NEW_TOKENS) == tokens

@@ -182,7 +182,7 @@ def speed_settings(directory: Path, name: str, first: bool, small: bool) -> list
     if first:  # its conversion is made when the setting's turn comes (decode_speed): it may run out of time
         placement = jmoe.plan(directory, cache=top_k, compile=False).placement  # the conversion's, too
         rows = num_experts // 2
-        budget_gb = host_budget_gb_holding(rows, len(placement.offloaded_layers) * placement.expert_bytes)
+        budget_gb = host_budget_gb_holding(rows, placement.layer_expert_bytes)
         settings.append((f"{name}, cache {top_k}, disk tier ({rows} host rows, Orbax)",
                          directory.with_name(directory.name + "_orbax"), {"cache": top_k, "host_budget_gb": budget_gb}))
     return settings

@@ -27,7 +27,7 @@ LOGIT_IDS = np.random.RandomState(3).randint(0, VOCAB, (2, 9))
 def layer_expert_bytes(directory, expert_dtype=None) -> int:
     """Bytes of one expert of every MoE layer together (the placement's, all layers offloaded)."""
     probe = jmoe.load(directory, cache=0, progress=False, expert_dtype=expert_dtype).placement_plan
-    return len(probe.offloaded_layers) * probe.expert_bytes
+    return probe.layer_expert_bytes
 
 
 def budget_for(directory, rows: int, expert_dtype=None, read_ahead: int = 0) -> float:

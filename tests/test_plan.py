@@ -283,7 +283,7 @@ def test_a_host_budget_fits_where_every_expert_would_not(olmoe_dir, target):
     """The disk tier pins only the host rows: host memory that cannot hold every offloaded expert holds them."""
     every_expert = jmoe.plan(olmoe_dir, cache=2, target=target, compile=False)
     placement = every_expert.placement
-    budget = 4.5 * len(placement.offloaded_layers) * placement.expert_bytes / 1e9  # 4 of 8 experts a layer
+    budget = 4.5 * placement.layer_expert_bytes / 1e9  # 4 of 8 experts a layer
     # room for 3/4 of the pinned experts (and on this CPU backend, the device arrays, which live in RAM too)
     on_device = 0 if target else every_expert.needs.device_bytes
     host_gb = (0.75 * every_expert.needs.host_bytes + on_device) / 2**30

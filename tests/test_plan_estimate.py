@@ -224,7 +224,7 @@ def host_budget_for(directory, cache, rows):
     """A host budget (GB) whose placement keeps `rows` host rows per offloaded layer (and whatever else the
     placement counts in the budget per layer)."""
     probe = jmoe.plan(directory, cache=cache)
-    layer_experts = len(probe.placement.offloaded_layers) * probe.placement.expert_bytes
+    layer_experts = probe.placement.layer_expert_bytes
     for held in range(rows, probe.config.num_experts):
         budget = (held + 0.5) * layer_experts / 1e9
         try:

@@ -86,6 +86,11 @@ class Placement:
         return self.memory_kind[param_key(path)]
 
     @property
+    def layer_expert_bytes(self) -> int:
+        """One expert of every offloaded layer together: what a host row per layer takes (the disk tier's unit)."""
+        return len(self.offloaded_layers) * self.expert_bytes
+
+    @property
     def slot_bytes(self) -> int:
         return (sum(self.caches) + self.scratch) * self.expert_bytes
 
