@@ -25,8 +25,8 @@ machine's time limit keeps what it measured. Failed checks are logged as their s
 It builds its own random-weight checkpoints under --workdir (bench.gpu_models) and needs only the image's
 packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
 --small (and --smoke) use one kernel shape, two of the families (gpu_numerics.SMALL_FAMILIES), models of smoke size
-(bench.common.SMOKE_SIZES) and two caches per speed model; a smoke run's 90 s budget leaves items of the slower sections not run (recorded as such):
-tests/test_gpu_check.py runs every kernel check in full.
+(bench.common.SMOKE_SIZES) and two caches per speed model; a smoke run's 90 s budget leaves items of the slower
+sections not run (recorded as such): tests/test_gpu_check.py runs every kernel check in full.
 """
 
 from __future__ import annotations
