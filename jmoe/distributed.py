@@ -76,6 +76,7 @@ def initialize(options: DistributedOptions) -> None:
     answer, so an unreachable coordinator is a DistributedError naming it instead of JAX's abort."""
     if options.coordinator is None:
         return
+    keep_standard_output_for_python()
     timeouts = {"initialization_timeout": options.timeout_s, "heartbeat_timeout_seconds": options.timeout_s}
     if options.coordinator == AUTO:
         jax.distributed.initialize(**timeouts)
@@ -85,6 +86,17 @@ def initialize(options: DistributedOptions) -> None:
     print(f"jmoe: process {options.process_id} of {options.num_processes} joining at {options.coordinator} "
           f"(waiting up to {options.timeout_s} s for the others)", file=sys.stderr)
     jax.distributed.initialize(options.coordinator, options.num_processes, options.process_id, **timeouts)
+
+
+def keep_standard_output_for_python() -> None:
+    """From now on, file descriptor 1 goes to standard error and Python's `sys.stdout` writes to the original
+    standard output. The CPU collectives (Gloo) print connection lines such as "[Gloo] Rank 1 is connected to 1
+    peer ranks" on descriptor 1, from whichever collective first connects and from any thread, which would
+    break a command's --json output; so for the whole run only what Python prints reaches standard output."""
+    sys.stdout.flush()
+    original = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(original, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
 
 
 def _wait_for_port(host: str, port: int, timeout_s: int) -> None:
@@ -119,28 +131,20 @@ def sum_over_processes(values: np.ndarray) -> np.ndarray:
     if np.issubdtype(values.dtype, np.integer):
         if np.abs(values).max(initial=0) >= 2**31:
             raise DistributedError(f"sum_over_processes: integers up to 2**31 travel, found {np.abs(values).max()}")
-        return _allgather(values.astype(np.int32)).astype(np.int64).sum(axis=0)
+        return _gather(values.astype(np.int32)).astype(np.int64).sum(axis=0)
     high = values.astype(np.float32)
     low = (values - high.astype(np.float64)).astype(np.float32)
-    gathered = _allgather(np.stack([high, low])).astype(np.float64)
+    gathered = _gather(np.stack([high, low])).astype(np.float64)
     return gathered.sum(axis=(0, 1))
+
+
+def _gather(values: np.ndarray) -> np.ndarray:
+    return np.asarray(multihost_utils.process_allgather(values))  # [processes, ...]
 
 
 def max_over_processes(value: float) -> float:
     """The largest of one float over all processes (e.g. the slowest process's wall time)."""
     if jax.process_count() == 1:
         return value
-    return float(_allgather(np.float32(value)).max())
+    return float(_gather(np.float32(value)).max())
 
-
-def _allgather(values: np.ndarray) -> np.ndarray:
-    """[processes, ...]: every process's `values`. The CPU collectives (Gloo) print their connection lines on
-    standard output, which would break a command's --json output: they go to standard error."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        return np.asarray(multihost_utils.process_allgather(values))
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)

@@ -89,6 +89,18 @@ def test_eval_over_two_processes_equals_one_process(model_dir, data_file):
     assert all(report["batch_shapes"] == [[2, SEQ]] for report in reports)
 
 
+def test_native_lines_on_descriptor_1_leave_standard_output_to_python():
+    # What Gloo does when its first collective connects, from another thread, at a moment nobody chooses.
+    script = ("import json, os, threading; from jmoe.distributed import keep_standard_output_for_python; "
+              "keep_standard_output_for_python(); "
+              "t = threading.Thread(target=os.write, args=(1, b'[Gloo] Rank 1 is connected\\n')); t.start(); t.join(); "
+              "print(json.dumps({'perplexity': 1.5}))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == {"perplexity": 1.5}
+    assert "[Gloo] Rank 1 is connected" in done.stderr
+
+
 def test_generation_gives_every_process_the_same_tokens(model_dir):
     results = run_together("jmoe.generate", ["--model", str(model_dir), "--prompt", "w3 w1 w4", "--max-new-tokens", "6",
                                              "--json", "--no-compile-cache"])
