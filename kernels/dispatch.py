@@ -11,6 +11,7 @@ from jmoe.kernels.float_bits import float_leaves, is_float_bits, plain
 from jmoe.kernels.pallas_grouped import moe_ffn_pallas
 from jmoe.kernels.quantized import QuantizedTensor, is_quantized
 from jmoe.kernels.reference import moe_ffn_reference
+from jmoe.kernels.target import platform_dependent
 from jmoe.kernels.triton_grouped import moe_ffn_triton
 from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_pairs, moe_ffn_ragged, moe_ffn_tiled
 
@@ -41,7 +42,7 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
     """
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0])]
-    return jax.lax.platform_dependent(*args, cuda=functools.partial(_IMPLS["pallas"], activation=activation),
+    return platform_dependent(*args, cuda=functools.partial(_IMPLS["pallas"], activation=activation),
                                       default=functools.partial(cpu, activation=activation, per_expert=per_expert))
 
 

@@ -1,7 +1,7 @@
 """Pallas grouped-GEMM MoE FFN over slot buffers. Lowered through Triton when the program is lowered
 for a CUDA GPU; on other platforms it runs with interpret=True (slow: for tests, never picked by `auto`
-on CPU). The choice follows the platform the program is lowered for (`lax.platform_dependent`), not
-`jax.default_backend()`, so a program compiled for a GPU target on a CPU machine gets Triton kernels.
+on CPU). The choice follows the platform the program is lowered for (`target.platform_dependent`), not
+`jax.default_backend()` alone, so a program compiled for a GPU target on a CPU machine gets Triton kernels.
 
 Two kernels over the tile layout of grouping.py, one program per (row tile, output block):
   1. h = act(x Wg, x Wu) for the tile's slot, gate and up accumulated side by side in f32;
@@ -19,6 +19,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jmoe.kernels import grouping, quantized
 from jmoe.kernels.activations import get_activation
+from jmoe.kernels.target import platform_dependent
 from jmoe.kernels.xla import moe_ffn_tiled
 
 # tl.dot needs every block dimension >= 16 on GPU.
@@ -148,7 +149,7 @@ def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_do
         on_cuda = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, on_gpu=True)
     else:
         on_cuda = functools.partial(moe_ffn_tiled, activation=activation)
-    return jax.lax.platform_dependent(
+    return platform_dependent(
         *args, cuda=on_cuda, default=functools.partial(_grouped_gemm, activation=activation, blocks=blocks,
                                                        on_gpu=False))
 

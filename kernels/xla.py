@@ -10,6 +10,7 @@ from jmoe.kernels import grouping
 from jmoe.kernels.activations import get_activation
 from jmoe.kernels.bias import bias_rows
 from jmoe.kernels.quantized import materialize, rows_of
+from jmoe.kernels.target import platform_dependent
 
 
 def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu"):
@@ -26,7 +27,7 @@ def moe_ffn_ragged(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_do
     # XLA:CPU lowers ragged_dot densely (every row times every group's weights, masked by multiplying), so a
     # NaN in a slot no row uses would reach every row: there, unused slots are zeroed first.
     used = group_sizes > 0
-    w_gate_up, w_down = jax.lax.platform_dependent(
+    w_gate_up, w_down = platform_dependent(
         w_gate_up, w_down,
         cpu=lambda a, b: (jnp.where(used[:, None, None], a, 0), jnp.where(used[:, None, None], b, 0)),
         default=lambda a, b: (a, b))
@@ -115,7 +116,7 @@ def _unless_empty(ffn, slot, xs, ws, apart=None):
         # Select, not multiply: slot 0's weights may hold anything (NaN included).
         return jnp.where(slot >= 0, ffn(jnp.maximum(slot, 0), xs, ws), 0.0)
 
-    return jax.lax.platform_dependent(slot, xs, ws, cpu=branched, default=masked)
+    return platform_dependent(slot, xs, ws, cpu=branched, default=masked)
 
 
 def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
@@ -141,7 +142,7 @@ def moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_dow
         return tiles(x, slot_ids, weights)
     chunks = functools.partial(_per_expert_chunks, ffns=_per_expert_ffns(per_expert, activation, x.dtype),
                                block_m=block_m)
-    return jax.lax.platform_dependent(x, slot_ids, weights, cpu=chunks, default=tiles)
+    return platform_dependent(x, slot_ids, weights, cpu=chunks, default=tiles)
 
 
 # The rows of `_per_expert_chunks`' small chunks: an 8-row product runs at a third of a 16-row one's speed (XLA:CPU,

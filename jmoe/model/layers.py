@@ -13,6 +13,7 @@ from flax import nnx
 
 from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor, float_bits_views, per_expert_views
 from jmoe.kernels.quantized import quantized_shapes
+from jmoe.kernels.target import platform_dependent
 
 INIT_STD = 0.02
 
@@ -36,7 +37,7 @@ def weight_for(weight: jax.Array, x: jax.Array) -> jax.Array:
     program's start, where all of them stay live (1.1 GB of temporaries in a 24-layer bfloat16 step)."""
     if not (jnp.issubdtype(weight.dtype, jnp.floating) and jnp.dtype(weight.dtype).itemsize == 2):
         return weight
-    return jax.lax.platform_dependent(weight, x, cpu=_read_after, default=lambda w, _: w)
+    return platform_dependent(weight, x, cpu=_read_after, default=lambda w, _: w)
 
 
 class Linear(nnx.Module):

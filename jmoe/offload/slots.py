@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.kernels import ExpertKernel, ExpertWeights
+from jmoe.kernels.target import platform_dependent
 from jmoe.memory import to_device
 from jmoe.offload.host_compute import experts_on_host
 
@@ -299,7 +300,7 @@ def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, 
     every expert is read where it lives (`experts_in_place`). The counts are the same on both: `copied` is
     what a device copies in. Returns float32 y [T, d] and the counts."""
     compute = functools.partial(
-        jax.lax.platform_dependent, cpu=functools.partial(experts_in_place, kernel=kernel),
+        platform_dependent, cpu=functools.partial(experts_in_place, kernel=kernel),
         default=functools.partial(stream_and_compute, kernel=kernel, chunk_size=chunk_size))
     if host_rows is None:
         y = compute(slots, host, x, ids, weights)
