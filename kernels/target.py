@@ -21,6 +21,9 @@ _COMPUTE_CAPABILITY: contextvars.ContextVar[int | None] = contextvars.ContextVar
 @contextlib.contextmanager
 def compiling_for_gpu(compute_capability: int):
     """Within this block, programs are traced for a GPU of this compute capability (e.g. 90 for an H100)."""
+    # A trace made before, with no GPU target, holds only the CPU branches of `platform_dependent`, and JAX would
+    # reuse it for the same function and shapes (its trace cache does not see this setting): trace afresh.
+    jax.clear_caches()
     token = _COMPUTE_CAPABILITY.set(int(compute_capability))
     try:
         yield

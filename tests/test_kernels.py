@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from jmoe.kernels import ExpertWeights, grouping, moe_ffn
 from jmoe.kernels.dispatch import cpu_backend, moe_ffn_auto
 from jmoe.kernels.pallas_grouped import choose_blocks
+from jmoe.kernels.target import compiling_for_gpu, platform_dependent
 from jmoe.kernels.triton_grouped import triton_launch
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -256,6 +257,23 @@ def test_triton_launch_grid_covers_all_rows():
     assert launch["down_grid"] == (num_tiles, 4096 // launch["block_d"])
     with pytest.raises(ValueError, match="divisible by 16"):
         triton_launch(num_pairs=4, num_slots=2, d=8, f=64)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks what is traced where there is no GPU")
+def test_without_a_gpu_only_the_cpu_branch_is_traced_and_a_gpu_target_traces_both():
+    traced = []
+
+    def branch(name):
+        return lambda x: traced.append(name) or x + len(name)
+
+    def program(x):
+        return platform_dependent(x, cpu=branch("cpu"), cuda=branch("cuda"), default=branch("default"))
+
+    assert float(jax.jit(program)(1.0)) == 4.0 and traced == ["cpu"]
+    traced.clear()
+    with compiling_for_gpu(90):  # what jmoe.plan's compile worker does for an H100 target
+        jax.jit(program).lower(1.0)
+    assert sorted(traced) == ["cpu", "cuda", "default"]
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the error raised where there is no GPU")
