@@ -264,6 +264,10 @@ def report(args, runs: dict, soaked: dict | None, start_load: float, conditions:
                          f"{median(engine, c, 'tokens_per_s') / single:.2f}x | {1e3 * median(engine, c, 'ttft_p50'):.0f} | "
                          f"{1e3 * median(engine, c, 'ttft_p99'):.0f} | {1e3 * median(engine, c, 'itl_p50'):.1f} | "
                          f"{1e3 * median(engine, c, 'itl_p99'):.1f} | {fmt(hit, '.3f')} | {fmt(bytes_per, ',.0f')} |")
+    readiness = "; ".join(f"{engine} " + ", ".join(f"{r['ready_s']:.1f}" for r in runs[engine]) + " s"
+                          for engine in runs)
+    lines += ["", f"Ready, from starting the server to its first answered completion (jmoe: every program compiled, "
+                  f"with the compile cache as each round found it), round by round: {readiness}."]
     if len(runs) == 2:
         lines += ["", "| clients | jmoe / transformers tokens/s |", "|---|---|"]
         lines += [f"| {c} | {median('jmoe', c, 'tokens_per_s') / median('transformers', c, 'tokens_per_s'):.2f}x |"
