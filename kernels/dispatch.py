@@ -43,7 +43,7 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0])]
     return platform_dependent(*args, cuda=functools.partial(_IMPLS["pallas"], activation=activation),
-                                      default=functools.partial(cpu, activation=activation, per_expert=per_expert))
+                              default=functools.partial(cpu, activation=activation, per_expert=per_expert))
 
 
 def _on_plain_arrays(impl, *args, **kwargs):

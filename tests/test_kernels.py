@@ -260,7 +260,7 @@ def test_triton_launch_grid_covers_all_rows():
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks what is traced where there is no GPU")
-def test_without_a_gpu_only_the_cpu_branch_is_traced_and_a_gpu_target_traces_both():
+def test_without_a_gpu_only_the_cpu_branch_is_traced_and_a_gpu_target_traces_every_branch():
     traced = []
 
     def branch(name):
