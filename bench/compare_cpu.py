@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import add_smoke_argument, read_bandwidth_gbs, smoke_run, write_random_checkpoint, write_result
-from bench.decode import COMPARE_MODELS, PROMPT, bytes_read_per_token, compare_models
+from bench.decode import COMPARE_MODELS, PROMPT, compare_models, weight_reads
 
 MAX_QUIET_LOAD = 1.0  # 1-minute load average above which a run is not a result
 
@@ -54,7 +54,7 @@ def jmoe_worker(args) -> dict:
         run = lambda: model.generate_detailed([PROMPT], args.tokens, SamplingParams())  # noqa: E731
         run()  # compiles the prompt and decode steps of this KV-cache length
         samples = [(r.decode_seconds / r.decode_steps) for r in (run() for _ in range(args.repeats))]
-        return {"seconds": samples, "bytes_per_token": bytes_read_per_token(model)}
+        return {"seconds": samples, "bytes_per_token": weight_reads(model).step()}
     prompt = prompt_ids(args.prompt_len)
     run = lambda: model.generate_detailed([prompt], 1, SamplingParams()).prefill_seconds  # noqa: E731
     run()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,13 +48,31 @@ def compare_models(smoke: bool) -> dict:
     return {name: smoke_spec(spec) for name, spec in COMPARE_MODELS.items()} if smoke else COMPARE_MODELS
 
 
-def bytes_read_per_token(model) -> int:
-    """Weights one batch-1 decode token reads: every dense matrix, top_k experts per MoE layer, one embedding row."""
+class WeightReads(NamedTuple):
+    """Weight bytes a decode step reads: `fixed` whatever its rows (every dense matrix, and the embedding when it is
+    the LM head too), `per_row` per token (an embedding row, when it is not) and `per_expert` per expert of a MoE
+    layer (each distinct expert once)."""
+
+    fixed: int
+    per_row: int
+    per_expert: int
+    moe_layers: int
+    top_k: int
+
+    def step(self, rows: float = 1, experts_per_layer: float | None = None) -> float:
+        """Bytes of a step of `rows` tokens that reads `experts_per_layer` distinct experts in each MoE layer (top_k,
+        as one row needs, by default)."""
+        experts = self.top_k if experts_per_layer is None else experts_per_layer
+        return self.fixed + rows * self.per_row + self.moe_layers * experts * self.per_expert
+
+
+def weight_reads(model) -> WeightReads:
     placement, cfg = model.placement_plan, model.config
     dense = sum(b for k, b in placement.nbytes.items() if placement.groups[k] not in ("experts", "embedding"))
     embed = placement.nbytes["embed"]
-    embed_read = embed if cfg.tie_word_embeddings else embed // cfg.vocab_size
-    return dense + embed_read + cfg.num_moe_layers * cfg.num_experts_per_tok * placement.expert_bytes
+    tied = cfg.tie_word_embeddings
+    return WeightReads(dense + (embed if tied else 0), 0 if tied else embed // cfg.vocab_size, placement.expert_bytes,
+                       cfg.num_moe_layers, cfg.num_experts_per_tok)
 
 
 def jmoe_decode(model, new_tokens: int) -> tuple[float, float]:
@@ -93,7 +112,7 @@ def cmd_compare(args) -> None:
         params = sum(model.placement_plan.nbytes.values()) // 4
         jmoe_tps, _ = jmoe_decode(model, args.tokens)
         hf_tps = transformers_decode(directory, args.tokens)
-        per_token = bytes_read_per_token(model)
+        per_token = weight_reads(model).step()
         bound = bandwidth * 1e9 / per_token
         rows.append(f"| {name} | {params / 1e6:.0f}M | {jmoe_tps:.1f} | {hf_tps:.1f} | {jmoe_tps / hf_tps:.2f}x | "
                     f"{per_token / 1e6:.1f} MB | {bound:.1f} | {jmoe_tps / bound:.0%} |")

@@ -9,7 +9,8 @@ model was trained on; 16-192 tokens) and max_tokens 16-128, greedy, streamed. Fo
 client threads take the requests in order until none are left; each server runs in its own process, the
 engines alternate over --rounds, and every figure is the median over rounds. Reported per engine and level:
 aggregate generated tokens/s, time to first token p50/p99, inter-token latency p50/p99; for jmoe also the
-expert-cache hit rate and host-to-device bytes per generated token (its /metrics). Then a soak: --soak
+expert-cache hit rate, host-to-device bytes per generated token (its /metrics) and the share of the decode bound
+(the bytes its decode steps had to read, at this machine's measured read bandwidth). Then a soak: --soak
 more requests at concurrency 8 through the last round's jmoe server, its resident memory after the first 50
 and at the end.
 """
@@ -29,12 +30,14 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, write_result
+from bench.common import add_smoke_argument, read_bandwidth_gbs, smoke_run, write_result
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
+from bench.decode import WeightReads, weight_reads
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
 ENGINES = ("jmoe", "transformers")
@@ -160,7 +163,8 @@ def complete(client: httpx.Client, server: Server, prompt: str, max_tokens: int,
     if not arrivals:
         raise RuntimeError(f"{server.engine}: a completion produced no token")
     tokens = usage["completion_tokens"] if usage else len(arrivals)
-    return {"ttft": arrivals[0] - began, "gaps": list(np.diff(arrivals)), "tokens": tokens}
+    return {"ttft": arrivals[0] - began, "gaps": list(np.diff(arrivals)), "tokens": tokens,
+            "prompt_tokens": usage["prompt_tokens"] if usage else None}
 
 
 def run_level(server: Server, requests: list, concurrency: int) -> dict:
@@ -199,8 +203,13 @@ def run_level(server: Server, requests: list, concurrency: int) -> dict:
     ttft = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
     tokens = sum(r["tokens"] for r in results)
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "ttft_p50": np.percentile(ttft, 50),
-            "ttft_p99": np.percentile(ttft, 99), "itl_p50": np.percentile(gaps, 50) if gaps else float("nan"),
+    # Cached tokens the decode steps' attention reads: the first token comes from the prefill, the i-th after it
+    # attends to the prompt and the i tokens before it.
+    kv_reads = (sum((r["tokens"] - 1) * r["prompt_tokens"] + r["tokens"] * (r["tokens"] - 1) // 2 for r in results)
+                if all(r["prompt_tokens"] is not None for r in results) else None)
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "requests": len(results), "kv_reads": kv_reads,
+            "ttft_p50": np.percentile(ttft, 50), "ttft_p99": np.percentile(ttft, 99),
+            "itl_p50": np.percentile(gaps, 50) if gaps else float("nan"),
             "itl_p99": np.percentile(gaps, 99) if gaps else float("nan")}
 
 
@@ -213,9 +222,44 @@ def expert_traffic(before: dict, after: dict, tokens: int) -> tuple[float | None
     return hit_rate, (None if moved is None else moved / tokens)
 
 
+class DecodeReads(NamedTuple):
+    """What bounds a level's decode: the model's weight reads, its cached bytes per token and the measured
+    read bandwidth."""
+
+    weights: WeightReads
+    kv_per_token: int
+    bandwidth_gbs: float
+
+
+def decode_reads(model_dir: Path, smoke: bool) -> DecodeReads:
+    """The model's byte counts (loaded here once, then dropped) and this machine's streaming read bandwidth."""
+    import jmoe
+    from jmoe.model.transformer import kv_bytes_per_token
+
+    model = jmoe.load(model_dir, progress=False)
+    return DecodeReads(weight_reads(model), kv_bytes_per_token(model.config, model.kv_dtype),
+                       read_bandwidth_gbs(smoke))
+
+
+def decode_bound(reads: DecodeReads, level: dict, before: dict, after: dict) -> float | None:
+    """Generated tokens/s if the level's decode steps had only to read their bytes once at the measured bandwidth:
+    per step the dense weights and each MoE layer's distinct experts (the server's counts), plus the cached tokens
+    every row attends to. Prefill is left out, so the bound is generous."""
+    layer_steps = after.get("jmoe:decode_distinct_experts_count", 0.0) - before.get("jmoe:decode_distinct_experts_count",
+                                                                                      0.0)
+    if not layer_steps or level["kv_reads"] is None:
+        return None
+    distinct = (after["jmoe:decode_distinct_experts_sum"] - before.get("jmoe:decode_distinct_experts_sum", 0.0))
+    steps = layer_steps / reads.weights.moe_layers
+    rows = (level["tokens"] - level["requests"]) / steps
+    nbytes = steps * reads.weights.step(rows, distinct / layer_steps) + level["kv_reads"] * reads.kv_per_token
+    return level["tokens"] / (nbytes / (reads.bandwidth_gbs * 1e9))
+
+
 # ---- the run ---------------------------------------------------------------------------------------------
 
-def measure(engine: str, args, requests: list, log_dir: Path, soak_requests: list | None = None) -> dict:
+def measure(engine: str, args, requests: list, log_dir: Path, reads: DecodeReads,
+            soak_requests: list | None = None) -> dict:
     """Every concurrency level through one fresh server of `engine`; then, given `soak_requests`, those at 8
     clients through the same server, with its resident memory after the first 50 (or a tenth) and at the end."""
     server = Server(engine, args, log_dir / f"{engine}_{time.monotonic_ns()}.log")
@@ -226,7 +270,9 @@ def measure(engine: str, args, requests: list, log_dir: Path, soak_requests: lis
             before = server.metrics() if engine == "jmoe" else {}
             level = run_level(server, requests, concurrency)
             if engine == "jmoe":
-                level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, server.metrics(), level["tokens"])
+                after = server.metrics()
+                level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, after, level["tokens"])
+                level["bound"] = decode_bound(reads, level, before, after)
             levels[concurrency] = level
         soaked = None
         if soak_requests:
@@ -245,25 +291,41 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and np.isnan(value)) else format(value, spec)
 
 
-def report(args, runs: dict, soaked: dict | None, start_load: float, conditions: str) -> str:
+def report(args, runs: dict, soaked: dict | None, start_load: float, conditions: str, reads: DecodeReads) -> str:
     median = lambda engine, c, key: statistics.median(r["levels"][c][key] for r in runs[engine])  # noqa: E731
     lines = [load_warning(start_load) + conditions, "",
              f"Model `{args.model}`, float32, greedy, streamed completions; jmoe `--cache {args.cache}` "
              f"`--max-batch {args.max_batch}`; {args.requests} requests per level (seed {args.seed}); medians of "
              f"{args.rounds} rounds, engines alternated.", "",
              "| engine | clients | tokens/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | "
-             "ITL p99 (ms) | hit rate | bytes/token |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p99 (ms) | hit rate | bytes/token | decode bound (tokens/s) | share of bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    bounds = {}
     for engine in runs:
         single = median(engine, args.concurrency[0], "tokens_per_s")
         for c in args.concurrency:
-            hit = bytes_per = None
+            hit = bytes_per = bound = share = None
             if engine == "jmoe" and runs[engine][0]["levels"][c].get("hit_rate") is not None:
                 hit = median(engine, c, "hit_rate")
                 bytes_per = median(engine, c, "bytes_per_token")
+            if engine == "jmoe" and runs[engine][0]["levels"][c].get("bound") is not None:
+                bound = bounds[c] = median(engine, c, "bound")
+                share = median(engine, c, "tokens_per_s") / bound
             lines.append(f"| {engine} | {c} | {median(engine, c, 'tokens_per_s'):.1f} | "
                          f"{median(engine, c, 'tokens_per_s') / single:.2f}x | {1e3 * median(engine, c, 'ttft_p50'):.0f} | "
                          f"{1e3 * median(engine, c, 'ttft_p99'):.0f} | {1e3 * median(engine, c, 'itl_p50'):.1f} | "
-                         f"{1e3 * median(engine, c, 'itl_p99'):.1f} | {fmt(hit, '.3f')} | {fmt(bytes_per, ',.0f')} |")
+                         f"{1e3 * median(engine, c, 'itl_p99'):.1f} | {fmt(hit, '.3f')} | {fmt(bytes_per, ',.0f')} | "
+                         f"{fmt(bound, ',.0f')} | {fmt(share, '.1%')} |")
+    if bounds:
+        first = args.concurrency[0]
+        lines += ["", f"Decode bound: generated tokens over the time to read, once, what the level's decode steps "
+                      f"needed (per step the dense weights, {reads.weights.fixed / 1e6:.2f} MB, and each MoE layer's "
+                      f"distinct experts as the server counted them, {reads.weights.per_expert / 1e6:.2f} MB each; "
+                      f"every row's cached tokens, {reads.kv_per_token / 1e3:.1f} kB each) at this machine's "
+                      f"{reads.bandwidth_gbs:.1f} GB/s streaming read bandwidth (bench.common.read_bandwidth_gbs); prefill "
+                      f"is left out. The bound's own ratio to {first} client"
+                      f"{'' if first == 1 else 's'}: " + ", ".join(f"{bounds[c] / bounds[first]:.2f}x at {c}"
+                                                                  for c in bounds) + "."]
     readiness = "; ".join(f"{engine} " + ", ".join(f"{r['ready_s']:.1f}" for r in runs[engine]) + " s"
                           for engine in runs)
     lines += ["", f"Ready, from starting the server to its first answered completion (jmoe: every program compiled, "
@@ -308,6 +370,7 @@ def main(argv=None) -> None:
         args.workdir.mkdir(parents=True, exist_ok=True)
         prompt_range, output_range = ((8, 24), (4, 8)) if args.smoke else ((16, 192), (16, 128))
         requests = workload(args.model, args.requests, args.seed, prompt_range, output_range)
+        reads = decode_reads(args.model, args.smoke)
         began = time.monotonic()
         runs = {engine: [] for engine in args.engines}
         soak_requests = workload(args.model, args.soak, args.seed + 1, prompt_range, output_range) if args.soak else None
@@ -315,12 +378,13 @@ def main(argv=None) -> None:
             for engine in args.engines:
                 print(f"round {round_index + 1}: {engine}", file=sys.stderr, flush=True)
                 last_jmoe = engine == "jmoe" and round_index == args.rounds - 1
-                runs[engine].append(measure(engine, args, requests, args.workdir, soak_requests if last_jmoe else None))
+                runs[engine].append(measure(engine, args, requests, args.workdir, reads,
+                                            soak_requests if last_jmoe else None))
         soaked = runs["jmoe"][-1]["soak"] if "jmoe" in runs else None
         conditions = (f"Load average {start_load:.2f} at the start, {load_average():.2f} at the end; whole run "
                       f"{time.monotonic() - began:.0f} s.")
         path = write_result(args.out, "Serving under load: jmoe against transformers serve", report(
-            args, runs, soaked, start_load, conditions))
+            args, runs, soaked, start_load, conditions, reads))
         print(path.read_text())
 
 
