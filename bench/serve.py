@@ -119,13 +119,15 @@ class Server:
         raise RuntimeError("no VmRSS")
 
     def metrics(self) -> dict[str, float]:
-        """jmoe's /metrics summed by metric name (labels dropped)."""
+        """jmoe's /metrics summed by metric name (labels dropped), and each labelled series under its full name."""
         totals: dict[str, float] = {}
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
             if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                name = name.split("{")[0]
+                series, value = line.rsplit(" ", 1)
+                name = series.split("{")[0]
                 totals[name] = totals.get(name, 0.0) + float(value)
+                if series != name:
+                    totals[series] = float(value)
         return totals
 
     def stop(self) -> None:
@@ -207,7 +209,8 @@ def run_level(server: Server, requests: list, concurrency: int) -> dict:
     # attends to the prompt and the i tokens before it.
     kv_reads = (sum((r["tokens"] - 1) * r["prompt_tokens"] + r["tokens"] * (r["tokens"] - 1) // 2 for r in results)
                 if all(r["prompt_tokens"] is not None for r in results) else None)
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "requests": len(results), "kv_reads": kv_reads,
+    return {"tokens_per_s": tokens / wall, "wall": wall, "tokens": tokens, "requests": len(results),
+            "kv_reads": kv_reads,
             "ttft_p50": np.percentile(ttft, 50), "ttft_p99": np.percentile(ttft, 99),
             "itl_p50": np.percentile(gaps, 50) if gaps else float("nan"),
             "itl_p99": np.percentile(gaps, 99) if gaps else float("nan")}
@@ -241,15 +244,29 @@ def decode_reads(model_dir: Path, smoke: bool) -> DecodeReads:
                        read_bandwidth_gbs(smoke))
 
 
+def metric_delta(before: dict, after: dict, series: str) -> float:
+    return after.get(series, 0.0) - before.get(series, 0.0)
+
+
+def step_times(level: dict, before: dict, after: dict) -> dict[str, float]:
+    """Where the level's wall time went in jmoe's engine: its decode and prefill steps' shares, a decode step's mean
+    time and rows (tokens it generated; a request's first token comes from its prefill)."""
+    decode = metric_delta(before, after, 'jmoe:step_seconds_sum{kind="decode"}')
+    steps = metric_delta(before, after, 'jmoe:step_seconds_count{kind="decode"}')
+    prefill = metric_delta(before, after, 'jmoe:step_seconds_sum{kind="prefill"}')
+    return {"decode_share": decode / level["wall"], "prefill_share": prefill / level["wall"],
+            "decode_ms": 1e3 * decode / steps if steps else float("nan"),
+            "decode_rows": (level["tokens"] - level["requests"]) / steps if steps else float("nan")}
+
+
 def decode_bound(reads: DecodeReads, level: dict, before: dict, after: dict) -> float | None:
     """Generated tokens/s if the level's decode steps had only to read their bytes once at the measured bandwidth:
     per step the dense weights and each MoE layer's distinct experts (the server's counts), plus the cached tokens
     every row attends to. Prefill is left out, so the bound is generous."""
-    layer_steps = after.get("jmoe:decode_distinct_experts_count", 0.0) - before.get("jmoe:decode_distinct_experts_count",
-                                                                                      0.0)
+    layer_steps = metric_delta(before, after, "jmoe:decode_distinct_experts_count")
     if not layer_steps or level["kv_reads"] is None:
         return None
-    distinct = (after["jmoe:decode_distinct_experts_sum"] - before.get("jmoe:decode_distinct_experts_sum", 0.0))
+    distinct = metric_delta(before, after, "jmoe:decode_distinct_experts_sum")
     steps = layer_steps / reads.weights.moe_layers
     rows = (level["tokens"] - level["requests"]) / steps
     nbytes = steps * reads.weights.step(rows, distinct / layer_steps) + level["kv_reads"] * reads.kv_per_token
@@ -273,6 +290,7 @@ def measure(engine: str, args, requests: list, log_dir: Path, reads: DecodeReads
                 after = server.metrics()
                 level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, after, level["tokens"])
                 level["bound"] = decode_bound(reads, level, before, after)
+                level.update(step_times(level, before, after))
             levels[concurrency] = level
         soaked = None
         if soak_requests:
@@ -322,10 +340,19 @@ def report(args, runs: dict, soaked: dict | None, start_load: float, conditions:
                       f"needed (per step the dense weights, {reads.weights.fixed / 1e6:.2f} MB, and each MoE layer's "
                       f"distinct experts as the server counted them, {reads.weights.per_expert / 1e6:.2f} MB each; "
                       f"every row's cached tokens, {reads.kv_per_token / 1e3:.1f} kB each) at this machine's "
-                      f"{reads.bandwidth_gbs:.1f} GB/s streaming read bandwidth (bench.common.read_bandwidth_gbs); prefill "
-                      f"is left out. The bound's own ratio to {first} client"
+                      f"{reads.bandwidth_gbs:.1f} GB/s streaming read bandwidth (bench.common.read_bandwidth_gbs); "
+                      f"prefill is left out. The bound's own ratio to {first} client"
                       f"{'' if first == 1 else 's'}: " + ", ".join(f"{bounds[c] / bounds[first]:.2f}x at {c}"
                                                                   for c in bounds) + "."]
+    if "jmoe" in runs:
+        lines += ["", "Where jmoe's wall time went (its /metrics step sums; the rest: between steps, handing tokens to "
+                      "the HTTP side, waiting for requests):", "",
+                  "| clients | decode steps | ms per decode step | rows per decode step | prefill steps | rest |",
+                  "|---|---|---|---|---|---|"]
+        for c in args.concurrency:
+            decode, prefill = median("jmoe", c, "decode_share"), median("jmoe", c, "prefill_share")
+            lines.append(f"| {c} | {decode:.0%} | {median('jmoe', c, 'decode_ms'):.2f} | "
+                         f"{median('jmoe', c, 'decode_rows'):.2f} | {prefill:.0%} | {1 - decode - prefill:.0%} |")
     readiness = "; ".join(f"{engine} " + ", ".join(f"{r['ready_s']:.1f}" for r in runs[engine]) + " s"
                           for engine in runs)
     lines += ["", f"Ready, from starting the server to its first answered completion (jmoe: every program compiled, "
