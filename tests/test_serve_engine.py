@@ -87,6 +87,36 @@ def test_a_padded_last_chunk_reaching_past_the_context_writes_only_its_real_toke
     assert tokens_of(request) == expected
 
 
+class StepLog:
+    """An engine observer that keeps (kind, rows, tokens per entry) of every step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def step(self, kind, seconds, rows, routing):
+        self.steps.append((kind, rows, routing.shape[2]))
+
+    def finished(self, request):
+        pass
+
+
+def test_a_round_prefills_one_step_per_chunk_bucket_smallest_first(model, prompt_ids):
+    """A short and a 100-token prompt arrive together (context 128: chunks of 16 and 64): the round prefills the short
+    one alone in a 16-token step, so its first token does not wait for the long one, then the long one's first 64
+    tokens; the next round the long one's last 36, padded to 64. The tokens are still generate's."""
+    long_prompt = (prompt_ids[1] * 40)[:100]
+    log = StepLog()
+    engine = ServingEngine(model, max_batch=2, context=128, observer=log)
+    short, long = engine.submit(prompt_ids[0], greedy(6)), engine.submit(long_prompt, greedy(6))
+    engine.step()
+    assert log.steps == [("prefill", 1, 16), ("prefill", 1, 64), ("decode", 1, 1)]
+    assert short.completion_tokens == 2 and long.completion_tokens == 0 and long.prefilled == 64
+    run_until_done(engine, [short, long])
+    assert log.steps[3] == ("prefill", 1, 64)
+    assert tokens_of(short) == model.generate(prompt_ids[0], max_new_tokens=6)[0]
+    assert tokens_of(long) == model.generate(long_prompt, max_new_tokens=6)[0]
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3_qlora_groups", "gpt_oss_e4k2_window"])
 def test_other_families_serve_their_generate_tokens(family, hf_checkpoints):
     """Latent attention's compressed cache (per-row writes into both of its arrays), and attention sinks with
