@@ -54,9 +54,10 @@ class SectionResult:
         """passed None = not run (detail says why)."""
         self.checks.append({"name": name, "passed": passed, "detail": detail})
 
-    def attempt(self, name: str, budget: Budget, fn) -> None:
-        """Record fn() -> (passed, detail) as check `name`: not run when out of time, failed on an exception."""
-        if budget.out_of_time():
+    def attempt(self, name: str, budget: Budget | None, fn) -> None:
+        """Record fn() -> (passed, detail) as check `name`: not run when out of time (budget None: fn is cheap, run it
+        whatever the time), failed on an exception."""
+        if budget is not None and budget.out_of_time():
             self.check(name, None, OUT_OF_TIME)
             return
         try:
