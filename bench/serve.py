@@ -216,13 +216,18 @@ def run_level(server: Server, requests: list, concurrency: int) -> dict:
             "itl_p99": np.percentile(gaps, 99) if gaps else float("nan")}
 
 
+def metric_delta(before: dict, after: dict, series: str) -> float:
+    """A counter's growth between two jmoe /metrics readings (0 for one neither has)."""
+    return after.get(series, 0.0) - before.get(series, 0.0)
+
+
 def expert_traffic(before: dict, after: dict, tokens: int) -> tuple[float | None, float | None]:
     """Hit rate and host-to-device bytes per generated token between two jmoe /metrics readings."""
-    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
-    hits, misses = delta.get("jmoe:expert_cache_hits_total", 0.0), delta.get("jmoe:expert_cache_misses_total", 0.0)
-    moved = delta.get("jmoe:expert_cache_host_to_device_bytes_total")
+    hits = metric_delta(before, after, "jmoe:expert_cache_hits_total")
+    misses = metric_delta(before, after, "jmoe:expert_cache_misses_total")
+    moved_name = "jmoe:expert_cache_host_to_device_bytes_total"
     hit_rate = hits / (hits + misses) if hits + misses else None
-    return hit_rate, (None if moved is None else moved / tokens)
+    return hit_rate, (metric_delta(before, after, moved_name) / tokens if moved_name in after else None)
 
 
 class DecodeReads(NamedTuple):
@@ -244,32 +249,27 @@ def decode_reads(model_dir: Path, smoke: bool) -> DecodeReads:
                        read_bandwidth_gbs(smoke))
 
 
-def metric_delta(before: dict, after: dict, series: str) -> float:
-    return after.get(series, 0.0) - before.get(series, 0.0)
-
-
 def step_times(level: dict, before: dict, after: dict) -> dict[str, float]:
-    """Where the level's wall time went in jmoe's engine: its decode and prefill steps' shares, a decode step's mean
-    time and rows (tokens it generated; a request's first token comes from its prefill)."""
+    """Where the level's wall time went in jmoe's engine: its decode and prefill steps' shares, and its decode steps'
+    count, mean time and mean rows (tokens they generated; a request's first token comes from its prefill)."""
     decode = metric_delta(before, after, 'jmoe:step_seconds_sum{kind="decode"}')
     steps = metric_delta(before, after, 'jmoe:step_seconds_count{kind="decode"}')
     prefill = metric_delta(before, after, 'jmoe:step_seconds_sum{kind="prefill"}')
-    return {"decode_share": decode / level["wall"], "prefill_share": prefill / level["wall"],
+    return {"decode_share": decode / level["wall"], "prefill_share": prefill / level["wall"], "decode_steps": steps,
             "decode_ms": 1e3 * decode / steps if steps else float("nan"),
             "decode_rows": (level["tokens"] - level["requests"]) / steps if steps else float("nan")}
 
 
 def decode_bound(reads: DecodeReads, level: dict, before: dict, after: dict) -> float | None:
-    """Generated tokens/s if the level's decode steps had only to read their bytes once at the measured bandwidth:
-    per step the dense weights and each MoE layer's distinct experts (the server's counts), plus the cached tokens
-    every row attends to. Prefill is left out, so the bound is generous."""
+    """Generated tokens/s if the level's decode steps (step_times' count and rows) had only to read their bytes once
+    at the measured bandwidth: per step the dense weights and each MoE layer's distinct experts (the server's
+    counts), plus the cached tokens every row attends to. Prefill is left out, so the bound is generous."""
     layer_steps = metric_delta(before, after, "jmoe:decode_distinct_experts_count")
     if not layer_steps or level["kv_reads"] is None:
         return None
-    distinct = metric_delta(before, after, "jmoe:decode_distinct_experts_sum")
-    steps = layer_steps / reads.weights.moe_layers
-    rows = (level["tokens"] - level["requests"]) / steps
-    nbytes = steps * reads.weights.step(rows, distinct / layer_steps) + level["kv_reads"] * reads.kv_per_token
+    distinct = metric_delta(before, after, "jmoe:decode_distinct_experts_sum") / layer_steps
+    step_bytes = reads.weights.step(level["decode_rows"], distinct)
+    nbytes = level["decode_steps"] * step_bytes + level["kv_reads"] * reads.kv_per_token
     return level["tokens"] / (nbytes / (reads.bandwidth_gbs * 1e9))
 
 
@@ -289,8 +289,8 @@ def measure(engine: str, args, requests: list, log_dir: Path, reads: DecodeReads
             if engine == "jmoe":
                 after = server.metrics()
                 level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, after, level["tokens"])
-                level["bound"] = decode_bound(reads, level, before, after)
                 level.update(step_times(level, before, after))
+                level["bound"] = decode_bound(reads, level, before, after)
             levels[concurrency] = level
         soaked = None
         if soak_requests:
