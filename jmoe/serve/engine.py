@@ -31,6 +31,7 @@ from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
 from jmoe.decode.sampling import SamplingArrays
 from jmoe.model import empty_kv_cache
+from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
 from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_prefill_fn
 from jmoe.serve.text import StopText
@@ -145,6 +146,8 @@ class ServingEngine:
         self._choose = {(greedy, logprobs): make_choose_fn(greedy, logprobs)
                         for greedy in (True, False) for logprobs in (True, False)}
         self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self._mappings = MappingBudget(f"lower max_batch or context (--max-batch {max_batch}, --context {context}: "
+                                       f"{self.program_count} programs)")
         self.kv_cache = empty_kv_cache(cfg, max_batch, context, model.kv_dtype)
         self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
         self._rows: list[Request | None] = [None] * max_batch
@@ -246,10 +249,18 @@ class ServingEngine:
         self.counts = jnp.zeros_like(self.counts)
         self.ready = True
 
+    @property
+    def program_count(self) -> int:
+        """The programs warm_up compiles: per entry bucket, prefill (each chunk bucket, first or later chunks), token
+        choice (each variant) and decode (each visible bucket)."""
+        return len(self.entry_buckets) * (2 * len(self.chunks) + len(self._choose) + len(self.visible_buckets))
+
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = fn.lower(*args).compile()
+            # Compiled XLA:CPU programs hold hundreds of memory mappings each (jmoe.serve.mappings).
+            with self._mappings.compiling(max(1, self.program_count - len(self._programs))):
+                program = self._programs[key] = fn.lower(*args).compile()
         return program
 
     # ---- the step loop (engine thread) ----------------------------------------------------------------
