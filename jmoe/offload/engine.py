@@ -90,7 +90,8 @@ class OffloadEngine(ResidentEngine):
         self.host_experts = [layers[i].experts for i in self.layers]
         if self.tier_reader is not None:
             self.tier = HostTier(self.tier_reader, tuple(self.config.moe_layer_indices[i] for i in self.layers),
-                                 self.host_experts, self.placement.host_rows, self.config.num_experts)
+                                 self.host_experts, self.placement.host_rows, self.config.num_experts,
+                                 queue_depth=self.config.num_experts_per_tok)
         self.reset(self.initial_policy)
 
     def close(self) -> None:
@@ -210,12 +211,12 @@ class OffloadEngine(ResidentEngine):
                 evicted[nxt] = evicted[nxt] + ahead_evicted
             host, tier = layer.experts, {}
             if self.tier is not None:  # host rows, and the experts in none of them read from disk
-                # k experts a round (one round for a decode row): a round's buffers are host memory the size of
-                # its experts, allocated whole, so the scratch's M (up to E) would cost M experts per read.
+                # One expert a round, the next k in flight: a round's buffers are host memory the size of its
+                # experts, so a round of k held k experts at once, and none computed before all k had arrived.
                 host = state.host_tier[i]
                 tier = {"host_rows": state.host_row_of_expert[i], "disk": functools.partial(
-                    disk_experts, round_size=self.config.num_experts_per_tok, like=self.host_experts[i],
-                    read_round=functools.partial(self.tier.read_round, i), kernel=kernel)}
+                    disk_experts, like=self.host_experts[i], read_expert=functools.partial(self.tier.read_expert, i),
+                    kernel=kernel)}
             if decode and self.miss_mode == "host":
                 y, counts[i] = host_compute_misses(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)
             elif decode:

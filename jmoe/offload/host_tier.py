@@ -7,13 +7,16 @@ only between steps, from what the disk threads read (jmoe.traces.tiers: inclusiv
 one-level cache of H misses; exclusive would copy every device victim back).
 
 Inside a step (`disk_experts`): the experts a layer needs that are in neither a slot nor a row are read by a
-loop whose trip count is their number over R, each iteration an `io_callback` that waits for the reader and
-returns R experts' weights, computed by the layer's kernel as one more partial output. No expert missing: no
-iteration, no callback. A step keeps one of each layer's reads for admission (the policy's best as of the
-step's start: the others are let go once computed, so a token's reads never pile up in memory); between steps
-(`HostTier.admissions`) the policy's ranking admits it into a row, written in place (`write_row`: the rows'
-buffer is donated, so a write costs one expert, not the layer's H). The host budget counts these staged experts
-(`STAGED_PER_LAYER`, and the read-ahead's) next to the rows.
+loop whose trip count is their number, each iteration an `io_callback` that returns one expert's weights, computed
+by the layer's kernel as one more partial output. The callback keeps the reads of the next experts in flight (up
+to k, the router's experts per token: one decode row's, with queue depth for the disk), so an expert computes
+while the next ones still arrive, and host memory holds one expert of the layer in the program at a time. No
+expert missing: no iteration, no callback. On a GPU each round is a host round trip; the disk read it waits for
+(tens of ms for a 39 MB expert) is what costs. A step keeps one of each layer's reads for admission (the
+policy's best as of the step's start: the others are let go once computed, so a token's reads never pile up in
+memory); between steps (`HostTier.admissions`) the policy's ranking admits it into a row, written in place
+(`write_row`: the rows' buffer is donated, so a write costs one expert, not the layer's H). The host budget
+counts these staged experts (`STAGED_PER_LAYER`, and the read-ahead's) next to the rows.
 
 Read-ahead (`HostTier.read_ahead`, the engine's `read_ahead` option): between steps the history predictor's
 best-scored experts of the next token that are in no row are submitted to the reader, so their reads run
@@ -55,28 +58,21 @@ def expert_weights_from(read: dict[str, np.ndarray], like: ExpertWeights) -> Exp
     return ExpertWeights(weight("w_gate_up"), weight("w_down"), *biases)
 
 
-def disk_experts(x, ids, weights, on_disk, *, round_size: int, like: ExpertWeights, read_round, kernel):
-    """float32 [T, d]: the contribution of the experts marked in `on_disk` (bool [E]), read `round_size` at a time
-    by `read_round(ids int32 [R], valid bool [R])` (a host callback returning that many experts' leaves, shaped
-    like `like`'s, invalid entries zeros) and computed by `kernel` on them."""
-    num_experts = on_disk.shape[0]
-    rounds_max = -(-num_experts // round_size)
+def disk_experts(x, ids, weights, on_disk, *, like: ExpertWeights, read_expert, kernel):
+    """float32 [T, d]: the contribution of the experts marked in `on_disk` (bool [E]), one a round: round r calls
+    `read_expert(order int32 [E], count int32, r)` (a host callback returning expert order[r]'s leaves, shaped like
+    `like`'s with a leading axis of 1; order[:count] are the marked experts, lowest first) and computes it."""
     count = jnp.sum(on_disk, dtype=jnp.int32)
-    order = jnp.nonzero(on_disk, size=rounds_max * round_size, fill_value=0)[0].astype(jnp.int32)
+    order = jnp.nonzero(on_disk, size=on_disk.shape[0], fill_value=0)[0].astype(jnp.int32)
     token_rank = slot_ids_of(rank_among(on_disk), ids)
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((round_size, *a.shape[1:]), a.dtype), like.stacked())
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), like.stacked())
 
     def body(carry):
         r, y = carry
-        first = r * round_size
-        round_ids = jax.lax.dynamic_slice_in_dim(order, first, round_size)
-        valid = first + jnp.arange(round_size) < count
-        buffers = jax.experimental.io_callback(read_round, shapes, round_ids, valid, ordered=False)
-        slot_ids = chunk_slot_ids(token_rank, first, round_size)
-        return r + 1, y + kernel(x, slot_ids, weights, buffers, out_dtype=jnp.float32)
+        buffers = jax.experimental.io_callback(read_expert, shapes, order, count, r, ordered=False)
+        return r + 1, y + kernel(x, chunk_slot_ids(token_rank, r, 1), weights, buffers, out_dtype=jnp.float32)
 
-    rounds = (count + round_size - 1) // round_size
-    _, y = jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.int32(0), jnp.zeros(x.shape, jnp.float32)))
+    _, y = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), jnp.zeros(x.shape, jnp.float32)))
     return y
 
 
@@ -123,11 +119,13 @@ class HostTier:
     """The host rows of the offloaded layers, what is in them, and the reads of a step (see the module
     docstring). `moe_layers`: the decoder layer index of each offloaded layer; `like`: each one's experts as the
     model holds them (their leaves' shapes past the expert axis, dtypes, formats); `reader`: an expert reader of
-    the checkpoint (jmoe.checkpoint.expert_reader_orbax.open_expert_reader), closed by `close`."""
+    the checkpoint (jmoe.checkpoint.expert_reader_orbax.open_expert_reader), closed by `close`; `queue_depth`: the
+    reads a step keeps in flight per layer."""
 
     def __init__(self, reader, moe_layers: tuple[int, ...], like: list[ExpertWeights], rows: int,
-                 num_experts: int):
+                 num_experts: int, queue_depth: int):
         self.reader, self.moe_layers, self.like, self.rows = reader, moe_layers, like, rows
+        self.queue_depth = queue_depth
         release_large_buffers_at_free()
         self.row_of_expert = np.full((len(moe_layers), num_experts), -1, np.int32)
         self.expert_in_row = np.full((len(moe_layers), rows), -1, np.int32)
@@ -138,6 +136,7 @@ class HostTier:
         self._step_reads: dict[int, tuple[int, ExpertWeights]] = {}  # position -> the read kept for admission
         self._priority: np.ndarray | None = None  # the policy's ranking at the last admissions [Lo, E]
         self._ahead: dict[tuple[int, int], concurrent.futures.Future] = {}  # read ahead, not yet used
+        self._in_flight: dict[tuple[int, int], concurrent.futures.Future] = {}  # a step's reads, not yet returned
         self._lock = threading.Lock()
 
     # ---- the initial rows ------------------------------------------------------------------------------
@@ -150,6 +149,7 @@ class HostTier:
         self.wait_seconds = 0.0
         self._step_reads, self._priority = {}, None
         self._drop_ahead(set())
+        self._in_flight.clear()
         tiers = []
         for position, layer in enumerate(self.moe_layers):
             experts = list(range(self.rows))
@@ -162,31 +162,30 @@ class HostTier:
         return tuple(tiers)
 
     # ---- inside a step (on the callback's thread) -------------------------------------------------------
-    def read_round(self, position: int, ids, valid):
-        """The leaves of R experts of offloaded layer `position` (invalid entries zeros), read from disk."""
-        ids, valid = np.asarray(ids), np.asarray(valid)
+    def read_expert(self, position: int, order, count, r):
+        """The leaves of expert order[r] of offloaded layer `position` (order[:count]: the experts the layer reads
+        from disk this step), read from disk; first the reads of order[r:r + k] not yet in flight are submitted."""
+        order, count, r = np.asarray(order), int(count), int(r)
+        layer = self.moe_layers[position]
         with self._lock:
-            ahead = {int(e): self._ahead.pop((position, int(e)), None) for e in ids[valid]}
-            self.read_ahead_used[position] += sum(f is not None for f in ahead.values())
-        futures = {e: f or self.reader.submit(self.moe_layers[position], e) for e, f in ahead.items()}
-        like = self.like[position]
-        out = [np.zeros((len(ids), *leaf.shape[1:]), leaf.dtype) for leaf in jax.tree.leaves(like.stacked())]
-        for j, e in enumerate(ids):
-            if not valid[j]:
-                continue
-            waited = time.perf_counter()
-            read = futures[int(e)].result()
-            waited = time.perf_counter() - waited
-            weights = expert_weights_from(read, like)
-            for leaf, value in zip(out, jax.tree.leaves(weights.stacked())):
-                leaf[j] = value[0]
-            with self._lock:
-                self.disk_reads[position] += 1
-                self.wait_seconds += waited
-                kept = self._step_reads.get(position)
-                if kept is None or self._rank(position, int(e)) > self._rank(position, kept[0]):
-                    self._step_reads[position] = (int(e), weights)
-        return jax.tree.unflatten(jax.tree.structure(like.stacked()), out)
+            for e in map(int, order[r:min(count, r + self.queue_depth)]):
+                if (position, e) not in self._in_flight:
+                    ahead = self._ahead.pop((position, e), None)
+                    self.read_ahead_used[position] += ahead is not None
+                    self._in_flight[position, e] = ahead or self.reader.submit(layer, e)
+            expert = int(order[r])
+            future = self._in_flight.pop((position, expert))
+        waited = time.perf_counter()
+        read = future.result()
+        waited = time.perf_counter() - waited
+        weights = expert_weights_from(read, self.like[position])
+        with self._lock:
+            self.disk_reads[position] += 1
+            self.wait_seconds += waited
+            kept = self._step_reads.get(position)
+            if kept is None or self._rank(position, expert) > self._rank(position, kept[0]):
+                self._step_reads[position] = (expert, weights)
+        return weights.stacked()
 
     # ---- between steps ----------------------------------------------------------------------------------
     def admissions(self, priority: np.ndarray, on_device: np.ndarray) -> list[tuple[int, int, int, ExpertWeights]]:
@@ -248,5 +247,8 @@ class HostTier:
 
     def close(self) -> None:
         self._drop_ahead(set())
+        for future in self._in_flight.values():
+            future.cancel()
+        self._in_flight.clear()
         self.reader.close()
 
