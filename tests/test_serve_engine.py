@@ -322,11 +322,11 @@ def test_warm_up_runs_every_program_but_leaves_the_expert_cache_as_it_was(prompt
 def test_warm_up_stops_with_an_error_before_its_programs_pass_the_memory_mapping_limit(model, monkeypatch):
     """A compiled XLA:CPU program holds hundreds of memory mappings, and a process that passes Linux's
     vm.max_map_count crashes inside LLVM. warm_up measures what a program takes and refuses the next compile when
-    the programs still to come would pass the limit, saying what to change. Here the limit is set 1,000 mappings
-    above what the process holds, which no two programs fit."""
-    start = mappings.held_and_limit()
-    assert start is not None  # Linux: /proc has the counts
-    monkeypatch.setattr(mappings, "held_and_limit", lambda real=mappings.held_and_limit: (real()[0], start[0] + 1000))
+    the programs still to come would pass the limit (after a garbage collection has freed what dead programs held),
+    saying what to change. Here the limit is always 1,000 mappings above what the process holds: no two programs fit."""
+    real = mappings.held_and_limit
+    assert real() is not None  # Linux: /proc has the counts
+    monkeypatch.setattr(mappings, "held_and_limit", lambda: (real()[0], real()[0] + 1000))
     engine = ServingEngine(model, max_batch=1, context=64)
     with pytest.raises(InsufficientMemoryError, match=r"vm\.max_map_count.*--max-batch 1, --context 64: 7 programs"):
         engine.warm_up()

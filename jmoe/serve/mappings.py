@@ -10,6 +10,7 @@ all of its programs up front, so it can count before each one and refuse, with w
 from __future__ import annotations
 
 import contextlib
+import gc
 from pathlib import Path
 
 from jmoe.errors import InsufficientMemoryError
@@ -42,19 +43,24 @@ class MappingBudget:
     def compiling(self, remaining: int):
         """Around the compile of one of `remaining` programs still to compile (this one included)."""
         before = held_and_limit()
-        if before is not None and self.per_program:
-            held, limit = before
-            needed = self.per_program * remaining
-            if held + needed > limit * (1 - HEADROOM):
+        if before is not None and self.per_program and self._over(*before, remaining):
+            gc.collect()  # programs no longer referenced give their mappings back once collected
+            before = held_and_limit() or before
+            if self._over(*before, remaining):
+                held, limit = before
+                needed = self.per_program * remaining
                 raise InsufficientMemoryError(
                     f"compiling {remaining} more programs needs about {needed:,} memory mappings (about "
                     f"{self.per_program:,} a program on this backend), but this process holds {held:,} of the "
-                    f"{limit:,} the kernel allows (vm.max_map_count) and would crash past it: {self.what}, or raise "
-                    f"the limit (sysctl -w vm.max_map_count={_suggested_limit(held + needed)})")
+                    f"{limit:,} the kernel allows (vm.max_map_count) and would crash past it: {self.what}, or "
+                    f"raise the limit (sysctl -w vm.max_map_count={_suggested_limit(held + needed)})")
         yield
         after = held_and_limit()
         if before is not None and after is not None:
             self.per_program = max(self.per_program, after[0] - before[0])
+
+    def _over(self, held: int, limit: int, remaining: int) -> bool:
+        return held + self.per_program * remaining > limit * (1 - HEADROOM)
 
 
 def _suggested_limit(needed: int) -> int:
