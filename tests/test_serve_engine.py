@@ -275,6 +275,7 @@ def test_no_program_compiles_after_warm_up(engine, prompt_ids):
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *_, **__: compiled.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
     programs = engine.compiled_programs
+    assert programs == engine.program_count  # the count the memory-mapping check projects from
     long_prompt = (prompt_ids[1] * 40)[:100]
     mixes = [[(prompt_ids[0], greedy(3))],
              [(long_prompt, RequestParams(max_tokens=20, temperature=0.7, seed=3, logprobs=2)),
