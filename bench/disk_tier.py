@@ -72,8 +72,8 @@ def config_for(size_gb: float) -> dict:
 # ---- one engine's run (a child process) ----------------------------------------------------------------------
 
 def memmap_reader_class():
-    """ExpertReader whose bytes come from np.memmaps of the checkpoint files (page faults through the page cache,
-    as llama.cpp's mmap), everything after the bytes (checks, orientation) the same."""
+    """ExpertReader whose bytes are views of np.memmaps of the checkpoint files (no copy: page faults through the
+    page cache, as llama.cpp's mmap), everything after the bytes (checks, orientation) the same."""
     from jmoe.checkpoint.expert_reader import ExpertReader
 
     class MemmapExpertReader(ExpertReader):
@@ -82,35 +82,27 @@ def memmap_reader_class():
             self._maps = {path: np.memmap(path, np.uint8, "r") for path in self._fds}
 
         def _read_run(self, key, run):
-            return self._maps[run.file][run.start:run.end].tobytes()
+            return self._maps[run.file][run.start:run.end]
 
     return MemmapExpertReader
 
 
-ZARR_SHARD_INDEX_BYTES = 20  # zarr3's sharding index after one inner chunk: offset, length (u64 each), crc32c
-
-
 def memmap_orbax_reader_class():
-    """OrbaxExpertReader whose bytes come from np.memmaps of the checkpoint's OCDBT data files (the llama.cpp way on
-    jmoe's own format, as stored: no orientation to apply), everything after the bytes (file and CRC-32 checks) the
-    same. Each expert chunk is its raw values followed by zarr3's shard index, checked here."""
+    """OrbaxExpertReader whose bytes are views of np.memmaps of the checkpoint's OCDBT data files (the llama.cpp way
+    on jmoe's own format: no copy, the checks on the bytes fault the pages in and the step computes from them),
+    everything after the bytes (shard index, file and CRC-32 checks) the same."""
     from jmoe.checkpoint.expert_reader_orbax import OrbaxExpertReader
 
     class MemmapOrbaxExpertReader(OrbaxExpertReader):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._maps = {path: np.memmap(path, np.uint8, "r") for path in
-                          {c.value.file for chunks in self._chunks.values() for c in chunks if c.value.file}}
+            self._maps = {path: np.memmap(path, np.uint8, "r") for path in self._fds}
 
-        def _read_param(self, key, p):
-            (chunk,) = self._chunks[key[0], key[1], p.name]
-            value = chunk.value
-            raw = self._maps[value.file][value.offset:value.offset + value.length]
-            nbytes = int(np.prod(p.shape)) * p.stored.itemsize
-            offset, length = raw[-ZARR_SHARD_INDEX_BYTES:-4].view("<u8")
-            if (offset, length, value.length) != (0, nbytes, nbytes + ZARR_SHARD_INDEX_BYTES):
-                raise RuntimeError(f"{chunk.describe(self._state_dir)}: not one uncompressed chunk of {nbytes} bytes")
-            return raw[:nbytes].copy().view(p.stored).reshape(p.shape)
+        def _stored_bytes(self, key, p):
+            value = self._chunks[key[0], key[1], p.name].value
+            if value.file is None:
+                return np.frombuffer(value.inline, np.uint8)
+            return self._maps[value.file][value.offset:value.offset + value.length]
 
     return MemmapOrbaxExpertReader
 

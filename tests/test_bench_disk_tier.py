@@ -34,7 +34,7 @@ def test_memmap_orbax_reader_checks_the_bytes_it_maps(orbax_dir):
     cfg = load_config(orbax_dir)
     with memmap_orbax_reader_class()(orbax_dir, cfg) as mapped:
         layer = mapped.layers[0]
-        (chunk,) = mapped._chunks[layer, 1, "w_down"]
+        chunk = mapped._chunks[layer, 1, "w_down"]
         with open(chunk.value.file, "r+b") as f:  # flip one byte of the expert's values, size and mtime kept
             f.seek(chunk.value.offset)
             byte = f.read(1)

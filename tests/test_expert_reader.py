@@ -111,28 +111,29 @@ def merged(ranges) -> list[tuple[str, int, int]]:
     return [tuple(r) for r in out]
 
 
-REAL_PREAD = os.pread
+REAL_PREADV = os.preadv
 
 
 class PreadLog:
-    """os.pread replaced: records (file, offset, bytes returned) of every read, optionally failing some calls
-    or returning at most `limit` bytes."""
+    """os.preadv replaced: records (file, offset, bytes read) of every read, optionally failing some calls or
+    reading at most `limit` bytes."""
 
     def __init__(self, monkeypatch, fail=lambda call: False, limit=None):
         self.reads, self.calls, self.fail, self.limit = [], 0, fail, limit
         self.lock = threading.Lock()
-        monkeypatch.setattr(os, "pread", self)
+        monkeypatch.setattr(os, "preadv", self)
 
-    def __call__(self, fd, n, offset):
+    def __call__(self, fd, buffers, offset):
         with self.lock:
             self.calls += 1
             call = self.calls
         if self.fail(call):
             raise OSError(errno.EIO, "Input/output error")
-        data = REAL_PREAD(fd, n if self.limit is None else min(n, self.limit), offset)
+        (buffer,) = buffers
+        count = REAL_PREADV(fd, [memoryview(buffer)[:self.limit]], offset)
         with self.lock:
-            self.reads.append((Path(os.readlink(f"/proc/self/fd/{fd}")), offset, len(data)))
-        return data
+            self.reads.append((Path(os.readlink(f"/proc/self/fd/{fd}")), offset, count))
+        return count
 
 
 def reader_threads() -> list[threading.Thread]:
@@ -391,7 +392,7 @@ def test_partial_reads_are_continued_and_an_early_end_is_an_error(small_mixtral_
         for key, value in reader.read(0, 2).items():
             assert_bitwise_equal(value, expected[key], key)
         assert len(drip.reads) > 10
-        monkeypatch.setattr(os, "pread", lambda fd, n, offset: b"")  # the end of the file, size unchanged
+        monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)  # the end of the file, size unchanged
         name, path, begin, _ = expert_tensor(small_mixtral_copy, 0, 2)
         with pytest.raises(CheckpointError,
                            match=rf"{quoted(path)}: the file ends at byte {begin} inside .*{quoted(name)}.*truncated"):

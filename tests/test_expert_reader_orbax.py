@@ -4,6 +4,7 @@ MXFP4, a cast dtype), reads only that expert's chunks, every file fault is a Che
 parameter and the expert, and closing stops the threads; open_expert_reader picks the reader by format."""
 
 import concurrent.futures
+import errno
 import gc
 import json
 import os
@@ -323,20 +324,20 @@ def test_a_file_truncated_before_construction_is_refused(mixtral_copy):
 
 
 class FlakyReads:
-    """orbax_reader._read_chunks replaced: fails the calls `fail` picks with a TensorStore-like error."""
+    """orbax_reader._read_value replaced: fails the calls `fail` picks with the error a failing drive gives."""
 
     def __init__(self, monkeypatch, fail):
-        self.calls, self.fail, self.real = 0, fail, orbax_reader._read_chunks
+        self.calls, self.fail, self.real = 0, fail, orbax_reader._read_value
         self.lock = threading.Lock()
-        monkeypatch.setattr(orbax_reader, "_read_chunks", self)
+        monkeypatch.setattr(orbax_reader, "_read_value", self)
 
-    def __call__(self, store, expert):
+    def __call__(self, fd, value, into):
         with self.lock:
             self.calls += 1
             call = self.calls
         if self.fail(call):
-            raise ValueError("UNAVAILABLE: Error reading local file: Input/output error")
-        return self.real(store, expert)
+            raise OSError(errno.EIO, "Input/output error")
+        return self.real(fd, value, into)
 
 
 def test_a_failed_read_is_retried_then_reported_with_the_attempts(mixtral_copy, monkeypatch):
@@ -349,7 +350,8 @@ def test_a_failed_read_is_retried_then_reported_with_the_attempts(mixtral_copy, 
         always = FlakyReads(monkeypatch, fail=lambda call: True)
         with pytest.raises(CheckpointError, match=rf"{quoted(state_dir(mixtral_copy))}: reading parameter "
                                                   r"layers\.1\.mlp\.experts\.w_\w+ expert 0 .* failed 3 times \(3 "
-                                                  r"attempts: 1 \+ retries=2\); last error: UNAVAILABLE"):
+                                                  r"attempts: 1 \+ retries=2\); last error: \[Errno 5\] "
+                                                  r"Input/output error"):
             experts.read(1, 0)
         assert always.calls == 3
     with reader(mixtral_copy, retries=0) as experts:
@@ -373,6 +375,25 @@ def test_a_checkpoint_without_per_expert_chunks_or_crcs_is_refused(hf_dirs, mixt
     with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.w_\w+ is not stored one expert per chunk "
                                               r"\(chunks of \[4, "):
         reader(whole)
+
+
+def test_a_checkpoint_with_compressed_chunks_is_refused(hf_dirs, tmp_path, monkeypatch):
+    monkeypatch.setattr(converter, "COMPRESS", True)
+    compressed = convert_checkpoint(hf_dirs / "mixtral", tmp_path / "zstd", progress=False)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.w_\w+ is stored with the zarr3 codecs .*"
+                                              r"zstd.*the expert reader reads the converter's: .*convert the "
+                                              r"checkpoint again"):
+        reader(compressed)
+
+
+def test_a_damaged_shard_index_is_an_error_naming_file_parameter_and_expert(mixtral_copy):
+    key = "layers.1.mlp.experts.w_down"
+    path, offset, length = expert_chunk(mixtral_copy, key, 2)
+    with reader(mixtral_copy) as experts:
+        flip_bytes(path, offset + length - INDEX_BYTES, 8)  # the index's offset of the values
+        with pytest.raises(CheckpointError, match=rf"{quoted(path)}: parameter {quoted(key)} expert 2 .*shard "
+                                                  r"index naming bytes .* the data file is damaged"):
+            experts.read(1, 2)
 
 
 def test_bad_arguments_are_clear_errors(converted):
@@ -402,7 +423,7 @@ def test_close_stops_the_threads_and_releases_the_arrays(converted):
     experts.close()
     for future in queued:
         assert future.done() and (future.cancelled() or "w_down" in future.result())
-    assert not reader_threads() and not experts._stores and open_files() == before
+    assert not reader_threads() and open_files() == before
     experts.close()  # idempotent
     with pytest.raises(RuntimeError, match="is closed; experts cannot be read after close"):
         experts.read(0, 0)

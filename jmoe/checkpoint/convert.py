@@ -197,9 +197,7 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, as_read, pi
         # Orbax copies host arrays before writing unless told not to; we never touch them afterwards.
         save_context = ocp.Context()
         save_context.memory.deepcopy_host_arrays = False
-        # zstd saved 22% of disk on random bf16 experts but made saving 6x and restoring 1.4x slower
-        # (bench/results/convert.md); loading fast is the point of converting.
-        save_context.array.saving.use_compression = False
+        save_context.array.saving.use_compression = COMPRESS
         # Each routed expert in its own chunk (issue #31: experts read from disk one at a time): see
         # _one_chunk_per_expert.
         save_context.array.saving.scoped_storage_options_creator = _one_chunk_per_expert
@@ -236,6 +234,11 @@ def _convert_into(hf_dir: Path, out_dir: Path, cfg, dtype, abstract, as_read, pi
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# zstd saved 22% of disk on random bf16 experts but made saving 6x and restoring 1.4x slower
+# (bench/results/convert.md); loading fast is the point of converting. The expert readers read raw chunks only.
+COMPRESS = False
 
 
 def _one_chunk_per_expert(keypath, value):

@@ -38,6 +38,7 @@ from jmoe.arguments import whole_number
 from jmoe.checkpoint import fp8, mxfp4
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read, put_oriented
+from jmoe.checkpoint.read_buffers import BufferPool
 from jmoe.checkpoint.safetensors_files import STORED_DTYPES, TensorInfo, checkpoint_files
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
@@ -70,7 +71,7 @@ class _Leaf:
     dtype: str
     shape: tuple[int, ...]
 
-    def array(self, buffers: list[bytes]) -> np.ndarray:
+    def array(self, buffers: list[np.ndarray]) -> np.ndarray:
         count = int(np.prod(self.shape, dtype=np.int64))
         return np.frombuffer(buffers[self.run], STORED_DTYPES[self.dtype], count, self.offset).reshape(self.shape)
 
@@ -86,7 +87,7 @@ class _Piece:
     fp8_block: tuple[int, int] | None
     mxfp4: bool
 
-    def decoded(self, buffers: list[bytes]) -> np.ndarray:
+    def decoded(self, buffers: list[np.ndarray]) -> np.ndarray:
         arrays = [leaf.array(buffers) for leaf in self.leaves]
         if self.fp8_block is not None:
             return fp8.dequantize(arrays[0], arrays[1], self.fp8_block)
@@ -213,19 +214,18 @@ def _tensor_names(cfg: ModelConfig, pieces: dict) -> dict[tuple, list[str]]:
     return {path: [name for name, _ in entries] for path, entries in named.items()}
 
 
-def _read_range(fd: int, run: _Run, read_error) -> bytes:
-    """The bytes of `run`, however many preads it takes; reaching the end of the file first is an error."""
-    chunks, offset = [], run.start
-    while offset < run.end:
-        chunk = os.pread(fd, min(run.end - offset, MAX_PREAD_BYTES), offset)
-        if not chunk:
-            raise read_error(offset)
-        chunks.append(chunk)
-        offset += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+def _read_range(fd: int, run: _Run, read_error, into: np.ndarray) -> None:
+    """Fill `into` (uint8 [run's length]) with the bytes of `run`, however many preads it takes; reaching the end
+    of the file first is an error."""
+    view, done = memoryview(into), 0
+    while run.start + done < run.end:
+        count = os.preadv(fd, [view[done:done + MAX_PREAD_BYTES]], run.start + done)
+        if not count:
+            raise read_error(run.start + done)
+        done += count
 
 
-def _close_descriptors(fds: dict[Path, int]) -> None:
+def close_descriptors(fds: dict[Path, int]) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()
@@ -233,9 +233,9 @@ def _close_descriptors(fds: dict[Path, int]) -> None:
 
 class PooledReader:
     """What the expert readers share: reads of one expert run on a pool of threads (`submit`), `read` waits for
-    one, `close` stops the threads and releases the files. A subclass sets `_lock`, `_closed` and `_pool` when
-    it is built and gives `_key` (checked (layer, expert)), `_read_expert` (one read, on a pool thread) and
-    `_release`."""
+    one, `close` stops the threads and releases the files and buffers. A subclass sets `_lock`, `_closed`, `_pool`
+    and `_buffers` (a jmoe.checkpoint.read_buffers.BufferPool the reads fill) when it is built, and gives `_key`
+    (checked (layer, expert)), `_read_expert` (one read, on a pool thread) and `_release`."""
 
     def submit(self, layer: int, expert: int) -> concurrent.futures.Future:
         """A future of `read(layer, expert)`, read on the reader's threads."""
@@ -260,6 +260,7 @@ class PooledReader:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._buffers.clear()
         self._release()
 
     def __enter__(self):
@@ -285,9 +286,10 @@ class ExpertReader(PooledReader):
         self._dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
         self._fds: dict[Path, int] = {}
         # Closes the files once: at close(), a failed construction, or when a reader nobody closed is collected.
-        self._close_files = weakref.finalize(self, _close_descriptors, self._fds)
+        self._close_files = weakref.finalize(self, close_descriptors, self._fds)
         self._identity: dict[Path, tuple[int, int]] = {}  # (size, mtime_ns) when opened
         self._crcs: dict[tuple[int, int], int] = {}  # CRC-32 of each expert's bytes at its first read
+        self._buffers = BufferPool(keep=self._threads)
         self._lock = threading.Lock()
         self._closed = False
         try:
@@ -357,13 +359,15 @@ class ExpertReader(PooledReader):
         self._check_crc(key, plan, buffers)
         return self._stored(key, plan, buffers)
 
-    def _read_run(self, key: tuple[int, int], run: _Run) -> bytes:
-        """The run's bytes, checked against the file as opened; an OSError is retried `retries` times."""
+    def _read_run(self, key: tuple[int, int], run: _Run) -> np.ndarray:
+        """The run's bytes (uint8, in a buffer of the pool), checked against the file as opened; an OSError is
+        retried `retries` times."""
+        data = self._buffers.lease(run.end - run.start)
         attempts = self._retries + 1
         for _ in range(attempts):
             try:
                 self._check_unchanged(key, run, "before")
-                data = _read_range(self._fds[run.file], run, lambda offset: self._short_read(key, run, offset))
+                _read_range(self._fds[run.file], run, lambda offset: self._short_read(key, run, offset), data)
                 self._check_unchanged(key, run, "after")
                 return data
             except OSError as e:
@@ -386,7 +390,7 @@ class ExpertReader(PooledReader):
                                f"{self._expert(key)}; it was {self._identity[run.file][0]} bytes when opened, so it "
                                f"was truncated while the model runs; {RESTART}")
 
-    def _check_crc(self, key: tuple[int, int], plan: _ExpertPlan, buffers: list[bytes]) -> None:
+    def _check_crc(self, key: tuple[int, int], plan: _ExpertPlan, buffers: list[np.ndarray]) -> None:
         """The expert's bytes must be those of its first read (a rewrite can keep the size and mtime)."""
         crc = 0
         for buffer in buffers:
@@ -400,10 +404,11 @@ class ExpertReader(PooledReader):
                                   f"expected {first:#010x} as at their first read: the file was rewritten while the "
                                   f"model runs (its size and mtime kept); {RESTART}")
 
-    def _stored(self, key: tuple[int, int], plan: _ExpertPlan, buffers: list[bytes]) -> dict[str, np.ndarray]:
+    def _stored(self, key: tuple[int, int], plan: _ExpertPlan, buffers: list[np.ndarray]) -> dict[str, np.ndarray]:
         """The expert's parameters as loading stores them: assembled (assemble_param's orientation and cast),
         then quantized (stored_params) for a quantized expert format."""
-        out = {name: np.empty(shape, dtype) for name, (shape, dtype) in plan.params.items()}
+        out = {name: self._buffers.lease(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+               for name, (shape, dtype) in plan.params.items()}
         for piece in plan.pieces:
             param = out[piece.param]
             put_oriented(param[piece.index], piece.target, piece.decoded(buffers))

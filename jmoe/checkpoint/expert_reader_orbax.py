@@ -4,15 +4,21 @@ than in host RAM): the Orbax counterpart of jmoe.checkpoint.expert_reader's Expe
 What is read: the converter (jmoe.checkpoint.convert) stores each routed experts parameter as a zarr3 array under
 OCDBT (Orbax's defaults, uncompressed) chunked one expert per chunk along its expert axis, so one expert of one
 parameter is one OCDBT value: a byte range of one data file (or, under 1 KiB, a value inline in a B+tree leaf
-node). The reader opens each experts parameter's array once with TensorStore (zarr3 over OCDBT over the files) and
-reads `[e]`: TensorStore reads that expert's chunk and nothing else. The data chunks are never cached (a read
-always reads the disk, so its CRC-32 checks what is on disk now); the OCDBT manifest and B+tree nodes are.
+node). Each chunk is zarr3's shard of one inner chunk: the raw little-endian values, then the shard index
+(the inner chunk's offset and length, and a CRC-32C of the index).
 
-Where the bytes are: at construction the reader walks the OCDBT B+tree (tensorstore.ocdbt.dump) once, finding
-for each expert chunk its data file, offset and length, and the B+tree node files on the way to it. That gives
-`checkpoint_bytes` exactly, the files each read touches, and a check, before any read, that every chunk lies inside
-its file. A checkpoint whose experts are not chunked per expert (converted before this layout) is refused: each
-read would read every expert of the layer.
+Where the bytes are: at construction the reader opens each experts parameter's array with TensorStore (zarr3 over
+OCDBT over the files) to check its dtype, shape and codecs, and walks the OCDBT B+tree (tensorstore.ocdbt.dump)
+once, finding for each expert chunk its data file, offset and length (or its inline bytes), and the B+tree node
+files on the way to it. That gives `checkpoint_bytes` exactly, the files each read touches, and a check, before
+any read, that every chunk lies inside its file and has its shard's length. A checkpoint whose experts are not
+stored so (converted before this layout, or with other codecs) is refused: each read would read every expert of
+the layer, or would need decoding.
+
+How a read reads: each chunk by byte range (pread) into a buffer from the reader's pool
+(jmoe.checkpoint.read_buffers: reused, where TensorStore's reads filled two fresh buffers per chunk, and the page
+faults and zeroing of those took more CPU than the copies), its shard index checked. The data is never cached (a
+read always reads the files, so its CRC-32 checks what is on disk now).
 
 Why the checks: as ExpertReader's. Each read compares the (size, mtime_ns) of the files it touches (its data
 files, the B+tree node files on the way, the OCDBT manifest) with those at construction, before and after reading;
@@ -33,6 +39,7 @@ import dataclasses
 import json
 import os
 import threading
+import weakref
 import zlib
 from pathlib import Path
 
@@ -41,7 +48,8 @@ import numpy as np
 import tensorstore as ts
 
 from jmoe.arguments import whole_number
-from jmoe.checkpoint.expert_reader import RESTART, ExpertReader, PooledReader
+from jmoe.checkpoint.expert_reader import RESTART, ExpertReader, PooledReader, close_descriptors
+from jmoe.checkpoint.read_buffers import BufferPool
 from jmoe.checkpoint.orbax_store import (EXPERT_CRC32, PARAMS_DIR, check_params, converted_expert_dtype,
                                          is_expert_param, is_orbax_checkpoint, read_manifest, stored_dtype)
 from jmoe.config import ModelConfig
@@ -52,16 +60,19 @@ THREAD_PREFIX = "jmoe-orbax-expert-reader"
 TREE_METADATA = "_METADATA"  # Orbax's tree metadata, in the directory of the saved pytree (params/<item>/)
 OCDBT_MANIFEST = "manifest.ocdbt"
 OCDBT_CACHE_BYTES = 100_000_000  # the OCDBT manifest and B+tree nodes, read once (Orbax's own limit for them)
+SHARD_INDEX_BYTES = 20  # zarr3's shard index after its one inner chunk: offset, length (u64 each), CRC-32C
 RECONVERT = "convert the checkpoint again with `python -m jmoe.convert HF_DIR OUT` (this version of jmoe)"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Value:
     """Where one OCDBT value is: `file`, bytes [offset, offset + length); `file` None for a value stored inline
-    in a B+tree leaf node (read with the node)."""
+    in a B+tree leaf node: `inline`, its bytes as the node held them at construction (the node file's identity is
+    checked at every read, as the data files')."""
     file: Path | None
     offset: int
     length: int
+    inline: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +136,7 @@ def _ocdbt_chunks(state_dir: Path, wanted: set[str]) -> dict[str, list[tuple[tup
             if "indirect_value" in entry:
                 value = _parse_location(state_dir, entry["indirect_value"], "value")
             else:
-                value = _Value(None, 0, len(entry["inline_value"]))
+                value = _Value(None, 0, len(entry["inline_value"]), entry["inline_value"])
             found[name].append((tuple(int(i) for i in grid.split("/")), _Chunk(key, value, nodes)))
 
     walk(latest["root"]["location"], b"", ())
@@ -159,13 +170,18 @@ def _pytree_dir(params_dir: Path) -> Path:
     return state_dir
 
 
-def _read_chunks(store: ts.TensorStore, expert: int) -> np.ndarray:
-    """One expert of one stored array, as stored (module level: tests inject read faults here)."""
-    return store[expert].read().result()
+def _read_value(fd: int, value: _Value, into: memoryview) -> None:
+    """Fill `into` with the value's bytes from its data file (module level: tests inject read faults here)."""
+    done = 0
+    while done < value.length:
+        count = os.preadv(fd, [into[done:]], value.offset + done)
+        if not count:
+            raise OSError(f"the file ends at byte {value.offset + done}, inside the value")
+        done += count
 
 
 class OrbaxExpertReader(PooledReader):
-    """Routed experts of a jmoe Orbax checkpoint, read one at a time with TensorStore, one chunk per parameter.
+    """Routed experts of a jmoe Orbax checkpoint, read one at a time by byte range, one chunk per parameter.
 
     `cfg`: the checkpoint's config (its expert storage is the one the checkpoint was converted with; asking for
     another is an InputError, as for restore_model). `dtype`: the parameter dtype (default: the dtype the checkpoint
@@ -190,14 +206,17 @@ class OrbaxExpertReader(PooledReader):
                 self._params[path[1]] += (self._param(manifest, path, struct),)
         self.layers: tuple[int, ...] = tuple(sorted(self._params))  # the MoE layers' decoder layer indices
         self.num_experts: int = self.cfg.num_experts
-        # No cache for array chunks (every read reads the disk); one for the OCDBT manifest and B+tree nodes.
-        self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
-                                    "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_CACHE_BYTES}})
-        self._stores = {(layer, p.name): self._open(p) for layer in self.layers for p in self._params[layer]}
-        self._chunks = self._locate_chunks()  # (layer, expert, name) -> its chunks
+        self._check_stored_arrays()
+        self._chunks = self._locate_chunks()  # (layer, expert, name) -> its chunk
         self._identity = self._record_files()  # file -> (size, mtime_ns) at construction
         self._files = {(layer, e): self._touched(layer, e) for layer in self.layers for e in range(self.num_experts)}
         self._check_chunks_inside_files()
+        self._fds: dict[Path, int] = {}
+        # Closes the files once: at close(), or when a reader nobody closed is collected.
+        self._close_files = weakref.finalize(self, close_descriptors, self._fds)
+        for path in sorted({c.value.file for c in self._chunks.values() if c.value.file is not None}):
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        self._buffers = BufferPool(keep=self._threads)
         self._lock = threading.Lock()
         self._closed = False
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=THREAD_PREFIX)
@@ -206,13 +225,12 @@ class OrbaxExpertReader(PooledReader):
 
     def checkpoint_bytes(self, layer: int, expert: int) -> int:
         """Bytes of the chunks one read of this expert reads: its stored values of every parameter, with zarr's
-        per-chunk index (a chunk under 1 KiB sits inline in a B+tree node, read once with the node)."""
+        shard index (a chunk under 1 KiB sits inline in a B+tree node, read once with the node)."""
         layer, expert = self._key(layer, expert)
-        return sum(chunk.value.length for p in self._params[layer] for chunk in self._chunks[layer, expert, p.name])
+        return sum(self._chunks[layer, expert, p.name].value.length for p in self._params[layer])
 
     def _release(self) -> None:
-        self._stores.clear()
-        self._context = None
+        self._close_files()
 
     # ---- construction ----
 
@@ -231,7 +249,16 @@ class OrbaxExpertReader(PooledReader):
         return _Param(path[-1], key, np.dtype(stored_dtype(manifest, entry)), np.dtype(struct.dtype),
                       tuple(struct.shape[1:]), tuple(int(c) for c in crcs))
 
-    def _locate_chunks(self) -> dict[tuple[int, int, str], tuple[_Chunk, ...]]:
+    def _check_stored_arrays(self) -> None:
+        """Each experts parameter's stored array, opened with TensorStore, must be what the converter writes."""
+        # No cache for array chunks (none is read here); one for the OCDBT manifest and B+tree nodes.
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                              "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_CACHE_BYTES}})
+        for layer in self.layers:
+            for p in self._params[layer]:
+                self._check_stored_array(p, context)
+
+    def _locate_chunks(self) -> dict[tuple[int, int, str], _Chunk]:
         params = {p.key: (layer, p) for layer in self.layers for p in self._params[layer]}
         try:
             found = _ocdbt_chunks(self._state_dir, set(params))
@@ -250,7 +277,9 @@ class OrbaxExpertReader(PooledReader):
                 if not by_expert.get(e):
                     raise CheckpointError(f"{self._state_dir}: no stored chunk of {key} expert {e} (layer {layer}); "
                                           f"the checkpoint is incomplete: {RECONVERT}")
-                chunks[layer, e, p.name] = tuple(by_expert[e])
+                if len(by_expert[e]) != 1:
+                    raise CheckpointError(self._not_per_expert(key, f"{len(by_expert[e])} chunks of expert {e}"))
+                chunks[layer, e, p.name] = by_expert[e][0]
             if len(by_expert) != self.num_experts:  # chunk rows past the experts: not one expert per chunk
                 raise CheckpointError(self._not_per_expert(key, f"chunk rows {sorted(by_expert)}"))
         return chunks
@@ -262,11 +291,10 @@ class OrbaxExpertReader(PooledReader):
 
     def _record_files(self) -> dict[Path, tuple[int, int]]:
         files = {self._state_dir / OCDBT_MANIFEST}
-        for chunks in self._chunks.values():
-            for chunk in chunks:
-                files.update(chunk.nodes)
-                if chunk.value.file is not None:
-                    files.add(chunk.value.file)
+        for chunk in self._chunks.values():
+            files.update(chunk.nodes)
+            if chunk.value.file is not None:
+                files.add(chunk.value.file)
         identity = {}
         for path in sorted(files):
             try:
@@ -281,30 +309,39 @@ class OrbaxExpertReader(PooledReader):
         """The files one read of this expert reads (or, for the manifest and B+tree nodes, may read)."""
         files = {self._state_dir / OCDBT_MANIFEST}
         for p in self._params[layer]:
-            for chunk in self._chunks[layer, expert, p.name]:
-                files.update(chunk.nodes)
-                if chunk.value.file is not None:
-                    files.add(chunk.value.file)
+            chunk = self._chunks[layer, expert, p.name]
+            files.update(chunk.nodes)
+            if chunk.value.file is not None:
+                files.add(chunk.value.file)
         return tuple(sorted(files))
 
     def _check_chunks_inside_files(self) -> None:
-        for (layer, e, name), chunks in self._chunks.items():
-            for chunk in chunks:
-                value = chunk.value
-                if value.file is not None and value.offset + value.length > self._identity[value.file][0]:
-                    raise CheckpointError(
-                        f"{value.file}: {self._what(layer, e, name)} ({chunk.describe(self._state_dir)}) ends at "
-                        f"byte {value.offset + value.length}, but the file has {self._identity[value.file][0]} "
-                        f"bytes; the file is truncated: {RECONVERT}")
+        for (layer, e, name), chunk in self._chunks.items():
+            value = chunk.value
+            shard = self._stored_nbytes(layer, name) + SHARD_INDEX_BYTES
+            if value.length != shard:
+                raise CheckpointError(
+                    f"{self._state_dir}: {self._what(layer, e, name)} ({chunk.describe(self._state_dir)}) has "
+                    f"{value.length} bytes, but one stored expert with its shard index takes {shard}; the checkpoint "
+                    f"is damaged: {RECONVERT}")
+            if value.file is not None and value.offset + value.length > self._identity[value.file][0]:
+                raise CheckpointError(
+                    f"{value.file}: {self._what(layer, e, name)} ({chunk.describe(self._state_dir)}) ends at "
+                    f"byte {value.offset + value.length}, but the file has {self._identity[value.file][0]} "
+                    f"bytes; the file is truncated: {RECONVERT}")
 
-    def _open(self, p: _Param) -> ts.TensorStore:
-        """The stored array of `p`, opened once; its chunk grid checked to hold one expert per chunk."""
+    def _stored_nbytes(self, layer: int, name: str) -> int:
+        p = next(p for p in self._params[layer] if p.name == name)
+        return int(np.prod(p.shape)) * p.stored.itemsize
+
+    def _check_stored_array(self, p: _Param, context: ts.Context) -> None:
+        """The stored array of `p` must hold one expert per chunk, each one shard of raw little-endian values."""
         spec = {"driver": "zarr3",
                 "kvstore": {"driver": "ocdbt", "base": _files_under(self._state_dir), "path": p.key,
                             "cache_pool": "cache_pool#ocdbt"},
                 "recheck_cached_data": False, "recheck_cached_metadata": False, "fill_missing_data_reads": False}
         try:
-            store = ts.open(spec, read=True, open=True, context=self._context).result()
+            store = ts.open(spec, read=True, open=True, context=context).result()
         except ValueError as e:
             raise CheckpointError(f"{self._state_dir}: cannot open {p.key} ({_first_line(e)}); the checkpoint is "
                                   f"damaged: {RECONVERT}") from e
@@ -313,9 +350,13 @@ class OrbaxExpertReader(PooledReader):
                                   f"{list(store.shape)}, but the manifest says {p.stored.name} "
                                   f"{[self.num_experts, *p.shape]}; the checkpoint is damaged: {RECONVERT}")
         chunk_shape = tuple(store.chunk_layout.read_chunk.shape)
-        if chunk_shape[0] != 1:
+        if chunk_shape != (1,) + p.shape:
             raise CheckpointError(self._not_per_expert(p.key, f"chunks of {list(chunk_shape)}"))
-        return store
+        codecs = store.codec.to_json().get("codecs")
+        if codecs != _raw_shard_codecs(list(chunk_shape), p.stored):
+            raise CheckpointError(f"{self._state_dir}: {p.key} is stored with the zarr3 codecs {codecs}; the expert "
+                                  f"reader reads the converter's: {_raw_shard_codecs(list(chunk_shape), p.stored)} "
+                                  f"(each expert one shard of raw values, nothing to decode): {RECONVERT}")
 
     def _key(self, layer, expert) -> tuple[int, int]:
         key = (layer, expert)
@@ -330,30 +371,46 @@ class OrbaxExpertReader(PooledReader):
     def _read_expert(self, key: tuple[int, int]) -> dict[str, np.ndarray]:
         layer, expert = key
         self._check_unchanged(key, "before")
-        out = {p.name: self._read_param(key, p) for p in self._params[layer]}
+        out = {p.name: self._values(key, p, self._stored_bytes(key, p)) for p in self._params[layer]}
         self._check_unchanged(key, "after")
         for p in self._params[layer]:
             self._check_crc(key, p, out[p.name])
         return {p.name: self._as_held(p, out[p.name]) for p in self._params[layer]}
 
-    def _read_param(self, key: tuple[int, int], p: _Param) -> np.ndarray:
-        """The expert's stored values of `p`; a failed read is retried `retries` times (a file that changed is
-        reported as such at once, never retried)."""
+    def _stored_bytes(self, key: tuple[int, int], p: _Param) -> np.ndarray:
+        """uint8: the expert's chunk of `p` as stored (values, then the shard index), in a buffer of the pool; a
+        failed read is retried `retries` times (a file that changed is reported as such at once, never retried)."""
         layer, expert = key
+        value = self._chunks[layer, expert, p.name].value
+        into = self._buffers.lease(value.length)
+        if value.file is None:
+            into[:] = np.frombuffer(value.inline, np.uint8)
+            return into
         attempts = self._retries + 1
         for _ in range(attempts):
             try:
-                return np.asarray(_read_chunks(self._stores[layer, p.name], expert))
-            except CheckpointError:
-                raise
-            except (OSError, ValueError, RuntimeError) as e:  # TensorStore reports I/O errors as ValueError
+                _read_value(self._fds[value.file], value, memoryview(into))
+                return into
+            except OSError as e:
                 self._check_unchanged(key, "after a failed attempt at")
                 error = e
         raise CheckpointError(f"{self._state_dir}: reading {self._what(layer, expert, p.name)} "
-                              f"({self._chunk_list(layer, expert, p.name)}) failed {attempts} times ({attempts} "
-                              f"attempts: 1 + retries={self._retries}); last error: {_first_line(error)}. Check the "
-                              f"disk and the files (a failing drive, a network mount that went away), then load the "
-                              f"model again, or pass a larger `retries` for a flaky mount") from error
+                              f"({self._chunks[layer, expert, p.name].describe(self._state_dir)}) failed {attempts} "
+                              f"times ({attempts} attempts: 1 + retries={self._retries}); last error: {error}. Check "
+                              f"the disk and the files (a failing drive, a network mount that went away), then load "
+                              f"the model again, or pass a larger `retries` for a flaky mount") from error
+
+    def _values(self, key: tuple[int, int], p: _Param, stored: np.ndarray) -> np.ndarray:
+        """The expert's values of `p` (a view of `stored`), after checking the shard index names them."""
+        nbytes = int(np.prod(p.shape)) * p.stored.itemsize
+        offset, length = stored[nbytes:nbytes + 16].view("<u8")
+        if (offset, length) != (0, nbytes):
+            chunk = self._chunks[key[0], key[1], p.name]
+            raise CheckpointError(f"{chunk.value.file or self._state_dir}: {self._what(*key, p.name)} "
+                                  f"({chunk.describe(self._state_dir)}) has a shard index naming bytes {offset} to "
+                                  f"{offset + length}, where its values are bytes 0 to {nbytes}: the data file is "
+                                  f"damaged; {RECONVERT}")
+        return stored[:nbytes].view(p.stored).reshape(p.shape)
 
     def _check_unchanged(self, key: tuple[int, int], when: str) -> None:
         for path in self._files[key]:
@@ -377,10 +434,9 @@ class OrbaxExpertReader(PooledReader):
         layer, expert = key
         crc = zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
         if crc != p.crcs[expert]:
-            files = ", ".join(dict.fromkeys(str(c.value.file or self._state_dir) for c in
-                                            self._chunks[layer, expert, p.name]))
-            raise CheckpointError(f"{files}: {self._what(layer, expert, p.name)} "
-                                  f"({self._chunk_list(layer, expert, p.name)}) has CRC-32 {crc:#010x}, but the "
+            chunk = self._chunks[layer, expert, p.name]
+            raise CheckpointError(f"{chunk.value.file or self._state_dir}: {self._what(layer, expert, p.name)} "
+                                  f"({chunk.describe(self._state_dir)}) has CRC-32 {crc:#010x}, but the "
                                   f"converter recorded {p.crcs[expert]:#010x}: the data file is damaged, or was "
                                   f"rewritten keeping its size and mtime; {RECONVERT}")
 
@@ -390,12 +446,20 @@ class OrbaxExpertReader(PooledReader):
             return stored
         return ts.cast(ts.array(stored), ts.dtype(p.dtype.name)).read().result()
 
-    def _chunk_list(self, layer: int, expert: int, name: str) -> str:
-        return "; ".join(c.describe(self._state_dir) for c in self._chunks[layer, expert, name])
-
     def _what(self, layer: int, expert: int, name: str) -> str:
         key = next(p.key for p in self._params[layer] if p.name == name)
         return f"parameter {key} expert {expert} (layer {layer} expert {expert})"
+
+
+def _raw_shard_codecs(chunk_shape: list[int], stored: np.dtype) -> list[dict]:
+    """The zarr3 codecs the converter's arrays have (Orbax's defaults, uncompressed): each chunk one shard of one
+    inner chunk of raw little-endian values, the shard index (little-endian, with a CRC-32C) at its end."""
+    raw = {"name": "bytes"} if stored.itemsize == 1 else {"configuration": {"endian": "little"}, "name": "bytes"}
+    return [{"configuration": {"chunk_shape": chunk_shape, "codecs": [raw],
+                               "index_codecs": [{"configuration": {"endian": "little"}, "name": "bytes"},
+                                                {"name": "crc32c"}],
+                               "index_location": "end"},
+             "name": "sharding_indexed"}]
 
 
 def _first_line(error: BaseException) -> str:
