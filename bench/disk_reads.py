@@ -20,6 +20,7 @@ numbers are then partly the page cache's. --clean removes the checkpoints afterw
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -96,6 +97,20 @@ def sequential_gbs(path: Path) -> float:
         while offset < size:
             offset += len(os.pread(fd, SEQUENTIAL_CHUNK, offset))
         return size / (time.perf_counter() - began) / 1e9
+    finally:
+        os.close(fd)
+
+
+def parallel_gbs(path: Path, threads: int) -> float:
+    """64 MiB preads through `path`, `threads` of them in flight (the chunks taken in order)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        offsets = range(0, size, SEQUENTIAL_CHUNK)
+        began = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            read = sum(pool.map(lambda offset: len(os.pread(fd, SEQUENTIAL_CHUNK, offset)), offsets))
+        return read / (time.perf_counter() - began) / 1e9
     finally:
         os.close(fd)
 
