@@ -12,6 +12,7 @@ import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.checkpoint.expert_reader import THREAD_PREFIX
+from jmoe.checkpoint.read_buffers import PIECE_THREAD_PREFIX
 from jmoe.decode.sampling import SamplingParams
 from jmoe.errors import InputError
 from jmoe.offload.host_tier import STAGED_PER_LAYER, host_budget_gb_holding
@@ -36,7 +37,7 @@ def budget_for(directory, rows: int, expert_dtype=None, read_ahead: int = 0) -> 
 
 
 def reader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+    return [t for t in threading.enumerate() if t.name.startswith((THREAD_PREFIX, PIECE_THREAD_PREFIX))]
 
 
 def results(model):

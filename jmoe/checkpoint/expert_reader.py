@@ -38,13 +38,12 @@ from jmoe.arguments import whole_number
 from jmoe.checkpoint import fp8, mxfp4
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read, put_oriented
-from jmoe.checkpoint.read_buffers import BufferPool
+from jmoe.checkpoint.read_buffers import BufferPool, piece_threads, read_into
 from jmoe.checkpoint.safetensors_files import STORED_DTYPES, TensorInfo, checkpoint_files
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
 from jmoe.kernels import FORMATS, quantize
 
-MAX_PREAD_BYTES = 1 << 30  # Linux returns at most about 2 GiB per read: larger ranges are read in pieces
 THREAD_PREFIX = "jmoe-expert-reader"
 QUANTIZED_WEIGHTS = ("w_gate_up", "w_down")  # the expert weights loading quantizes (stored_params)
 RESTART = "the checkpoint must not change while a model reads it: restore it and load the model again"
@@ -214,17 +213,6 @@ def _tensor_names(cfg: ModelConfig, pieces: dict) -> dict[tuple, list[str]]:
     return {path: [name for name, _ in entries] for path, entries in named.items()}
 
 
-def _read_range(fd: int, run: _Run, read_error, into: np.ndarray) -> None:
-    """Fill `into` (uint8 [run's length]) with the bytes of `run`, however many preads it takes; reaching the end
-    of the file first is an error."""
-    view, done = memoryview(into), 0
-    while run.start + done < run.end:
-        count = os.preadv(fd, [view[done:done + MAX_PREAD_BYTES]], run.start + done)
-        if not count:
-            raise read_error(run.start + done)
-        done += count
-
-
 def close_descriptors(fds: dict[Path, int]) -> None:
     for fd in fds.values():
         os.close(fd)
@@ -233,8 +221,9 @@ def close_descriptors(fds: dict[Path, int]) -> None:
 
 class PooledReader:
     """What the expert readers share: reads of one expert run on a pool of threads (`submit`), `read` waits for
-    one, `close` stops the threads and releases the files and buffers. A subclass sets `_lock`, `_closed`, `_pool`
-    and `_buffers` (a jmoe.checkpoint.read_buffers.BufferPool the reads fill) when it is built, and gives `_key`
+    one, `close` stops the threads and releases the files and buffers. A subclass sets `_lock`, `_closed`, `_pool`,
+    `_pieces` (read_buffers.piece_threads) and `_buffers` (a read_buffers.BufferPool the reads fill) when it is
+    built, and gives `_key`
     (checked (layer, expert)), `_read_expert` (one read, on a pool thread) and `_release`."""
 
     def submit(self, layer: int, expert: int) -> concurrent.futures.Future:
@@ -252,6 +241,12 @@ class PooledReader:
         formats}. Raises CheckpointError if a file changed, its bytes are not the expected ones, or a read fails."""
         return self.submit(layer, expert).result()
 
+    def retain_buffers(self, reads: int) -> None:
+        """Keep the buffers of up to `reads` reads for reuse once they are let go (default: the reader's threads):
+        a user that holds more reads alive at once, as the disk tier's steps do, reuses them instead of faulting
+        fresh pages in for each."""
+        self._buffers.retain(reads)
+
     def close(self) -> None:
         """Cancel queued reads (their futures raise CancelledError), wait for running ones, stop the threads and
         release the files. Safe to call more than once."""
@@ -260,6 +255,7 @@ class PooledReader:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pieces.shutdown(wait=True)
         self._buffers.clear()
         self._release()
 
@@ -305,6 +301,7 @@ class ExpertReader(PooledReader):
         self.layers: tuple[int, ...] = tuple(sorted(layers))  # the MoE layers' decoder layer indices
         self.num_experts: int = cfg.num_experts
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=THREAD_PREFIX)
+        self._pieces = piece_threads(self._threads)
 
     # ---- public (submit, read, close: PooledReader) ----
 
@@ -367,7 +364,8 @@ class ExpertReader(PooledReader):
         for _ in range(attempts):
             try:
                 self._check_unchanged(key, run, "before")
-                _read_range(self._fds[run.file], run, lambda offset: self._short_read(key, run, offset), data)
+                read_into(self._fds[run.file], run.start, data, self._pieces,
+                          lambda offset: self._short_read(key, run, offset))
                 self._check_unchanged(key, run, "after")
                 return data
             except OSError as e:

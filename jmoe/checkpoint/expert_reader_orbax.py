@@ -49,7 +49,7 @@ import tensorstore as ts
 
 from jmoe.arguments import whole_number
 from jmoe.checkpoint.expert_reader import RESTART, ExpertReader, PooledReader, close_descriptors
-from jmoe.checkpoint.read_buffers import BufferPool
+from jmoe.checkpoint.read_buffers import BufferPool, piece_threads, read_into
 from jmoe.checkpoint.orbax_store import (EXPERT_CRC32, PARAMS_DIR, check_params, converted_expert_dtype,
                                          is_expert_param, is_orbax_checkpoint, read_manifest, stored_dtype)
 from jmoe.config import ModelConfig
@@ -170,14 +170,10 @@ def _pytree_dir(params_dir: Path) -> Path:
     return state_dir
 
 
-def _read_value(fd: int, value: _Value, into: memoryview) -> None:
+def _read_value(fd: int, value: _Value, into: np.ndarray, pieces: concurrent.futures.Executor) -> None:
     """Fill `into` with the value's bytes from its data file (module level: tests inject read faults here)."""
-    done = 0
-    while done < value.length:
-        count = os.preadv(fd, [into[done:]], value.offset + done)
-        if not count:
-            raise OSError(f"the file ends at byte {value.offset + done}, inside the value")
-        done += count
+    read_into(fd, value.offset, into, pieces,
+              lambda offset: OSError(f"the file ends at byte {offset}, inside the value"))
 
 
 class OrbaxExpertReader(PooledReader):
@@ -220,6 +216,7 @@ class OrbaxExpertReader(PooledReader):
         self._lock = threading.Lock()
         self._closed = False
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=THREAD_PREFIX)
+        self._pieces = piece_threads(self._threads)
 
     # ---- public (submit, read, close: PooledReader) ----
 
@@ -389,7 +386,7 @@ class OrbaxExpertReader(PooledReader):
         attempts = self._retries + 1
         for _ in range(attempts):
             try:
-                _read_value(self._fds[value.file], value, memoryview(into))
+                _read_value(self._fds[value.file], value, into, self._pieces)
                 return into
             except OSError as e:
                 self._check_unchanged(key, "after a failed attempt at")

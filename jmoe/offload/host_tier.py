@@ -127,6 +127,7 @@ class HostTier:
         self.reader, self.moe_layers, self.like, self.rows = reader, moe_layers, like, rows
         self.queue_depth = queue_depth
         release_large_buffers_at_free()
+        reader.retain_buffers(self._reads_alive(read_ahead=0))
         self.row_of_expert = np.full((len(moe_layers), num_experts), -1, np.int32)
         self.expert_in_row = np.full((len(moe_layers), rows), -1, np.int32)
         self.disk_reads = np.zeros(len(moe_layers), np.int64)  # experts steps needed from disk
@@ -235,10 +236,15 @@ class HostTier:
             best = candidates[np.argsort(-layer_scores[candidates], kind="stable")[:count]]
             wanted.update((position, int(e)) for e in best)
         self._drop_ahead(wanted)
+        self.reader.retain_buffers(self._reads_alive(count))
         with self._lock:
             for position, expert in sorted(wanted - self._ahead.keys()):
                 self._ahead[position, expert] = self.reader.submit(self.moe_layers[position], expert)
                 self.read_ahead_reads[position] += 1
+
+    def _reads_alive(self, read_ahead: int) -> int:
+        """The reads a step holds at most: each layer's staged and read-ahead experts, and the reads in flight."""
+        return len(self.moe_layers) * (STAGED_PER_LAYER + read_ahead) + self.queue_depth
 
     def _drop_ahead(self, keep: set) -> None:
         with self._lock:
