@@ -223,8 +223,8 @@ class PooledReader:
     """What the expert readers share: reads of one expert run on a pool of threads (`submit`), `read` waits for
     one, `close` stops the threads and releases the files and buffers. A subclass sets `_lock`, `_closed`, `_pool`,
     `_pieces` (read_buffers.piece_threads) and `_buffers` (a read_buffers.BufferPool the reads fill) when it is
-    built, and gives `_key`
-    (checked (layer, expert)), `_read_expert` (one read, on a pool thread) and `_release`."""
+    built, and gives `_key` (checked (layer, expert)), `_read_expert` (one read, on a pool thread) and
+    `_release`."""
 
     def submit(self, layer: int, expert: int) -> concurrent.futures.Future:
         """A future of `read(layer, expert)`, read on the reader's threads."""
