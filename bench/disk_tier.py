@@ -100,10 +100,7 @@ def memmap_orbax_reader_class():
             super().__init__(*args, **kwargs)
             self._maps = {path: np.memmap(path, np.uint8, "r") for path in self._fds}
 
-        def _stored_bytes(self, key, p):
-            value = self._chunks[key[0], key[1], p.name].value
-            if value.file is None:
-                return np.frombuffer(value.inline, np.uint8)
+        def _file_bytes(self, key, p, value):
             return self._maps[value.file][value.offset:value.offset + value.length]
 
     return MemmapOrbaxExpertReader

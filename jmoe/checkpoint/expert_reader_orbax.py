@@ -100,6 +100,11 @@ class _Param:
     shape: tuple[int, ...]  # one expert's
     crcs: tuple[int, ...]  # the converter's CRC-32 of each expert's stored bytes
 
+    @property
+    def nbytes(self) -> int:
+        """One expert's stored values, in bytes (its chunk adds zarr3's shard index)."""
+        return int(np.prod(self.shape)) * self.stored.itemsize
+
 
 def _parse_location(state_dir: Path, location: str, kind: str) -> _Value:
     """An OCDBT dump location "<kind>:<base path>:<relative path>:<offset>:<length>" -> where it is."""
@@ -315,7 +320,7 @@ class OrbaxExpertReader(PooledReader):
     def _check_chunks_inside_files(self) -> None:
         for (layer, e, name), chunk in self._chunks.items():
             value = chunk.value
-            shard = self._stored_nbytes(layer, name) + SHARD_INDEX_BYTES
+            shard = self._param_named(layer, name).nbytes + SHARD_INDEX_BYTES
             if value.length != shard:
                 raise CheckpointError(
                     f"{self._state_dir}: {self._what(layer, e, name)} ({chunk.describe(self._state_dir)}) has "
@@ -327,9 +332,8 @@ class OrbaxExpertReader(PooledReader):
                     f"byte {value.offset + value.length}, but the file has {self._identity[value.file][0]} "
                     f"bytes; the file is truncated: {RECONVERT}")
 
-    def _stored_nbytes(self, layer: int, name: str) -> int:
-        p = next(p for p in self._params[layer] if p.name == name)
-        return int(np.prod(p.shape)) * p.stored.itemsize
+    def _param_named(self, layer: int, name: str) -> _Param:
+        return next(p for p in self._params[layer] if p.name == name)
 
     def _check_stored_array(self, p: _Param, context: ts.Context) -> None:
         """The stored array of `p` must hold one expert per chunk, each one shard of raw little-endian values."""
@@ -375,14 +379,19 @@ class OrbaxExpertReader(PooledReader):
         return {p.name: self._as_held(p, out[p.name]) for p in self._params[layer]}
 
     def _stored_bytes(self, key: tuple[int, int], p: _Param) -> np.ndarray:
-        """uint8: the expert's chunk of `p` as stored (values, then the shard index), in a buffer of the pool; a
-        failed read is retried `retries` times (a file that changed is reported as such at once, never retried)."""
-        layer, expert = key
-        value = self._chunks[layer, expert, p.name].value
+        """uint8: the expert's chunk of `p` as stored (values, then the shard index)."""
+        value = self._chunks[key[0], key[1], p.name].value
+        if value.file is not None:
+            return self._file_bytes(key, p, value)
         into = self._buffers.lease(value.length)
-        if value.file is None:
-            into[:] = np.frombuffer(value.inline, np.uint8)
-            return into
+        into[:] = np.frombuffer(value.inline, np.uint8)
+        return into
+
+    def _file_bytes(self, key: tuple[int, int], p: _Param, value: _Value) -> np.ndarray:
+        """uint8: `value`'s bytes from its data file, in a buffer of the pool; a failed read is retried `retries`
+        times (a file that changed is reported as such at once, never retried)."""
+        layer, expert = key
+        into = self._buffers.lease(value.length)
         attempts = self._retries + 1
         for _ in range(attempts):
             try:
@@ -399,7 +408,7 @@ class OrbaxExpertReader(PooledReader):
 
     def _values(self, key: tuple[int, int], p: _Param, stored: np.ndarray) -> np.ndarray:
         """The expert's values of `p` (a view of `stored`), after checking the shard index names them."""
-        nbytes = int(np.prod(p.shape)) * p.stored.itemsize
+        nbytes = p.nbytes
         offset, length = stored[nbytes:nbytes + 16].view("<u8")
         if (offset, length) != (0, nbytes):
             chunk = self._chunks[key[0], key[1], p.name]
@@ -444,7 +453,7 @@ class OrbaxExpertReader(PooledReader):
         return ts.cast(ts.array(stored), ts.dtype(p.dtype.name)).read().result()
 
     def _what(self, layer: int, expert: int, name: str) -> str:
-        key = next(p.key for p in self._params[layer] if p.name == name)
+        key = self._param_named(layer, name).key
         return f"parameter {key} expert {expert} (layer {layer} expert {expert})"
 
 
