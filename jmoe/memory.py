@@ -7,6 +7,7 @@ asynchronously (where offloaded experts live). Inside a jitted program the same 
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -45,11 +46,25 @@ def computed_on_host(fn):
     once per function and reuse it: on jax 0.10, one made afresh at every call inside a step lost the host
     placement (the H100-target compile of host miss mode then no longer put the computation on the host)."""
     if _COMPUTE_ON_IS_A_TRANSFORM:
-        return compute_on_module.compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+        return transformed_at_each_call(fn, compute_on_module.compute_on)
     jitted = jax.jit(fn)
 
     def on_host(*args):
         with compute_on_module.compute_on("device_host"):
             return jitted(*args)
+
+    return on_host
+
+
+def transformed_at_each_call(fn, compute_on):
+    """jax 0.11: `fn` under the function transform `compute_on`, applied afresh at every call. The transform caches
+    its trace by the function it wraps, so one transformed function called at several places of a step (each
+    layer's host misses) lowered to one host computation with several callers, and XLA:GPU aborted compiling it
+    ("HLO opcode `async-start` is not supported by XLA:CPU", jax 0.11.2 on a lent H100, 2026-11-27). A fresh
+    wrapper per call gives every call site its own computation, the form that ran there on 2026-11-26."""
+
+    def on_host(*args):
+        return compute_on(functools.partial(fn), compute_type="device_host",
+                          out_memory_spaces=jax.memory.Space.Host)(*args)
 
     return on_host

@@ -42,3 +42,26 @@ def test_the_expert_compute_is_marked_for_the_host():
             jnp.int32(2), jax.device_put(ExpertWeights(jnp.ones((e, d, 2 * f)), jnp.ones((e, f, d))), HOST))
     text = swiglu_on_host.lower(*args).as_text()
     assert '_xla_compute_type = "host"' in text
+
+
+def test_each_call_of_the_transform_spelling_gets_its_own_host_computation():
+    # jax 0.11's compute_on is jax 0.10's compute_on2. One traced host function with several callers (one per
+    # layer) aborted XLA:GPU's compile on jax 0.11.2; each call must lower to a computation of its own.
+    from jax.experimental import compute_on as compute_on_module
+
+    from jmoe.memory import to_device, to_host, transformed_at_each_call
+
+    transform = getattr(compute_on_module, "compute_on2", compute_on_module.compute_on)
+    doubled_on_host = transformed_at_each_call(lambda h: h * 2.0, transform)
+
+    def three_layers(x):
+        for _ in range(3):
+            x = to_device(doubled_on_host(to_host(x)) + 1.0)
+        return x
+
+    step = jax.jit(three_layers)
+    text = step.lower(jnp.ones(4)).as_text()
+    host_functions = {line.split("@")[1].split("(")[0] for line in text.splitlines()
+                      if "func.func private @compute_on" in line}
+    assert len(host_functions) == 3 and text.count("call @compute_on") == 3
+    np.testing.assert_array_equal(np.asarray(step(jnp.ones(4))), np.full(4, 15.0))
