@@ -21,7 +21,9 @@ budget does not reach is recorded as "not run: out of time", never skipped silen
                first model's disk tier on its Orbax conversion (half the experts in host rows: the in-step
                reads' cost, traced)
 The report is rewritten after every section (sections not reached marked so): a run killed at the lent
-machine's time limit keeps what it measured. Failed checks are logged as their section ends.
+machine's time limit keeps what it measured. Failed checks are logged as their section ends. Each item is named
+on stderr before it runs, so one that aborts the process (an XLA check failure) is known; `--exclude TEXT` then
+records the items whose name contains TEXT as not run, and a rerun reaches the rest.
 It builds its own random-weight checkpoints under --workdir (bench.gpu_models) and needs only the image's
 packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
 --small (and --smoke) use one kernel shape, two of the families (gpu_numerics.SMALL_FAMILIES), models of smoke size
@@ -87,7 +89,7 @@ def section_functions(args) -> dict:
 def run_sections(args, after_section=lambda results: None) -> dict[str, SectionResult]:
     """Each asked-for section in order; `after_section(results)` after each, the sections not reached yet marked so
     (a report written there survives a run killed at the lent machine's time limit)."""
-    budget = Budget(args.budget_s)
+    budget = Budget(args.budget_s, excluded=tuple(args.exclude))
 
     def log(message):
         print(f"[{budget.elapsed():5.0f} s] {message}", file=sys.stderr, flush=True)
@@ -142,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"wall-clock budget (default {BUDGET_SECONDS} s; {SMOKE_BUDGET_SECONDS} s with --smoke)")
     p.add_argument("--sections", default=",".join(SHARES), help=f"comma-separated subset of {', '.join(SHARES)}")
+    p.add_argument("--exclude", action="append", default=[], metavar="TEXT",
+                   help="record the checks whose name contains TEXT as not run (e.g. one that aborts the process "
+                        "on this image, so that a rerun reaches the rest); repeatable")
     p.add_argument("--tokens", type=int, default=None, help="decode tokens per measurement (default 64; small 4)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_gpu_check"),
                    help="where the random checkpoints are written (reused by later runs)")

@@ -8,6 +8,7 @@ rest of a lent machine's time."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import traceback
 
@@ -20,6 +21,7 @@ class Budget:
     """Wall-clock deadlines: the whole run's, and the current section's share of it."""
 
     seconds: float
+    excluded: tuple[str, ...] = ()  # items whose name contains one of these are not run (--exclude)
     began: float = dataclasses.field(default_factory=time.perf_counter)
     section_end: float = float("inf")
     allotted: float = 0.0  # the shares of the sections started so far
@@ -35,6 +37,10 @@ class Budget:
 
     def out_of_time(self) -> bool:
         return self.left() <= 0
+
+    def exclusion(self, name: str) -> str | None:
+        """The --exclude text that `name` contains, if any."""
+        return next((text for text in self.excluded if text in name), None)
 
     def left(self) -> float:
         """Seconds until the current section's deadline (or the whole budget's, if sooner)."""
@@ -60,6 +66,11 @@ class SectionResult:
         if budget is not None and budget.out_of_time():
             self.check(name, None, OUT_OF_TIME)
             return
+        if budget is not None and (text := budget.exclusion(name)) is not None:
+            self.check(name, None, f"not run: excluded (--exclude {text!r})")
+            return
+        # Named before it runs: an item that aborts the process (an XLA check failure) is then known from the log.
+        print(f"  running: {name}", file=sys.stderr, flush=True)
         try:
             passed, detail = fn()
         except Exception as error:  # recorded, not raised: see the module docstring

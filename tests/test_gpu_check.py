@@ -42,6 +42,18 @@ def test_sections_past_the_budget_are_recorded_as_not_run():
     assert result["summary"]["sections_not_run"] == list(result["sections"])
 
 
+def test_excluded_items_are_recorded_as_not_run_without_running():
+    from bench.gpu_results import Budget, SectionResult
+
+    ran = []
+    result = SectionResult()
+    for name in ("cache 0, miss fetch", "cache 0, miss host"):
+        result.attempt(name, Budget(60, excluded=("miss host",)), lambda name=name: ran.append(name) or (True, ""))
+    assert ran == ["cache 0, miss fetch"]
+    assert result.checks[1] == {"name": "cache 0, miss host", "passed": None,
+                                "detail": "not run: excluded (--exclude 'miss host')"}
+
+
 def test_family_argmax_check_forgives_near_ties_only():
     import numpy as np
 
