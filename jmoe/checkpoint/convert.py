@@ -19,7 +19,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import zlib
 from pathlib import Path
 
 import jax
@@ -30,6 +29,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from tqdm import tqdm
 
 from jmoe.checkpoint.bounds import check_sizes_against_tensors
+from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.loading import param_pieces, params_as_read, stored_params
 from jmoe.checkpoint.orbax_store import (COPIED_FILES, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, PARAMS_DIR,
                                          EXPERT_CRC32, TMP_INFIX, checksum, is_expert_param, is_orbax_checkpoint,
@@ -256,7 +256,7 @@ def expert_checksums(array) -> list[int]:
     """CRC-32 of each expert's bytes as stored (`array[e]` of a stacked experts parameter, expert axis first):
     the manifest's "expert_crc32", so one expert read alone can be checked against what the converter wrote."""
     host = np.ascontiguousarray(jax.device_get(array))
-    return [zlib.crc32(host[e].view(np.uint8).reshape(-1)) for e in range(host.shape[0])]
+    return [crc32(host[e].view(np.uint8).reshape(-1)) for e in range(host.shape[0])]
 
 
 def _write_json(path: Path, data: dict) -> None:

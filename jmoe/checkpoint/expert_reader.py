@@ -27,7 +27,6 @@ import dataclasses
 import os
 import threading
 import weakref
-import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,6 +35,7 @@ import numpy as np
 
 from jmoe.arguments import whole_number
 from jmoe.checkpoint import fp8, mxfp4
+from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read, put_oriented
 from jmoe.checkpoint.read_buffers import BufferPool, piece_threads, read_into
@@ -392,7 +392,7 @@ class ExpertReader(PooledReader):
         """The expert's bytes must be those of its first read (a rewrite can keep the size and mtime)."""
         crc = 0
         for buffer in buffers:
-            crc = zlib.crc32(buffer, crc)
+            crc = crc32(buffer, crc)
         with self._lock:
             first = self._crcs.setdefault(key, crc)
         if crc != first:

@@ -40,7 +40,6 @@ import json
 import os
 import threading
 import weakref
-import zlib
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -48,6 +47,7 @@ import numpy as np
 import tensorstore as ts
 
 from jmoe.arguments import whole_number
+from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.expert_reader import RESTART, ExpertReader, PooledReader, close_descriptors
 from jmoe.checkpoint.read_buffers import BufferPool, piece_threads, read_into
 from jmoe.checkpoint.orbax_store import (EXPERT_CRC32, PARAMS_DIR, check_params, converted_expert_dtype,
@@ -438,7 +438,7 @@ class OrbaxExpertReader(PooledReader):
     def _check_crc(self, key: tuple[int, int], p: _Param, stored: np.ndarray) -> None:
         """The expert's bytes must be those the converter wrote (the manifest's per-expert CRC-32)."""
         layer, expert = key
-        crc = zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
+        crc = crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
         if crc != p.crcs[expert]:
             chunk = self._chunks[layer, expert, p.name]
             raise CheckpointError(f"{chunk.value.file or self._state_dir}: {self._what(layer, expert, p.name)} "

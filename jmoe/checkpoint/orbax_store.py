@@ -20,7 +20,6 @@ an expert mesh each device's share), so experts meant for pinned host memory nev
 
 from __future__ import annotations
 
-import zlib
 
 from pathlib import Path
 from typing import Callable
@@ -32,6 +31,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from flax import nnx
 from tqdm import tqdm
 
+from jmoe.checkpoint.checksum import crc32
 from jmoe.model.params import ParamPath, abstract_model, flat_params, nest_params, param_key
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
@@ -114,7 +114,7 @@ def checksum(array) -> int:
     """CRC-32 of an array's bytes as stored (host or device array): the converter records one per parameter,
     restore verifies it, so a flipped byte in a data file is an error, not different numbers."""
     host = np.ascontiguousarray(jax.device_get(array))
-    return zlib.crc32(host.view(np.uint8).reshape(-1))
+    return crc32(host.view(np.uint8).reshape(-1))
 
 
 def verify_checksums(orbax_dir: Path, manifest: dict, restored: dict[str, object]) -> None:
