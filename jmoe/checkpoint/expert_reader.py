@@ -38,7 +38,7 @@ from jmoe.checkpoint import fp8, mxfp4
 from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read, put_oriented
-from jmoe.checkpoint.read_buffers import BufferPool, piece_threads, read_into
+from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_into
 from jmoe.checkpoint.safetensors_files import STORED_DTYPES, TensorInfo, checkpoint_files
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
@@ -318,7 +318,7 @@ class ExpertReader(PooledReader):
         """Open every checkpoint file once, recording what it was (compared before and after every read)."""
         for path in checkpoint_files(self.model_dir):
             try:
-                self._fds[path] = os.open(path, os.O_RDONLY)
+                self._fds[path] = open_for_reads(path)
             except OSError as e:
                 raise CheckpointError(f"{path}: cannot open the checkpoint file ({e}); make it readable") from e
             st = os.fstat(self._fds[path])

@@ -49,7 +49,7 @@ import tensorstore as ts
 from jmoe.arguments import whole_number
 from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.expert_reader import RESTART, ExpertReader, PooledReader, close_descriptors
-from jmoe.checkpoint.read_buffers import BufferPool, piece_threads, read_into
+from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_into
 from jmoe.checkpoint.orbax_store import (EXPERT_CRC32, PARAMS_DIR, check_params, converted_expert_dtype,
                                          is_expert_param, is_orbax_checkpoint, read_manifest, stored_dtype)
 from jmoe.config import ModelConfig
@@ -216,7 +216,7 @@ class OrbaxExpertReader(PooledReader):
         # Closes the files once: at close(), or when a reader nobody closed is collected.
         self._close_files = weakref.finalize(self, close_descriptors, self._fds)
         for path in sorted({c.value.file for c in self._chunks.values() if c.value.file is not None}):
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            self._fds[path] = open_for_reads(path)
         self._buffers = BufferPool(keep=self._threads)
         self._lock = threading.Lock()
         self._closed = False

@@ -33,6 +33,16 @@ READ_PIECE_BYTES = 4 << 20
 PIECE_THREAD_PREFIX = "jmoe-read-piece"
 
 
+def open_for_reads(path) -> int:
+    """A descriptor for byte-range reads of `path`, the kernel's readahead off: every read asks for exactly the
+    range it needs, in pieces in flight at once, and readahead past a range's end (up to `read_ahead_kb`, 8 MiB on
+    the bench's disk) read 15% more than asked from storage in a 6 GB cgroup, bytes the small page cache dropped
+    before any use (bench/results/disk_tier_orbax.md)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
 def piece_threads(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     """The threads that read a reader's pieces (`threads` preads in flight at most)."""
     return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=PIECE_THREAD_PREFIX)
