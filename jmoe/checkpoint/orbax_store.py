@@ -20,7 +20,6 @@ an expert mesh each device's share), so experts meant for pinned host memory nev
 
 from __future__ import annotations
 
-
 from pathlib import Path
 from typing import Callable
 
