@@ -39,6 +39,7 @@ from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read, put_oriented
 from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_into
+from jmoe.checkpoint.read_order import DEMAND, PriorityPool, ReadPriority
 from jmoe.checkpoint.safetensors_files import STORED_DTYPES, TensorInfo, checkpoint_files
 from jmoe.config import ModelConfig
 from jmoe.errors import CheckpointError, InputError
@@ -213,6 +214,12 @@ def _tensor_names(cfg: ModelConfig, pieces: dict) -> dict[tuple, list[str]]:
     return {path: [name for name, _ in entries] for path, entries in named.items()}
 
 
+def expert_threads(threads: int, name: str) -> PriorityPool:
+    """The threads a reader reads experts on, demand reads first: read-ahead may hold `threads` of them (each
+    waits on its pieces), and threads // 2 more wait for demand reads only, which then queue their pieces at once."""
+    return PriorityPool(threads + threads // 2, name, reserved=threads // 2)
+
+
 def close_descriptors(fds: dict[Path, int]) -> None:
     for fd in fds.values():
         os.close(fd)
@@ -226,14 +233,21 @@ class PooledReader:
     built, and gives `_key` (checked (layer, expert)), `_read_expert` (one read, on a pool thread) and
     `_release`."""
 
-    def submit(self, layer: int, expert: int) -> concurrent.futures.Future:
-        """A future of `read(layer, expert)`, read on the reader's threads."""
+    def submit(self, layer: int, expert: int, priority: ReadPriority | None = None) -> concurrent.futures.Future:
+        """A future of `read(layer, expert)`, read on the reader's threads, in the order of `priority`
+        (jmoe.checkpoint.read_order; default: a demand read, before any read ahead)."""
         key = self._key(layer, expert)
         with self._lock:  # close() cannot shut the pool between this check and the submit
             if self._closed:
                 raise RuntimeError(f"{type(self).__name__} of {self.model_dir} is closed; experts cannot be read "
                                    f"after close(): create a new reader")
-            return self._pool.submit(self._read_expert, key)
+            return self._pool.submit(self._read_expert, key, priority=priority or ReadPriority())
+
+    def hurry(self, priority: ReadPriority) -> None:
+        """Make the reads submitted with `priority` demand reads (a step now waits for one), queued pieces too."""
+        priority.rank = DEMAND
+        self._pool.wake()
+        self._pieces.wake()
 
     def read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         """Expert `expert` of decoder layer `layer` as jmoe.load holds it, without the expert axis:
@@ -300,7 +314,7 @@ class ExpertReader(PooledReader):
             raise
         self.layers: tuple[int, ...] = tuple(sorted(layers))  # the MoE layers' decoder layer indices
         self.num_experts: int = cfg.num_experts
-        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=THREAD_PREFIX)
+        self._pool = expert_threads(self._threads, THREAD_PREFIX)
         self._pieces = piece_threads(self._threads)
 
     # ---- public (submit, read, close: PooledReader) ----

@@ -34,7 +34,6 @@ quantized experts (values + `_scale`) as stored.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -48,8 +47,10 @@ import tensorstore as ts
 
 from jmoe.arguments import whole_number
 from jmoe.checkpoint.checksum import crc32
-from jmoe.checkpoint.expert_reader import RESTART, ExpertReader, PooledReader, close_descriptors
+from jmoe.checkpoint.expert_reader import (RESTART, ExpertReader, PooledReader, close_descriptors,
+                                          expert_threads)
 from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_into
+from jmoe.checkpoint.read_order import PriorityPool
 from jmoe.checkpoint.orbax_store import (EXPERT_CRC32, PARAMS_DIR, check_params, converted_expert_dtype,
                                          is_expert_param, is_orbax_checkpoint, read_manifest, stored_dtype)
 from jmoe.config import ModelConfig
@@ -175,7 +176,7 @@ def _pytree_dir(params_dir: Path) -> Path:
     return state_dir
 
 
-def _read_value(fd: int, value: _Value, into: np.ndarray, pieces: concurrent.futures.Executor) -> None:
+def _read_value(fd: int, value: _Value, into: np.ndarray, pieces: PriorityPool) -> None:
     """Fill `into` with the value's bytes from its data file (module level: tests inject read faults here)."""
     read_into(fd, value.offset, into, pieces,
               lambda offset: OSError(f"the file ends at byte {offset}, inside the value"))
@@ -220,7 +221,7 @@ class OrbaxExpertReader(PooledReader):
         self._buffers = BufferPool(keep=self._threads)
         self._lock = threading.Lock()
         self._closed = False
-        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=THREAD_PREFIX)
+        self._pool = expert_threads(self._threads, THREAD_PREFIX)
         self._pieces = piece_threads(self._threads)
 
     # ---- public (submit, read, close: PooledReader) ----

@@ -28,6 +28,7 @@ import weakref
 
 import numpy as np
 
+from jmoe.checkpoint.read_order import PriorityPool
 
 READ_PIECE_BYTES = 4 << 20
 PIECE_THREAD_PREFIX = "jmoe-read-piece"
@@ -46,14 +47,14 @@ def open_for_reads(path) -> int:
     return fd
 
 
-def piece_threads(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that read a reader's pieces (`threads` preads in flight at most)."""
-    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=PIECE_THREAD_PREFIX)
+def piece_threads(threads: int) -> PriorityPool:
+    """The threads that read a reader's pieces (`threads` preads in flight at most), a demand read's first."""
+    return PriorityPool(threads, PIECE_THREAD_PREFIX)
 
 
-def read_into(fd: int, start: int, into: np.ndarray, pieces: concurrent.futures.Executor, end_error) -> None:
+def read_into(fd: int, start: int, into: np.ndarray, pieces: PriorityPool, end_error) -> None:
     """Fill `into` (uint8) with the file's bytes from `start`: pieces of READ_PIECE_BYTES read on `pieces`, all
-    submitted at once. Where the file ends first, raises end_error(offset); every piece has stopped when this
+    submitted at once (ranked as the calling read). Where the file ends first, raises end_error(offset); every piece has stopped when this
     returns or raises (a retry never races a piece of the failed attempt)."""
     view = memoryview(into)
     futures = [pieces.submit(_read_piece, fd, start + at, view[at:at + READ_PIECE_BYTES], end_error)

@@ -20,9 +20,11 @@ counts these staged experts (`STAGED_PER_LAYER`, and the read-ahead's) next to t
 
 Read-ahead (`HostTier.read_ahead`, the engine's `read_ahead` option): between steps the history predictor's
 best-scored experts of the next token that are in no row are submitted to the reader, so their reads run
-while the step computes; a step that needs one waits only for what is left of its read. Those done by the
-next admissions compete for rows like the step's own reads; the rest are dropped when the next prediction does
-not name them again.
+while the step computes. They queue behind every read a step waits for, in the order of their layers
+(jmoe.checkpoint.read_order: in first-come order they held up the first layers' reads); a step that needs one
+raises it to a demand read and waits only for what is left of it, and those of layers the step has passed
+without using them wait behind the rest. Those done by the next admissions compete for rows like the step's own
+reads; the rest are dropped when the next prediction does not name them again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe.checkpoint.read_order import DEMAND, ReadPriority
 from jmoe.kernels import ExpertWeights, QuantizedTensor
 from jmoe.kernels.float_bits import as_float_bits, is_float_bits
 from jmoe.memory import PINNED_HOST, computed_on_host, sharding_for
@@ -89,6 +92,10 @@ def write_row():
                    out_shardings=host)
 
 
+# Ranks of reads ahead in the reader's queues (after DEMAND): for a layer the step has yet to reach, in layer order,
+# then for layers it has passed.
+AHEAD, PAST = DEMAND[0] + 1, DEMAND[0] + 2
+
 # Experts per layer a step keeps for admission (its best read by the policy), held until the step ends.
 STAGED_PER_LAYER = 1
 
@@ -136,7 +143,8 @@ class HostTier:
         self.wait_seconds = 0.0  # steps' time waiting for the disk
         self._step_reads: dict[int, tuple[int, ExpertWeights]] = {}  # position -> the read kept for admission
         self._priority: np.ndarray | None = None  # the policy's ranking at the last admissions [Lo, E]
-        self._ahead: dict[tuple[int, int], concurrent.futures.Future] = {}  # read ahead, not yet used
+        # read ahead, not yet used: (future, its rank in the reader's queues)
+        self._ahead: dict[tuple[int, int], tuple[concurrent.futures.Future, ReadPriority]] = {}
         self._in_flight: dict[tuple[int, int], concurrent.futures.Future] = {}  # a step's reads, not yet returned
         self._lock = threading.Lock()
 
@@ -169,11 +177,15 @@ class HostTier:
         order, count, r = np.asarray(order), int(count), int(r)
         layer = self.moe_layers[position]
         with self._lock:
+            if r == 0:
+                self._let_ahead_reads_of_past_layers_wait(position)
             for e in map(int, order[r:min(count, r + self.queue_depth)]):
                 if (position, e) not in self._in_flight:
                     ahead = self._ahead.pop((position, e), None)
                     self.read_ahead_used[position] += ahead is not None
-                    self._in_flight[position, e] = ahead or self.reader.submit(layer, e)
+                    if ahead is not None:
+                        self.reader.hurry(ahead[1])
+                    self._in_flight[position, e] = ahead[0] if ahead else self.reader.submit(layer, e)
             expert = int(order[r])
             future = self._in_flight.pop((position, expert))
         waited = time.perf_counter()
@@ -196,7 +208,7 @@ class HostTier:
         rows."""
         with self._lock:
             kept, self._step_reads, self._priority = self._step_reads, {}, priority
-            done = {key: f for key, f in self._ahead.items() if f.done() and f.exception() is None}
+            done = {key: f for key, (f, _) in self._ahead.items() if f.done() and f.exception() is None}
         reads = {(position, expert): weights for position, (expert, weights) in kept.items()}
         for (position, expert), future in done.items():
             reads.setdefault((position, expert), expert_weights_from(future.result(), self.like[position]))
@@ -239,8 +251,19 @@ class HostTier:
         self.reader.retain_buffers(self._reads_alive(count))
         with self._lock:
             for position, expert in sorted(wanted - self._ahead.keys()):
-                self._ahead[position, expert] = self.reader.submit(self.moe_layers[position], expert)
+                priority = ReadPriority((AHEAD, position))
+                self._ahead[position, expert] = (self.reader.submit(self.moe_layers[position], expert, priority),
+                                                 priority)
                 self.read_ahead_reads[position] += 1
+            for position, expert in wanted:  # still wanted, read in the order of the layers again
+                self._ahead[position, expert][1].rank = (AHEAD, position)
+
+    def _let_ahead_reads_of_past_layers_wait(self, position: int) -> None:
+        """The step is at layer `position`: reads ahead for it and earlier layers that it has not used wait behind
+        those for the layers still to come (they compete for rows at the next admissions)."""
+        for (ahead_position, _), (_, priority) in self._ahead.items():
+            if ahead_position <= position and priority.rank[0] == AHEAD:
+                priority.rank = (PAST, ahead_position)
 
     def _reads_alive(self, read_ahead: int) -> int:
         """The reads a step holds at most: each layer's staged and read-ahead experts, and the reads in flight."""
@@ -249,7 +272,7 @@ class HostTier:
     def _drop_ahead(self, keep: set) -> None:
         with self._lock:
             for key in [k for k in self._ahead if k not in keep]:
-                self._ahead.pop(key).cancel()  # a read already running finishes; its result is let go
+                self._ahead.pop(key)[0].cancel()  # a read already running finishes; its result is let go
 
     def close(self) -> None:
         self._drop_ahead(set())
