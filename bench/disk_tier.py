@@ -1,6 +1,6 @@
 """Decoding a model larger than this machine's RAM through the disk tier (issue #31), against the llama.cpp way.
 
-  python -m bench.disk_tier [--size-gb 30] [--budget-gb 4] [--tokens 8] [--read-ahead 1] [--rounds 2]
+  python -m bench.disk_tier [--size-gb 30] [--budget-gb 4] [--tokens 8] [--read-ahead 4] [--rounds 2]
                             [--limits none] [--format safetensors|orbax] [--workdir DIR] [--clean]
   python -m bench.disk_tier --smoke          # a tiny checkpoint in a temporary directory, no result file
 
@@ -222,7 +222,7 @@ def report(args, cfg, expert_bytes: int, checkpoint_gb: float, disk: tuple[float
         f"{cfg.num_experts} experts of {expert_bytes / 1e6:.1f} MB, top-{cfg.num_experts_per_tok}: hidden "
         f"{cfg.hidden_size}, expert width {cfg.expert_intermediate_size}); routing forced from the {TRACE} trace's "
         f"report split, {args.tokens} tokens (1 prompt token, {args.tokens - 1} decode steps); host budget "
-        f"{args.budget_gb} GB, cache 0, read-ahead {args.read_ahead} experts per layer for `jmoe+ra`.",
+        f"{args.budget_gb} GB, cache 0, read-ahead {args.read_ahead} experts of the next layer for `jmoe+ra`.",
         f"Page cache dropped before every run: {'yes' if dropped else 'NO (no permission)'}. Load average at the "
         f"start: {' '.join(load)}. Medians of {args.rounds} rounds, engines alternated, each in its own process.",
         f"Disk: read {disk[0]:.2f} GB/s one 64 MiB pread at a time, {disk[1]:.2f} GB/s with {PARALLEL_READS} in "
@@ -273,7 +273,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size-gb", type=float, default=30.0, help="the checkpoint's experts, GB")
     parser.add_argument("--budget-gb", type=float, default=4.0, help="jmoe's host budget")
     parser.add_argument("--tokens", type=int, default=8, help="trace rows decoded (the first is the prompt)")
-    parser.add_argument("--read-ahead", type=int, default=1, help="experts per layer read ahead by jmoe+ra")
+    parser.add_argument("--read-ahead", type=int, default=4, help="experts of the next layer read ahead by jmoe+ra")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--limits", type=lambda s: s.split(","), default=["none"],
                         help="memory limits to run under: budget (= budget + 8 GB), none, or a number of GB")

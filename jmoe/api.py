@@ -274,8 +274,9 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         experts in pinned host memory, the rest are read from the checkpoint files when a step needs them.
         Results are the same. Close the model (`close()`, or `with`) to stop its reader threads. With
         prefetch_trace, its predictor reads ahead from disk instead of copying to the device.
-    read_ahead: with host_budget_gb and prefetch_trace, between steps start reading the next token's this many
-        best-predicted experts per offloaded layer that are in no host row (0 = off).
+    read_ahead: with host_budget_gb and prefetch_trace, as each layer routes start reading this many experts of
+        the next layer, those in no host row the predictor scores best given this token's layers so far (the first
+        layer's between steps); the budget holds them (this many experts of one layer). 0 = off.
     scratch_rows: the scratch slots the offloaded layers share hold the missed experts of this many decode rows
         (scratch_rows x top_k, at most the experts per layer); a step that misses more computes the rest on the
         host, and prefill streams experts through chunks of that many. Fewer hold less device memory: a disk

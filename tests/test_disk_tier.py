@@ -25,15 +25,16 @@ LOGIT_IDS = np.random.RandomState(3).randint(0, VOCAB, (2, 9))
 
 
 @functools.cache
-def layer_expert_bytes(directory, expert_dtype=None) -> int:
-    """Bytes of one expert of every MoE layer together (the placement's, all layers offloaded)."""
+def layer_expert_bytes(directory, expert_dtype=None) -> tuple[int, int]:
+    """Bytes of one expert of every MoE layer together (the placement's, all layers offloaded), and the layers."""
     probe = jmoe.load(directory, cache=0, progress=False, expert_dtype=expert_dtype).placement_plan
-    return probe.layer_expert_bytes
+    return probe.layer_expert_bytes, len(probe.offloaded_layers)
 
 
 def budget_for(directory, rows: int, expert_dtype=None, read_ahead: int = 0) -> float:
-    """The host budget (GB) that holds `rows` experts of every offloaded layer and the staged ones."""
-    return host_budget_gb_holding(rows, layer_expert_bytes(directory, expert_dtype), read_ahead)
+    """The host budget (GB) that holds `rows` experts of every offloaded layer, the staged ones and `read_ahead`."""
+    layer_bytes, layers = layer_expert_bytes(directory, expert_dtype)
+    return host_budget_gb_holding(rows, layer_bytes, read_ahead * layer_bytes // layers)
 
 
 def reader_threads() -> list[threading.Thread]:
@@ -129,9 +130,9 @@ def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_p
     plain, ahead = counts[0], counts[6]
     assert plain["read_ahead_reads"] == plain["read_ahead_used"] == 0
     assert 0 < ahead["read_ahead_used"] <= min(ahead["read_ahead_reads"], ahead["disk_reads"])
-    # Reads a step waited for from their start (not read ahead): at least a quarter fewer (the replay's 10-25% at
-    # GPT-OSS's full depth counts reads avoided through the rows only; here also those found in flight).
-    assert ahead["disk_reads"] - ahead["read_ahead_used"] <= 0.75 * plain["disk_reads"], counts
+    # Reads a step waited for from their start (not read ahead): at least half fewer (the in-step guesses of the
+    # next layer's experts in no row found 278 of the 413 when this was written).
+    assert ahead["disk_reads"] - ahead["read_ahead_used"] <= 0.5 * plain["disk_reads"], counts
     expert_bytes = model.placement_plan.expert_bytes
     assert ahead["disk_bytes"] == (ahead["disk_reads"] - ahead["read_ahead_used"] + ahead["read_ahead_reads"]) \
         * expert_bytes

@@ -52,8 +52,8 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                    help="the disk tier: keep this much of the offloaded experts in pinned host memory and read the "
                         "others from the checkpoint files when a step needs them (results unchanged)")
     g.add_argument("--read-ahead", type=int, default=0, metavar="N",
-                   help="with --host-budget-gb and --prefetch-trace: start reading the next token's N "
-                        "best-predicted experts per layer from disk between steps (default 0: off)")
+                   help="with --host-budget-gb and --prefetch-trace: as each layer routes, start reading the N "
+                        "best-predicted experts of the next layer from disk (default 0: off)")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
     g.add_argument("--prefetch-trace", default=None, metavar="TRACE.npy",

@@ -72,9 +72,9 @@ class OffloadEngine(ResidentEngine):
         self._history_predictor = (None if options.prefetch_trace is None
                                    else best_predictor(options.prefetch_trace, config.num_experts))
         self.history = None  # HistoryPrefetch of the device prefetch, made fresh by reset
-        # The disk tier's read-ahead (jmoe.offload.host_tier): experts per offloaded layer and step, and the
-        # HistoryPrefetch that predicts them (made fresh by reset). With a host budget the predictor reads ahead
-        # from disk instead of copying to the device.
+        # The disk tier's read-ahead (jmoe.offload.host_tier): experts of the next offloaded layer read ahead as
+        # each layer routes, and the HistoryPrefetch that predicts them (made fresh by reset). With a host budget
+        # the predictor reads ahead from disk instead of copying to the device.
         self.read_ahead = options.read_ahead
         self.read_ahead_history = None
         self.host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
@@ -139,8 +139,8 @@ class OffloadEngine(ResidentEngine):
     def manager_tables(self) -> dict[str, np.ndarray]:
         """The state's fields the manager writes between steps, as NumPy arrays."""
         victim_order, plan_experts, plan_slots = self.manager.next_step()
-        base = (np.zeros((0, self.config.num_experts), np.float32) if self.history is None
-                else self.history.base())
+        history = self.history or self.read_ahead_history  # one of them at most
+        base = np.zeros((0, self.config.num_experts), np.float32) if history is None else history.base()
         return {"victim_order": victim_order, "plan_experts": plan_experts, "plan_slots": plan_slots,
                 "predict_base": base}
 
@@ -172,6 +172,7 @@ class OffloadEngine(ResidentEngine):
                 layer_slots[i], evicted[i], copied[i] = copy_wanted(layer_slots[i], layers[moe].experts,
                                                                     state.plan_experts[i], state.plan_slots[i])
         token_ids = {}  # MoE layer -> this token's expert ids [B, k], as the layers route (history prefetch)
+        in_step_history = decode and (self.history or self.read_ahead_history) is not None
 
         def predict_into(moe_index):
             """History prefetch: copy the experts predicted for MoE layer `moe_index` into its cache."""
@@ -187,10 +188,23 @@ class OffloadEngine(ResidentEngine):
         if decode and self.history is not None:
             predict_into(0)  # from the tokens before this one only
 
+        def read_ahead_guesses(moe_index):
+            """int32 [read_ahead]: the experts in no host row that the history predictor scores best for the next
+            MoE layer given this token's layers so far (-1 where fewer); None: no read-ahead there."""
+            nxt = position.get(moe_index + 1)
+            if not decode or self.read_ahead_history is None or nxt is None:
+                return None
+            scores = self.read_ahead_history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1,
+                                                            token_ids)
+            scores = jnp.where(state.host_row_of_expert[nxt] >= 0, -jnp.inf, scores)
+            best, experts = jax.lax.top_k(scores, self.read_ahead)
+            return jnp.where(best > -jnp.inf, experts, -1)
+
         def compute(moe_index, x, routed, weights):
             layer = layers[moe_index]
-            if decode and self.history is not None:
+            if in_step_history:
                 token_ids[moe_index] = routed
+            if decode and self.history is not None:
                 predict_into(moe_index + 1)
             ids = self.owned(routed)
             if moe_index not in position:
@@ -216,7 +230,7 @@ class OffloadEngine(ResidentEngine):
                 host = state.host_tier[i]
                 tier = {"host_rows": state.host_row_of_expert[i], "disk": functools.partial(
                     disk_experts, like=self.host_experts[i], read_expert=functools.partial(self.tier.read_expert, i),
-                    kernel=kernel)}
+                    kernel=kernel, ahead=read_ahead_guesses(moe_index))}
             if decode and self.miss_mode == "host":
                 y, counts[i] = host_compute_misses(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)
             elif decode:
@@ -249,8 +263,8 @@ class OffloadEngine(ResidentEngine):
         if self.tier is not None:
             self.state = self.admit_disk_reads(self.state)
             if self.read_ahead_history is not None:
-                self.read_ahead_history.observe(routing)
-                self.tier.read_ahead(self.read_ahead_history.base()[list(self.layers)], self.read_ahead)
+                self.tier.read_ahead_first_layer(np.asarray(self.state.predict_base[self.layers[0]]),
+                                                 self.read_ahead)
         if first_observation:  # policy="static": its table comes from this first step
             self.install_pinned()
 
@@ -270,8 +284,9 @@ class OffloadEngine(ResidentEngine):
         was the first step a static policy saw (its experts are to be installed now)."""
         slot_of_expert, counts = tables
         first_observation = self.manager.policy is None
-        if self.history is not None:
-            self.history.observe(routing)
+        for history in (self.history, self.read_ahead_history):
+            if history is not None:
+                history.observe(routing)
         self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert), np.asarray(counts))
         return first_observation
 

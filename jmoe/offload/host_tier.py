@@ -18,13 +18,16 @@ memory); between steps (`HostTier.admissions`) the policy's ranking admits it in
 (`write_row`: the rows' buffer is donated, so a write costs one expert, not the layer's H). The host budget
 counts these staged experts (`STAGED_PER_LAYER`, and the read-ahead's) next to the rows.
 
-Read-ahead (`HostTier.read_ahead`, the engine's `read_ahead` option): between steps the history predictor's
-best-scored experts of the next token that are in no row are submitted to the reader, so their reads run
-while the step computes. They queue behind every read a step waits for, in the order of their layers
-(jmoe.checkpoint.read_order: in first-come order they held up the first layers' reads); a step that needs one
-raises it to a demand read and waits only for what is left of it, and those of layers the step has passed
-without using them wait behind the rest. Those done by the next admissions compete for rows like the step's own
-reads; the rest are dropped when the next prediction does not name them again.
+Read-ahead (the engine's `read_ahead` option, N): as a layer with disk reads routes, its callback also gets the
+N experts of the next offloaded layer that the history predictor scores best with this token's layers so far
+(jmoe.offload.history_prefetch's in-step scores: on the GPT-OSS trace its top 4 held 68% of a layer's experts,
+against 51% for the same predictor between steps), and submits those in no row; between steps, the first
+offloaded layer's (`read_ahead_first_layer`). So a read ahead runs while the layer before its own computes, and
+the memory it takes is N experts, not N per layer. Reads ahead queue behind every read a step waits for
+(jmoe.checkpoint.read_order: in first-come order they held up the demand reads); a step that needs one raises it
+to a demand read and waits only for what is left of it. Once a layer's reads are known, those ahead for it and
+earlier layers that it does not need are dropped (a read already running finishes; its result is let go), and
+those still held at the next admissions compete for rows like the step's own reads.
 """
 
 from __future__ import annotations
@@ -61,10 +64,12 @@ def expert_weights_from(read: dict[str, np.ndarray], like: ExpertWeights) -> Exp
     return ExpertWeights(weight("w_gate_up"), weight("w_down"), *biases)
 
 
-def disk_experts(x, ids, weights, on_disk, *, like: ExpertWeights, read_expert, kernel):
+def disk_experts(x, ids, weights, on_disk, *, like: ExpertWeights, read_expert, kernel, ahead=None):
     """float32 [T, d]: the contribution of the experts marked in `on_disk` (bool [E]), one a round: round r calls
-    `read_expert(order int32 [E], count int32, r)` (a host callback returning expert order[r]'s leaves, shaped like
-    `like`'s with a leading axis of 1; order[:count] are the marked experts, lowest first) and computes it."""
+    `read_expert(order int32 [E], count int32, r, ahead)` (a host callback returning expert order[r]'s leaves,
+    shaped like `like`'s with a leading axis of 1; order[:count] are the marked experts, lowest first) and computes
+    it. `ahead`: int32 [N], experts of the next offloaded layer to read ahead (-1: none; None: no read-ahead)."""
+    ahead = jnp.zeros((0,), jnp.int32) if ahead is None else ahead.astype(jnp.int32)
     count = jnp.sum(on_disk, dtype=jnp.int32)
     order = jnp.nonzero(on_disk, size=on_disk.shape[0], fill_value=0)[0].astype(jnp.int32)
     token_rank = slot_ids_of(rank_among(on_disk), ids)
@@ -72,7 +77,7 @@ def disk_experts(x, ids, weights, on_disk, *, like: ExpertWeights, read_expert, 
 
     def body(carry):
         r, y = carry
-        buffers = jax.experimental.io_callback(read_expert, shapes, order, count, r, ordered=False)
+        buffers = jax.experimental.io_callback(read_expert, shapes, order, count, r, ahead, ordered=False)
         return r + 1, y + kernel(x, chunk_slot_ids(token_rank, r, 1), weights, buffers, out_dtype=jnp.float32)
 
     _, y = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), jnp.zeros(x.shape, jnp.float32)))
@@ -92,19 +97,18 @@ def write_row():
                    out_shardings=host)
 
 
-# Ranks of reads ahead in the reader's queues (after DEMAND): for a layer the step has yet to reach, in layer order,
-# then for layers it has passed.
-AHEAD, PAST = DEMAND[0] + 1, DEMAND[0] + 2
+AHEAD = DEMAND[0] + 1  # reads ahead rank (AHEAD, layer position) in the reader's queues: after every demand read
 
 # Experts per layer a step keeps for admission (its best read by the policy), held until the step ends.
 STAGED_PER_LAYER = 1
 
 
-def host_budget_gb_holding(rows: int, layer_expert_bytes: int, read_ahead: int = 0) -> float:
-    """The host_budget_gb whose tier holds `rows` host rows per offloaded layer with the staged and read-ahead
-    experts beside them (`layer_expert_bytes`: one expert of every offloaded layer together), and half an expert
-    more, so that rounding never leaves one out."""
-    return (rows + STAGED_PER_LAYER + read_ahead + 0.5) * layer_expert_bytes / 1e9
+def host_budget_gb_holding(rows: int, layer_expert_bytes: int, read_ahead_bytes: int = 0) -> float:
+    """The host_budget_gb whose tier holds `rows` host rows per offloaded layer with the staged experts beside them
+    (`layer_expert_bytes`: one expert of every offloaded layer together) and the experts read ahead
+    (`read_ahead_bytes`: that many of one layer), and half an expert of each layer more, so that rounding never
+    leaves one out."""
+    return ((rows + STAGED_PER_LAYER + 0.5) * layer_expert_bytes + read_ahead_bytes) / 1e9
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -157,7 +161,8 @@ class HostTier:
             counts[:] = 0
         self.wait_seconds = 0.0
         self._step_reads, self._priority = {}, None
-        self._drop_ahead(set())
+        with self._lock:
+            self._drop_ahead(lambda key: False)
         self._in_flight.clear()
         tiers = []
         for position, layer in enumerate(self.moe_layers):
@@ -171,21 +176,25 @@ class HostTier:
         return tuple(tiers)
 
     # ---- inside a step (on the callback's thread) -------------------------------------------------------
-    def read_expert(self, position: int, order, count, r):
+    def read_expert(self, position: int, order, count, r, ahead):
         """The leaves of expert order[r] of offloaded layer `position` (order[:count]: the experts the layer reads
-        from disk this step), read from disk; first the reads of order[r:r + k] not yet in flight are submitted."""
+        from disk this step), read from disk; first the reads of order[r:r + k] not yet in flight are submitted,
+        and in round 0 the reads ahead of `ahead` (experts of the next offloaded layer, -1 none)."""
         order, count, r = np.asarray(order), int(count), int(r)
         layer = self.moe_layers[position]
         with self._lock:
-            if r == 0:
-                self._let_ahead_reads_of_past_layers_wait(position)
             for e in map(int, order[r:min(count, r + self.queue_depth)]):
                 if (position, e) not in self._in_flight:
-                    ahead = self._ahead.pop((position, e), None)
-                    self.read_ahead_used[position] += ahead is not None
-                    if ahead is not None:
-                        self.reader.hurry(ahead[1])
-                    self._in_flight[position, e] = ahead[0] if ahead else self.reader.submit(layer, e)
+                    early = self._ahead.pop((position, e), None)
+                    self.read_ahead_used[position] += early is not None
+                    if early is not None:
+                        self.reader.hurry(early[1])
+                    self._in_flight[position, e] = early[0] if early else self.reader.submit(layer, e)
+            if r == 0:
+                needed = {(position, int(e)) for e in order[:count]}
+                self._drop_ahead(lambda key: key[0] > position or key in needed)
+                if position + 1 < len(self.moe_layers):
+                    self._submit_ahead(position + 1, np.asarray(ahead), len(ahead))
             expert = int(order[r])
             future = self._in_flight.pop((position, expert))
         waited = time.perf_counter()
@@ -239,43 +248,42 @@ class HostTier:
     def _rank(self, position: int, expert: int) -> float:
         return -np.inf if self._priority is None else self._priority[position, expert]
 
-    def read_ahead(self, scores: np.ndarray, count: int) -> None:
-        """Submit the reads of each layer's `count` best-scored experts (`scores` [Lo, E], the predictor's for the
-        next token) that are in no row; earlier read-ahead reads not among them are dropped."""
-        wanted = set()
-        for position, layer_scores in enumerate(scores):
-            candidates = np.flatnonzero(self.row_of_expert[position] < 0)
-            best = candidates[np.argsort(-layer_scores[candidates], kind="stable")[:count]]
-            wanted.update((position, int(e)) for e in best)
-        self._drop_ahead(wanted)
+    def read_ahead_first_layer(self, scores: np.ndarray, count: int) -> None:
+        """Between steps: the reads ahead of the first offloaded layer's `count` best-`scores` experts ([E], the
+        predictor's for the next token) in no row; the reads ahead of the last step not admitted are dropped."""
         self.reader.retain_buffers(self._reads_alive(count))
         with self._lock:
-            for position, expert in sorted(wanted - self._ahead.keys()):
-                priority = ReadPriority((AHEAD, position))
-                self._ahead[position, expert] = (self.reader.submit(self.moe_layers[position], expert, priority),
-                                                 priority)
-                self.read_ahead_reads[position] += 1
-            for position, expert in wanted:  # still wanted, read in the order of the layers again
-                self._ahead[position, expert][1].rank = (AHEAD, position)
+            self._drop_ahead(lambda key: False)
+            self._submit_ahead(0, np.argsort(-scores, kind="stable"), count)
 
-    def _let_ahead_reads_of_past_layers_wait(self, position: int) -> None:
-        """The step is at layer `position`: reads ahead for it and earlier layers that it has not used wait behind
-        those for the layers still to come (they compete for rows at the next admissions)."""
-        for (ahead_position, _), (_, priority) in self._ahead.items():
-            if ahead_position <= position and priority.rank[0] == AHEAD:
-                priority.rank = (PAST, ahead_position)
+    def _submit_ahead(self, position: int, experts: np.ndarray, count: int) -> None:
+        """Read ahead the first `count` of `experts` (-1: none) of layer `position` that are in no row and not yet
+        read or being read (the caller holds the lock)."""
+        submitted = 0
+        for expert in map(int, experts):
+            if submitted == count:
+                return
+            if expert < 0 or self.row_of_expert[position, expert] >= 0 or (position, expert) in self._ahead \
+                    or (position, expert) in self._in_flight:
+                continue
+            priority = ReadPriority((AHEAD, position))
+            self._ahead[position, expert] = (self.reader.submit(self.moe_layers[position], expert, priority), priority)
+            self.read_ahead_reads[position] += 1
+            submitted += 1
 
     def _reads_alive(self, read_ahead: int) -> int:
-        """The reads a step holds at most: each layer's staged and read-ahead experts, and the reads in flight."""
-        return len(self.moe_layers) * (STAGED_PER_LAYER + read_ahead) + self.queue_depth
+        """The reads a step holds at most: each layer's staged expert, the next layer's read ahead, and the reads
+        in flight."""
+        return len(self.moe_layers) * STAGED_PER_LAYER + read_ahead + self.queue_depth
 
-    def _drop_ahead(self, keep: set) -> None:
-        with self._lock:
-            for key in [k for k in self._ahead if k not in keep]:
-                self._ahead.pop(key)[0].cancel()  # a read already running finishes; its result is let go
+    def _drop_ahead(self, keep) -> None:
+        """Drop the reads ahead whose (position, expert) `keep` refuses (the caller holds the lock)."""
+        for key in [k for k in self._ahead if not keep(k)]:
+            self._ahead.pop(key)[0].cancel()  # a read already running finishes; its result is let go
 
     def close(self) -> None:
-        self._drop_ahead(set())
+        with self._lock:
+            self._drop_ahead(lambda key: False)
         for future in self._in_flight.values():
             future.cancel()
         self._in_flight.clear()

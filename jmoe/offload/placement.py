@@ -229,15 +229,18 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
         key = keys[path]
         on_host = key in host_keys or (is_expert_param(path) and moe_position(cfg, path) in offloaded)
         memory_kind[key] = PINNED_HOST if on_host else DEVICE
-    staged = STAGED_PER_LAYER + options.read_ahead
-    host_rows = tiered_rows(cfg, options.host_budget_gb, len(offloaded_layers), expert_bytes, staged)
+    staged, ahead = STAGED_PER_LAYER, options.read_ahead
+    host_rows = tiered_rows(cfg, options.host_budget_gb, len(offloaded_layers), expert_bytes, staged, ahead)
     if host_rows:
         for path in abstract:
             if is_expert_param(path) and moe_position(cfg, path) in offloaded:
-                nbytes[keys[path]] = nbytes[keys[path]] // cfg.num_experts * (host_rows + staged)
+                per_expert = nbytes[keys[path]] // cfg.num_experts
+                # The read-ahead's experts (one layer's) counted as a share of every offloaded layer's parameter.
+                nbytes[keys[path]] = per_expert * (host_rows + staged) + per_expert * ahead // len(offloaded_layers)
         notes.append(f"host_budget_gb={options.host_budget_gb}: {host_rows} of {cfg.num_experts} experts per "
-                     f"offloaded layer in pinned host rows and {staged} staged (read for admission, read ahead), "
-                     f"the others read from the checkpoint files when needed")
+                     f"offloaded layer in pinned host rows and {staged} staged (read for admission)"
+                     + (f", {ahead} of the next layer read ahead" if ahead else "")
+                     + ", the others read from the checkpoint files when needed")
         largest_cache = max(min(caches[i], cfg.num_experts) for i in offloaded_layers)
         if host_rows < 2 * largest_cache:
             # The host rows include the device's experts: at H = C every device miss is a disk read
@@ -253,20 +256,21 @@ def plan_placement(cfg: ModelConfig, abstract: dict[ParamPath, object],
 
 
 def tiered_rows(cfg: ModelConfig, host_budget_gb: float | None, layers: int, expert_bytes: int,
-                staged: int) -> int:
+                staged: int, ahead: int = 0) -> int:
     """Experts per offloaded layer that `host_budget_gb` holds in pinned host rows next to `staged` experts per
-    layer in flight (jmoe.offload.host_tier: a step's read kept for admission, the read-ahead); 0 when there is
-    no budget, nothing offloaded, or the budget holds every expert (no disk tier)."""
+    layer (jmoe.offload.host_tier: a step's read kept for admission) and `ahead` experts read ahead (one layer's);
+    0 when there is no budget, nothing offloaded, or the budget holds every expert (no disk tier)."""
     if host_budget_gb is None or not layers:
         return 0
-    held = int(host_budget_gb * 1e9 // (layers * expert_bytes))
+    held = int((host_budget_gb * 1e9 - ahead * expert_bytes) // (layers * expert_bytes))
     if held >= cfg.num_experts:
         return 0
     if held < 1 + staged:
-        raise InputError(f"host_budget_gb={host_budget_gb} holds {held} experts of each of the {layers} offloaded "
-                         f"MoE layers ({expert_bytes / 1e9:.4f} GB each), which the disk tier needs as one host row "
-                         f"and {staged} staged (read for admission, read ahead) per layer: give at least "
-                         f"{(1 + staged) * layers * expert_bytes / 1e9:.4f} GB")
+        needed = ((1 + staged) * layers + ahead) * expert_bytes / 1e9
+        raise InputError(f"host_budget_gb={host_budget_gb} holds {max(held, 0)} experts of each of the {layers} "
+                         f"offloaded MoE layers ({expert_bytes / 1e9:.4f} GB each) beside the {ahead} read ahead; "
+                         f"the disk tier needs one host row and {staged} staged (read for admission) per layer: "
+                         f"give at least {needed:.4f} GB" + (" or read fewer ahead" if ahead else ""))
     return held - staged
 
 
