@@ -1,6 +1,6 @@
 """Decoding a model larger than this machine's RAM through the disk tier (issue #31), against the llama.cpp way.
 
-  python -m bench.disk_tier [--size-gb 30] [--budget-gb 4] [--tokens 8] [--read-ahead 4] [--rounds 2]
+  python -m bench.disk_tier [--size-gb 30] [--budget-gb 4] [--tokens 8] [--read-ahead 2] [--rounds 2]
                             [--limits none] [--format safetensors|orbax] [--workdir DIR] [--clean]
   python -m bench.disk_tier --smoke          # a tiny checkpoint in a temporary directory, no result file
 
@@ -273,7 +273,9 @@ def main(argv=None) -> None:
     parser.add_argument("--size-gb", type=float, default=30.0, help="the checkpoint's experts, GB")
     parser.add_argument("--budget-gb", type=float, default=4.0, help="jmoe's host budget")
     parser.add_argument("--tokens", type=int, default=8, help="trace rows decoded (the first is the prompt)")
-    parser.add_argument("--read-ahead", type=int, default=4, help="experts of the next layer read ahead by jmoe+ra")
+    # 2: 4 read 2980 experts ahead to spare 1470 demand reads over 32 tokens, 2 read 1490 for 996
+    # (bench/results/disk_tier_orbax.md)
+    parser.add_argument("--read-ahead", type=int, default=2, help="experts of the next layer read ahead by jmoe+ra")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--limits", type=lambda s: s.split(","), default=["none"],
                         help="memory limits to run under: budget (= budget + 8 GB), none, or a number of GB")

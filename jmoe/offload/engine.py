@@ -197,7 +197,7 @@ class OffloadEngine(ResidentEngine):
             scores = self.read_ahead_history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1,
                                                             token_ids)
             scores = jnp.where(state.host_row_of_expert[nxt] >= 0, -jnp.inf, scores)
-            best, experts = jax.lax.top_k(scores, self.read_ahead)
+            best, experts = jax.lax.top_k(scores, min(self.read_ahead, scores.shape[-1]))  # at most all of them
             return jnp.where(best > -jnp.inf, experts, -1)
 
         def compute(moe_index, x, routed, weights):

@@ -132,7 +132,7 @@ class OffloadOptions:
                 raise InputError(f"host_budget_gb (the disk tier) does not work with {', '.join(unsupported)} yet; "
                                  f"leave those out, or host_budget_gb")
         object.__setattr__(self, "read_ahead", whole_number("read_ahead", self.read_ahead, 0,
-                                                            "experts per layer read ahead from disk, 0 = off"))
+                                                            "experts of the next layer read ahead from disk, 0 = off"))
         if self.host_budget_gb is not None and (self.read_ahead > 0) != (self.prefetch_trace is not None):
             raise InputError(f"with host_budget_gb, read_ahead (found {self.read_ahead}) and prefetch_trace (found "
                              f"{'a trace' if self.prefetch_trace is not None else 'none'}) go together: the "
