@@ -54,8 +54,8 @@ def piece_threads(threads: int) -> PriorityPool:
 
 def read_into(fd: int, start: int, into: np.ndarray, pieces: PriorityPool, end_error) -> None:
     """Fill `into` (uint8) with the file's bytes from `start`: pieces of READ_PIECE_BYTES read on `pieces`, all
-    submitted at once (ranked as the calling read). Where the file ends first, raises end_error(offset); every piece has stopped when this
-    returns or raises (a retry never races a piece of the failed attempt)."""
+    submitted at once (ranked as the calling read). Where the file ends first, raises end_error(offset); every
+    piece has stopped when this returns or raises (a retry never races a piece of the failed attempt)."""
     view = memoryview(into)
     futures = [pieces.submit(_read_piece, fd, start + at, view[at:at + READ_PIECE_BYTES], end_error)
                for at in range(0, len(view), READ_PIECE_BYTES)]

@@ -1,8 +1,8 @@
 """The order an expert reader's queued work runs in (issue #31): reads a step waits for before reads ahead of need.
 
 A reader's reads and their 4 MiB pieces queue on pools of threads. With first-come order, the read-ahead the disk
-tier submits between steps (one expert for each of 24 layers: 0.9 GB on the bench checkpoint) sat in front of the
-first layer's demand reads, and read-ahead made decoding slower than demand reads alone
+tier then submitted between steps (one expert for each of 24 layers: 0.9 GB on the bench checkpoint) sat in front
+of the first layer's demand reads, and read-ahead made the wait longer than demand reads alone
 (bench/results/disk_tier_orbax.md: -21% of the wait hidden in a 6 GB cgroup). Here every queued task carries a
 `ReadPriority` and a free thread takes the lowest rank (ties: first submitted). The rank is read when a thread
 takes a task, so raising a read (a step comes to wait for a read it had read ahead) moves its queued pieces up
