@@ -71,12 +71,11 @@ class OffloadEngine(ResidentEngine):
         self.initial_policy = options.policy
         self._history_predictor = (None if options.prefetch_trace is None
                                    else best_predictor(options.prefetch_trace, config.num_experts))
-        self.history = None  # HistoryPrefetch of the device prefetch, made fresh by reset
-        # The disk tier's read-ahead (jmoe.offload.host_tier): experts of the next offloaded layer read ahead as
-        # each layer routes, and the HistoryPrefetch that predicts them (made fresh by reset). With a host budget
-        # the predictor reads ahead from disk instead of copying to the device.
+        self.history = None  # HistoryPrefetch of prefetch_trace's predictor, made fresh by reset
+        # With a disk tier (jmoe.offload.host_tier) the predictor reads `read_ahead` experts of the next offloaded
+        # layer ahead from disk as each layer routes, instead of copying experts to the device.
+        self.history_reads_ahead = bool(placement.host_rows)
         self.read_ahead = options.read_ahead
-        self.read_ahead_history = None
         self.host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
         self._install = jax.jit(self.filled_slots, donate_argnums=(0,))
@@ -91,7 +90,7 @@ class OffloadEngine(ResidentEngine):
         if self.tier_reader is not None:
             self.tier = HostTier(self.tier_reader, tuple(self.config.moe_layer_indices[i] for i in self.layers),
                                  self.host_experts, self.placement.host_rows, self.config.num_experts,
-                                 queue_depth=self.config.num_experts_per_tok)
+                                 queue_depth=self.config.num_experts_per_tok, read_ahead=self.read_ahead)
         self.reset(self.initial_policy)
 
     def close(self) -> None:
@@ -109,11 +108,8 @@ class OffloadEngine(ResidentEngine):
     def start_managing(self, policy: str | CachePolicy) -> None:
         """reset's host side: a fresh manager with `policy` (and history predictor); no device memory."""
         if self._history_predictor is not None:
-            history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers, self.config.num_experts)
-            if self.placement.host_rows:  # a disk tier (a budget that holds every expert makes none)
-                self.read_ahead_history = history
-            else:
-                self.history = history
+            self.history = HistoryPrefetch(self._history_predictor, self.config.num_moe_layers,
+                                           self.config.num_experts)
         self.manager = SlotManager(policy, self.config.num_experts, self.caches, self.placement.expert_bytes,
                                    self.plan_width)
 
@@ -139,8 +135,8 @@ class OffloadEngine(ResidentEngine):
     def manager_tables(self) -> dict[str, np.ndarray]:
         """The state's fields the manager writes between steps, as NumPy arrays."""
         victim_order, plan_experts, plan_slots = self.manager.next_step()
-        history = self.history or self.read_ahead_history  # one of them at most
-        base = np.zeros((0, self.config.num_experts), np.float32) if history is None else history.base()
+        base = (np.zeros((0, self.config.num_experts), np.float32) if self.history is None
+                else self.history.base())
         return {"victim_order": victim_order, "plan_experts": plan_experts, "plan_slots": plan_slots,
                 "predict_base": base}
 
@@ -172,7 +168,9 @@ class OffloadEngine(ResidentEngine):
                 layer_slots[i], evicted[i], copied[i] = copy_wanted(layer_slots[i], layers[moe].experts,
                                                                     state.plan_experts[i], state.plan_slots[i])
         token_ids = {}  # MoE layer -> this token's expert ids [B, k], as the layers route (history prefetch)
-        in_step_history = decode and (self.history or self.read_ahead_history) is not None
+        by_history = decode and self.history is not None
+        copies_ahead = by_history and not self.history_reads_ahead  # into the device's slots
+        reads_ahead = by_history and self.history_reads_ahead  # from disk into the host tier
 
         def predict_into(moe_index):
             """History prefetch: copy the experts predicted for MoE layer `moe_index` into its cache."""
@@ -185,26 +183,25 @@ class OffloadEngine(ResidentEngine):
             copied[i] = copied[i] + ahead_copied
             evicted[i] = evicted[i] + ahead_evicted
 
-        if decode and self.history is not None:
+        if copies_ahead:
             predict_into(0)  # from the tokens before this one only
 
         def read_ahead_guesses(moe_index):
             """int32 [read_ahead]: the experts in no host row that the history predictor scores best for the next
             MoE layer given this token's layers so far (-1 where fewer); None: no read-ahead there."""
             nxt = position.get(moe_index + 1)
-            if not decode or self.read_ahead_history is None or nxt is None:
+            if not reads_ahead or nxt is None:
                 return None
-            scores = self.read_ahead_history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1,
-                                                            token_ids)
+            scores = self.history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1, token_ids)
             scores = jnp.where(state.host_row_of_expert[nxt] >= 0, -jnp.inf, scores)
             best, experts = jax.lax.top_k(scores, min(self.read_ahead, scores.shape[-1]))  # at most all of them
             return jnp.where(best > -jnp.inf, experts, -1)
 
         def compute(moe_index, x, routed, weights):
             layer = layers[moe_index]
-            if in_step_history:
+            if by_history:
                 token_ids[moe_index] = routed
-            if decode and self.history is not None:
+            if copies_ahead:
                 predict_into(moe_index + 1)
             ids = self.owned(routed)
             if moe_index not in position:
@@ -262,9 +259,8 @@ class OffloadEngine(ResidentEngine):
         self.state = state._replace(**{name: jnp.asarray(table) for name, table in self.manager_tables().items()})
         if self.tier is not None:
             self.state = self.admit_disk_reads(self.state)
-            if self.read_ahead_history is not None:
-                self.tier.read_ahead_first_layer(np.asarray(self.state.predict_base[self.layers[0]]),
-                                                 self.read_ahead)
+            if self.history is not None:
+                self.tier.read_ahead_first_layer(np.asarray(self.state.predict_base[self.layers[0]]))
         if first_observation:  # policy="static": its table comes from this first step
             self.install_pinned()
 
@@ -284,9 +280,8 @@ class OffloadEngine(ResidentEngine):
         was the first step a static policy saw (its experts are to be installed now)."""
         slot_of_expert, counts = tables
         first_observation = self.manager.policy is None
-        for history in (self.history, self.read_ahead_history):
-            if history is not None:
-                history.observe(routing)
+        if self.history is not None:
+            self.history.observe(routing)
         self.manager.record(routing[list(self.layers)], np.asarray(slot_of_expert), np.asarray(counts))
         return first_observation
 

@@ -131,14 +131,16 @@ class HostTier:
     docstring). `moe_layers`: the decoder layer index of each offloaded layer; `like`: each one's experts as the
     model holds them (their leaves' shapes past the expert axis, dtypes, formats); `reader`: an expert reader of
     the checkpoint (jmoe.checkpoint.expert_reader_orbax.open_expert_reader), closed by `close`; `queue_depth`: the
-    reads a step keeps in flight per layer."""
+    reads a step keeps in flight per layer; `read_ahead`: the experts of the next layer read ahead (0: none)."""
 
     def __init__(self, reader, moe_layers: tuple[int, ...], like: list[ExpertWeights], rows: int,
-                 num_experts: int, queue_depth: int):
+                 num_experts: int, queue_depth: int, read_ahead: int = 0):
         self.reader, self.moe_layers, self.like, self.rows = reader, moe_layers, like, rows
-        self.queue_depth = queue_depth
+        self.queue_depth, self.read_ahead = queue_depth, read_ahead
         release_large_buffers_at_free()
-        reader.retain_buffers(self._reads_alive(read_ahead=0))
+        # The reads a step holds at most: each layer's staged expert, the next layer's read ahead, and the reads in
+        # flight; the reader keeps their buffers for reuse.
+        reader.retain_buffers(len(moe_layers) * STAGED_PER_LAYER + read_ahead + queue_depth)
         self.row_of_expert = np.full((len(moe_layers), num_experts), -1, np.int32)
         self.expert_in_row = np.full((len(moe_layers), rows), -1, np.int32)
         self.disk_reads = np.zeros(len(moe_layers), np.int64)  # experts steps needed from disk
@@ -248,33 +250,26 @@ class HostTier:
     def _rank(self, position: int, expert: int) -> float:
         return -np.inf if self._priority is None else self._priority[position, expert]
 
-    def read_ahead_first_layer(self, scores: np.ndarray, count: int) -> None:
-        """Between steps: the reads ahead of the first offloaded layer's `count` best-`scores` experts ([E], the
+    def read_ahead_first_layer(self, scores: np.ndarray) -> None:
+        """Between steps: the reads ahead of the first offloaded layer's `read_ahead` best-`scores` experts ([E], the
         predictor's for the next token) in no row; the reads ahead of the last step not admitted are dropped."""
-        self.reader.retain_buffers(self._reads_alive(count))
         with self._lock:
             self._drop_ahead(lambda key: False)
-            self._submit_ahead(0, np.argsort(-scores, kind="stable"), count)
+            self._submit_ahead(0, np.argsort(-scores, kind="stable"), self.read_ahead)
 
     def _submit_ahead(self, position: int, experts: np.ndarray, count: int) -> None:
-        """Read ahead the first `count` of `experts` (-1: none) of layer `position` that are in no row and not yet
-        read or being read (the caller holds the lock)."""
+        """Read ahead the first `count` of `experts` (-1: none) of layer `position` that are in no row and not read
+        ahead already (the caller holds the lock; no step reads this layer yet)."""
         submitted = 0
         for expert in map(int, experts):
             if submitted == count:
                 return
-            if expert < 0 or self.row_of_expert[position, expert] >= 0 or (position, expert) in self._ahead \
-                    or (position, expert) in self._in_flight:
+            if expert < 0 or self.row_of_expert[position, expert] >= 0 or (position, expert) in self._ahead:
                 continue
             priority = ReadPriority((AHEAD, position))
             self._ahead[position, expert] = (self.reader.submit(self.moe_layers[position], expert, priority), priority)
             self.read_ahead_reads[position] += 1
             submitted += 1
-
-    def _reads_alive(self, read_ahead: int) -> int:
-        """The reads a step holds at most: each layer's staged expert, the next layer's read ahead, and the reads
-        in flight."""
-        return len(self.moe_layers) * STAGED_PER_LAYER + read_ahead + self.queue_depth
 
     def _drop_ahead(self, keep) -> None:
         """Drop the reads ahead whose (position, expert) `keep` refuses (the caller holds the lock)."""
