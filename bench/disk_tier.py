@@ -9,7 +9,8 @@ x 32 experts, top-4; Mixtral's tensor names, expert width chosen so the experts 
 --tokens tokens with the routing forced from the trace's report split (`TraceRouting`), every engine in its own
 process, alternated, the page cache dropped before each:
 - `jmoe`: jmoe.load(cache=0, host_budget_gb=B, scratch_rows=1): the policy's rows in pinned host memory, the
-  rest read by byte range (demand reads only), scratch slots for one row's misses;
+  rest read by byte range (demand reads only), scratch slots for one row's misses; past the page cache or not as
+  direct_reads=None decides in the run's memory limit (the `reads` column);
 - `jmoe+ra`: the same with --read-ahead N, the history predictor fitted on the trace's tuning split;
 - `mmap` (the llama.cpp way): the same experts read from np.memmaps of the same files (the page cache decides
   what stays), through the same engine at its smallest host tier (one row and one staged expert per layer), the
@@ -134,7 +135,8 @@ def run_engine(args) -> dict:
         reader = memmap_orbax_reader_class() if is_orbax_checkpoint(args.directory) else memmap_reader_class()
         expert_reader_orbax.open_expert_reader = lambda model_dir, cfg, **kw: reader(model_dir, cfg, **kw)
         layer_bytes = args.layers * args.expert_bytes
-        options["host_budget_gb"] = host_budget_gb_holding(1, layer_bytes)  # the smallest host tier
+        # the smallest host tier; its memmaps read through the page cache
+        options.update(host_budget_gb=host_budget_gb_holding(1, layer_bytes), direct_reads=False)
     began = time.perf_counter()
     with jmoe.load(args.directory, **options) as model:
         loaded = time.perf_counter() - began
@@ -149,6 +151,7 @@ def run_engine(args) -> dict:
         return {"engine": args.engine, "load_seconds": loaded, "decode_seconds": result.decode_seconds,
                 "decode_steps": result.decode_steps, "prefill_seconds": result.prefill_seconds,
                 "wait_seconds": tier.wait_seconds, "storage_bytes": storage, "host_rows": tier.rows,
+                "direct_reads": tier.reader.direct,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **totals}
 
 
@@ -228,9 +231,10 @@ def report(args, cfg, expert_bytes: int, checkpoint_gb: float, disk: tuple[float
         f"Disk: read {disk[0]:.2f} GB/s one 64 MiB pread at a time, {disk[1]:.2f} GB/s with {PARALLEL_READS} in "
         f"flight (page cache dropped); the bound uses the faster.",
         "",
-        "| memory limit | engine | tokens/s | disk MB/token (tier) | storage MB/token (kernel) | waited s/token | "
-        "bound tokens/s | share of bound | peak RSS GB | cgroup peak GB | host rows | read-ahead used/read |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| memory limit | engine | reads | tokens/s | disk MB/token (tier) | storage MB/token (kernel) | "
+        "waited s/token | bound tokens/s | share of bound | peak RSS GB | cgroup peak GB | host rows | "
+        "read-ahead used/read |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (limit, engine), engine_runs in runs.items():
         steps = median(engine_runs, "decode_steps")
@@ -243,7 +247,8 @@ def report(args, cfg, expert_bytes: int, checkpoint_gb: float, disk: tuple[float
                                                           else f"{limit:.0f} GB NOT APPLIED (no cgroup)")
         ahead = (f"{median(engine_runs, 'read_ahead_used'):.0f}/{median(engine_runs, 'read_ahead_reads'):.0f}"
                  if engine == "jmoe+ra" else "-")
-        lines.append(f"| {limit_text} | {engine} | {rate:.3f} | {tier_bytes / 1e6:.0f} | {storage / 1e6:.0f} | "
+        reads = "/".join(sorted({"direct" if r["direct_reads"] else "buffered" for r in engine_runs}))
+        lines.append(f"| {limit_text} | {engine} | {reads if engine != 'mmap' else 'mmap'} | {rate:.3f} | {tier_bytes / 1e6:.0f} | {storage / 1e6:.0f} | "
                      f"{median(engine_runs, 'wait_seconds') / steps:.2f} | {bound:.3f} | {100 * rate / bound:.0f}% | "
                      f"{median(engine_runs, 'peak_rss_bytes') / 1e9:.2f} | "
                      f"{statistics.median(peak) / 1e9 if peak else float('nan'):.2f} | "

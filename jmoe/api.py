@@ -223,7 +223,7 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
          check_memory: bool = True, check_finite: bool | None = None, devices: int | None = None,
          mesh: jax.sharding.Mesh | None = None, host_budget_gb: float | None = None,
-         read_ahead: int = 0, scratch_rows: int = 8) -> Model:
+         read_ahead: int = 0, scratch_rows: int = 8, direct_reads: bool | None = None) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -281,11 +281,15 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         (scratch_rows x top_k, at most the experts per layer); a step that misses more computes the rest on the
         host, and prefill streams experts through chunks of that many. Fewer hold less device memory: a disk
         tier decoding one row needs 1. Results are the same.
+    direct_reads: with host_budget_gb, read the experts on disk past the page cache (O_DIRECT: a fifth of the CPU
+        per byte, no page cache hits). None = when the page cache has room for under a quarter of them (its room:
+        the machine's available memory, or the process's memory cgroup limit, less the host budget); the choice
+        is printed with the placement summary. Results are the same.
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
                              prefetch_trace, expert_dtype, expert_group_size, devices, mesh, host_budget_gb,
-                             read_ahead, scratch_rows)
+                             read_ahead, scratch_rows, direct_reads)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 
@@ -329,8 +333,23 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
     if tiered:
         from jmoe.checkpoint.expert_reader_orbax import open_expert_reader
 
-        engine.tier_reader = open_expert_reader(model_dir, config, dtype=dtype)
+        engine.tier_reader = open_expert_reader(model_dir, config, dtype=dtype,
+                                                direct=direct_tier_reads(config, placement, options, progress))
     return Model(module, config, engine, load_tokenizer(model_dir), model_dir)
+
+
+def direct_tier_reads(config: ModelConfig, placement: Placement, options: OffloadOptions, progress: bool) -> bool:
+    """options.direct_reads, or where it is None whether the disk tier's reads pay going past the page cache."""
+    direct, why = options.direct_reads, f"direct_reads={options.direct_reads}"
+    if direct is None:
+        from jmoe.checkpoint.read_buffers import direct_reads_pay
+
+        on_disk = len(placement.offloaded_layers) * (config.num_experts - placement.host_rows)
+        direct, why = direct_reads_pay(on_disk * placement.expert_bytes, int(options.host_budget_gb * 1e9))
+        why += "; direct_reads=None decides, set it to choose"
+    if progress:
+        print(f"disk tier: {'direct' if direct else 'buffered'} reads ({why})", file=sys.stderr)
+    return direct
 
 
 def random_model(config: ModelConfig, seed: int = 0, backend: str = "auto") -> Model:

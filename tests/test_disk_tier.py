@@ -12,6 +12,7 @@ import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.checkpoint.expert_reader import THREAD_PREFIX
+from jmoe.checkpoint import read_buffers
 from jmoe.checkpoint.read_buffers import PIECE_THREAD_PREFIX
 from jmoe.decode.sampling import SamplingParams
 from jmoe.errors import InputError
@@ -93,13 +94,16 @@ def test_tiered_experts_are_not_loaded_and_the_placement_counts_the_rows(hf_chec
         assert not any(note.startswith("warning") for note in enough.placement_plan.notes)
 
 
-def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_match(hf_checkpoints, tmp_path):
+def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_buffered_or_direct_match(hf_checkpoints, tmp_path,
+                                                                                          monkeypatch):
     directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
     orbax = convert_checkpoint(directory, tmp_path / "orbax", progress=False)
-    for path, kwargs in ((orbax, {}), (directory, {"expert_dtype": "int8"})):
+    monkeypatch.setattr(read_buffers, "page_cache_room", lambda planned: (0, "a test's"))  # direct_reads=None: direct
+    for path, kwargs, direct in ((orbax, {}, None), (orbax, {}, False), (directory, {"expert_dtype": "int8"}, True)):
         ref_logits, ref_tokens = results(jmoe.load(path, progress=False, **kwargs))
         budget = budget_for(path, 1, kwargs.get("expert_dtype"))
-        with jmoe.load(path, cache=1, host_budget_gb=budget, progress=False, **kwargs) as model:
+        with jmoe.load(path, cache=1, host_budget_gb=budget, progress=False, direct_reads=direct, **kwargs) as model:
+            assert model.engine.tier.reader.direct == (direct is not False)
             logits, tokens = results(model)
             np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0, err_msg=str(kwargs))
             assert tokens == ref_tokens
@@ -163,6 +167,11 @@ def test_budgets_and_options_the_tier_does_not_take_are_clear_errors(hf_checkpoi
             jmoe.load(directory, cache=1, host_budget_gb=one_row, progress=False, **options)
     with pytest.raises(InputError, match="read_ahead=2 reads experts ahead from disk: it needs host_budget_gb"):
         jmoe.load(directory, cache=1, read_ahead=2, prefetch_trace=trace, progress=False)
+    with pytest.raises(InputError, match="direct_reads=True decides how the disk tier reads experts: it needs "
+                                         "host_budget_gb"):
+        jmoe.load(directory, cache=1, direct_reads=True, progress=False)
+    with pytest.raises(InputError, match=r"direct_reads must be True, False or None .*found 'yes'"):
+        jmoe.load(directory, cache=1, host_budget_gb=one_row, direct_reads="yes", progress=False)
     # A budget that holds every expert: no disk tier, no reader.
     model = jmoe.load(directory, cache=1, host_budget_gb=1000.0, progress=False)
     assert model.placement_plan.host_rows == 0 and model.engine.tier is None and not reader_threads()
@@ -178,8 +187,10 @@ def test_the_command_line_takes_a_host_budget_and_reports_disk_reads(hf_checkpoi
     shutil.copytree(hf_checkpoints["mixtral_e4k2_gqa2"][0], directory)
     write_word_tokenizer(directory)
     assert main(["--model", str(directory), "--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--cache", "1",
-                 "--host-budget-gb", str(budget_for(directory, 1)), "--scratch-rows", "1", "--stats"]) == 0
+                 "--host-budget-gb", str(budget_for(directory, 1)), "--scratch-rows", "1", "--direct-reads", "on",
+                 "--stats"]) == 0
     captured = capsys.readouterr()
     assert "host rows" in captured.out and "disk reads" in captured.out
+    assert "disk tier: direct reads (direct_reads=True)" in captured.err
     assert "+ 2 scratch slots" in captured.err  # one row's top-2 misses (the placement summary)
     assert not reader_threads()

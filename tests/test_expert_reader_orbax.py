@@ -332,13 +332,13 @@ class FlakyReads:
         self.lock = threading.Lock()
         monkeypatch.setattr(orbax_reader, "_read_value", self)
 
-    def __call__(self, fd, value, into, pieces):
+    def __call__(self, *args):
         with self.lock:
             self.calls += 1
             call = self.calls
         if self.fail(call):
             raise OSError(errno.EIO, "Input/output error")
-        return self.real(fd, value, into, pieces)
+        return self.real(*args)
 
 
 def test_a_failed_read_is_retried_then_reported_with_the_attempts(mixtral_copy, monkeypatch):

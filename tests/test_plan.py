@@ -295,3 +295,34 @@ def test_a_host_budget_fits_where_every_expert_would_not(olmoe_dir, target):
     assert tiered.fits and tiered.reasons == ()
     report = tiered.report()
     assert "FITS" in report and "DOES NOT FIT" not in report and f"disk tier: {rows} of 8" in report
+
+
+def test_the_memory_cgroup_limit_and_use_are_read_from_v1_and_v2_and_bound_the_page_cache_room(tmp_path, monkeypatch):
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "fs"
+    v1 = root / "memory" / "box" / "job"
+    v1.mkdir(parents=True)
+    proc.write_text("4:cpu,memory:/box/job\n0::/\n")
+    (v1 / "memory.stat").write_text("rss 5\nhierarchical_memory_limit 6000000000\ntotal_rss 2000000000\n")
+    assert resources.cgroup_memory(proc, root) == (6_000_000_000, 2_000_000_000)
+    (v1 / "memory.stat").write_text("hierarchical_memory_limit 9223372036854771712\ntotal_rss 1\n")
+    assert resources.cgroup_memory(proc, root) is None  # v1's "no limit"
+    # v2: the tightest limit of the group and its ancestors, the group's own anonymous memory
+    v2 = root / "slice" / "unit"
+    v2.mkdir(parents=True)
+    proc.write_text("0::/slice/unit\n")
+    (root / "slice" / "memory.max").write_text("5000000000\n")
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.stat").write_text("anon 1000\nfile 7\n")
+    assert resources.cgroup_memory(proc, root) == (5_000_000_000, 1000)
+    (root / "slice" / "memory.max").write_text("max\n")
+    assert resources.cgroup_memory(proc, root) is None
+    assert resources.cgroup_memory(tmp_path / "missing", root) is None
+
+    monkeypatch.setattr(resources, "host_available_bytes", lambda: 20 * 10**9)
+    monkeypatch.setattr(resources, "cgroup_memory", lambda: None)
+    assert resources.page_cache_room(4 * 10**9) == (16 * 10**9, "MemAvailable of this machine")
+    monkeypatch.setattr(resources, "cgroup_memory", lambda: (6 * 10**9, 10**9))
+    room, bound = resources.page_cache_room(4 * 10**9)
+    assert room == 10**9 and bound == "its memory cgroup's limit of 6.00 GB, 1.00 GB of it in use"
+    assert resources.page_cache_room(8 * 10**9)[0] == 0

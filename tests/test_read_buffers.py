@@ -1,13 +1,16 @@
 """The expert readers' buffer pool: a block comes back only when no array made from it is left, and is reused."""
 
+import errno
 import gc
 import os
+import re
 
 import numpy as np
 import pytest
 
 from jmoe.checkpoint import read_buffers
-from jmoe.checkpoint.read_buffers import BufferPool, piece_threads, read_into
+from jmoe.checkpoint.read_buffers import DIRECT_ALIGNMENT, BufferPool, open_for_reads, piece_threads, read_range
+from jmoe.errors import CheckpointError
 
 
 def address(array: np.ndarray) -> int:
@@ -62,19 +65,52 @@ def test_a_cleared_pool_keeps_no_blocks():
     assert pool.free_blocks() == 0
 
 
-def test_a_read_in_pieces_fills_the_buffer_with_the_files_bytes_and_an_early_end_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(read_buffers, "READ_PIECE_BYTES", 1000)  # 10 pieces and a short last one
-    data = np.random.default_rng(0).integers(0, 256, 9_517, np.uint8)
+@pytest.mark.parametrize("direct, piece", [(False, 1000), (True, 2 * DIRECT_ALIGNMENT)], ids=["buffered", "direct"])
+def test_a_read_in_pieces_gives_the_files_bytes_and_an_early_end_is_an_error(tmp_path, monkeypatch, direct, piece):
+    monkeypatch.setattr(read_buffers, "READ_PIECE_BYTES", piece)  # 9 pieces and a short last one
+    data = np.random.default_rng(0).integers(0, 256, 9 * piece + 517, np.uint8)
     path = tmp_path / "file"
     path.write_bytes(data.tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    pieces = piece_threads(3)
+    fd = open_for_reads(path, direct)
+    pieces, buffers = piece_threads(3), BufferPool(keep=1)
     try:
-        into = BufferPool(keep=1).lease(data.size - 17)
-        read_into(fd, 17, into, pieces, lambda offset: AssertionError(offset))
-        np.testing.assert_array_equal(into, data[17:])
-        with pytest.raises(EOFError, match="^9517$"):  # the file ends inside the last piece asked for
-            read_into(fd, 0, np.empty(12_000, np.uint8), pieces, lambda offset: EOFError(offset))
+        for start, end in [(17, data.size), (17, data.size - 5), (piece, 3 * piece), (0, 1)]:
+            got = read_range(fd, start, end - start, buffers, pieces, AssertionError, direct)
+            np.testing.assert_array_equal(got, data[start:end])
+        with pytest.raises(EOFError, match=f"^{data.size}$"):  # the file ends inside the last piece asked for
+            read_range(fd, 3, data.size + 3000, buffers, pieces, EOFError, direct)
     finally:
         pieces.shutdown()
         os.close(fd)
+
+
+def test_a_file_system_that_refuses_direct_reads_is_a_checkpoint_error_naming_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "file"
+    path.write_bytes(b"x")
+
+    def refuse(name, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(name, flags, *args)
+
+    real_open = os.open
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))}: cannot open the checkpoint file for direct "
+                                              r"reads \(O_DIRECT\) \(\[Errno 22\] Invalid argument\).*read it buffered"):
+        open_for_reads(path, direct=True)
+    os.close(open_for_reads(path, direct=False))
+
+
+def test_reads_go_direct_when_the_page_cache_has_room_for_under_a_quarter_of_the_experts_on_disk(monkeypatch):
+    planned = []
+
+    def room(planned_bytes):
+        planned.append(planned_bytes)
+        return 2 * 10**9, "a test's limit"
+
+    monkeypatch.setattr(read_buffers, "page_cache_room", room)
+    direct, why = read_buffers.direct_reads_pay(10 * 10**9, 4 * 10**9)
+    assert (direct, why) == (True, "the page cache has room for 2.0 GB (a test's limit) of the 10.0 GB of experts "
+                                   "on disk only")
+    assert planned == [4 * 10**9]
+    assert read_buffers.direct_reads_pay(8 * 10**9, 0)[0] is False  # room for exactly a quarter: buffered

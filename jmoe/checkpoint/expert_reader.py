@@ -38,7 +38,7 @@ from jmoe.checkpoint import fp8, mxfp4
 from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.hf_layout import TensorTarget, expected_tensors
 from jmoe.checkpoint.loading import param_pieces, params_as_read, put_oriented
-from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_into
+from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_range
 from jmoe.checkpoint.read_order import DEMAND, PriorityPool, ReadPriority
 from jmoe.checkpoint.safetensors_files import STORED_DTYPES, TensorInfo, checkpoint_files
 from jmoe.config import ModelConfig
@@ -286,11 +286,14 @@ class ExpertReader(PooledReader):
     `cfg` is the config loading uses (its `expert_dtype` decides the stored format: pass the config
     `jmoe.plan.headers.read_headers` returns, which applies jmoe.load's expert_dtype rules); `dtype` the
     parameter dtype (default `cfg.dtype`), as for `load_model`. `threads`: reads in flight. `retries`: further
-    attempts after an OSError from a read. Use as a context manager, or call `close()`.
+    attempts after an OSError from a read. `direct`: read past the page cache (O_DIRECT, jmoe.checkpoint.read_buffers).
+    Use as a context manager, or call `close()`.
     """
 
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig, *, dtype=None, threads: int = 8, retries: int = 2):
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, *, dtype=None, threads: int = 8, retries: int = 2,
+                 direct: bool = False):
         self.model_dir, self.cfg = Path(model_dir), cfg
+        self.direct = direct
         self._threads = whole_number("threads", threads, 1, "expert reads in flight")
         self._retries = whole_number("retries", retries, 0, "further attempts after a failed read")
         self._dtype = np.dtype(jnp.dtype(dtype or cfg.dtype))
@@ -331,10 +334,7 @@ class ExpertReader(PooledReader):
     def _open_files(self) -> None:
         """Open every checkpoint file once, recording what it was (compared before and after every read)."""
         for path in checkpoint_files(self.model_dir):
-            try:
-                self._fds[path] = open_for_reads(path)
-            except OSError as e:
-                raise CheckpointError(f"{path}: cannot open the checkpoint file ({e}); make it readable") from e
+            self._fds[path] = open_for_reads(path, self.direct)
             st = os.fstat(self._fds[path])
             self._identity[path] = (st.st_size, st.st_mtime_ns)
 
@@ -373,13 +373,12 @@ class ExpertReader(PooledReader):
     def _read_run(self, key: tuple[int, int], run: _Run) -> np.ndarray:
         """The run's bytes (uint8, in a buffer of the pool), checked against the file as opened; an OSError is
         retried `retries` times."""
-        data = self._buffers.lease(run.end - run.start)
         attempts = self._retries + 1
         for _ in range(attempts):
             try:
                 self._check_unchanged(key, run, "before")
-                read_into(self._fds[run.file], run.start, data, self._pieces,
-                          lambda offset: self._short_read(key, run, offset))
+                data = read_range(self._fds[run.file], run.start, run.end - run.start, self._buffers, self._pieces,
+                                  lambda offset: self._short_read(key, run, offset), self.direct)
                 self._check_unchanged(key, run, "after")
                 return data
             except OSError as e:

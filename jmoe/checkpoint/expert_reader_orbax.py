@@ -49,7 +49,7 @@ from jmoe.arguments import whole_number
 from jmoe.checkpoint.checksum import crc32
 from jmoe.checkpoint.expert_reader import (RESTART, ExpertReader, PooledReader, close_descriptors,
                                           expert_threads)
-from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_into
+from jmoe.checkpoint.read_buffers import BufferPool, open_for_reads, piece_threads, read_range
 from jmoe.checkpoint.read_order import PriorityPool
 from jmoe.checkpoint.orbax_store import (EXPERT_CRC32, PARAMS_DIR, check_params, converted_expert_dtype,
                                          is_expert_param, is_orbax_checkpoint, read_manifest, stored_dtype)
@@ -176,10 +176,11 @@ def _pytree_dir(params_dir: Path) -> Path:
     return state_dir
 
 
-def _read_value(fd: int, value: _Value, into: np.ndarray, pieces: PriorityPool) -> None:
-    """Fill `into` with the value's bytes from its data file (module level: tests inject read faults here)."""
-    read_into(fd, value.offset, into, pieces,
-              lambda offset: OSError(f"the file ends at byte {offset}, inside the value"))
+def _read_value(fd: int, value: _Value, buffers: BufferPool, pieces: PriorityPool, direct: bool) -> np.ndarray:
+    """uint8: the value's bytes from its data file, in a block of `buffers` (module level: tests inject read faults
+    here)."""
+    return read_range(fd, value.offset, value.length, buffers, pieces,
+                      lambda offset: OSError(f"the file ends at byte {offset}, inside the value"), direct)
 
 
 class OrbaxExpertReader(PooledReader):
@@ -188,11 +189,14 @@ class OrbaxExpertReader(PooledReader):
     `cfg`: the checkpoint's config (its expert storage is the one the checkpoint was converted with; asking for
     another is an InputError, as for restore_model). `dtype`: the parameter dtype (default: the dtype the checkpoint
     was converted to, as restore_model). `threads`: reads in flight. `retries`: further attempts after a failed
-    read. Use as a context manager, or call `close()`.
+    read. `direct`: read past the page cache (O_DIRECT, jmoe.checkpoint.read_buffers). Use as a context manager, or
+    call `close()`.
     """
 
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig, *, dtype=None, threads: int = 8, retries: int = 2):
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, *, dtype=None, threads: int = 8, retries: int = 2,
+                 direct: bool = False):
         self.model_dir = Path(model_dir).absolute()
+        self.direct = direct
         self._threads = whole_number("threads", threads, 1, "expert reads in flight")
         self._retries = whole_number("retries", retries, 0, "further attempts after a failed read")
         manifest = read_manifest(self.model_dir)
@@ -217,7 +221,7 @@ class OrbaxExpertReader(PooledReader):
         # Closes the files once: at close(), or when a reader nobody closed is collected.
         self._close_files = weakref.finalize(self, close_descriptors, self._fds)
         for path in sorted({c.value.file for c in self._chunks.values() if c.value.file is not None}):
-            self._fds[path] = open_for_reads(path)
+            self._fds[path] = open_for_reads(path, direct)
         self._buffers = BufferPool(keep=self._threads)
         self._lock = threading.Lock()
         self._closed = False
@@ -392,12 +396,10 @@ class OrbaxExpertReader(PooledReader):
         """uint8: `value`'s bytes from its data file, in a buffer of the pool; a failed read is retried `retries`
         times (a file that changed is reported as such at once, never retried)."""
         layer, expert = key
-        into = self._buffers.lease(value.length)
         attempts = self._retries + 1
         for _ in range(attempts):
             try:
-                _read_value(self._fds[value.file], value, into, self._pieces)
-                return into
+                return _read_value(self._fds[value.file], value, self._buffers, self._pieces, self.direct)
             except OSError as e:
                 self._check_unchanged(key, "after a failed attempt at")
                 error = e

@@ -16,6 +16,7 @@ from jmoe.offload.options import MISS_MODES, OffloadOptions
 from jmoe.offload.policies import policy_names
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "default"
+DIRECT_READS = {"auto": None, "on": True, "off": False}  # --direct-reads: jmoe.load's direct_reads
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,9 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--read-ahead", type=int, default=0, metavar="N",
                    help="with --host-budget-gb and --prefetch-trace: as each layer routes, start reading the N "
                         "best-predicted experts of the next layer from disk (default 0: off)")
+    g.add_argument("--direct-reads", choices=DIRECT_READS, default="auto",
+                   help="with --host-budget-gb: read experts from disk past the page cache (O_DIRECT); 'auto' "
+                        "(default) does when the page cache has room for under a quarter of them")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
     g.add_argument("--prefetch-trace", default=None, metavar="TRACE.npy",
@@ -125,7 +129,8 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
                           args.miss_mode, args.offload_group_size, args.offload_num_in_group,
                           args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace, args.expert_dtype,
                           args.expert_group_size, args.devices, host_budget_gb=args.host_budget_gb,
-                          read_ahead=args.read_ahead, scratch_rows=args.scratch_rows)
+                          read_ahead=args.read_ahead, scratch_rows=args.scratch_rows,
+                          direct_reads=DIRECT_READS[args.direct_reads])
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: DistributedOptions | None = None,

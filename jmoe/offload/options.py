@@ -64,6 +64,9 @@ class OffloadOptions:
     # top_k slots (at most the experts per layer). A step that misses more computes the rest on the host. Fewer
     # rows hold less memory (a disk tier's budget decoding one row needs 1) and stream prefill in smaller chunks.
     scratch_rows: int = 8
+    # The disk tier's reads past the page cache (O_DIRECT): True, False, or None = when the page cache has room for
+    # under a quarter of the experts on disk only (jmoe.checkpoint.read_buffers.direct_reads_pay).
+    direct_reads: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -137,6 +140,12 @@ class OffloadOptions:
             raise InputError(f"with host_budget_gb, read_ahead (found {self.read_ahead}) and prefetch_trace (found "
                              f"{'a trace' if self.prefetch_trace is not None else 'none'}) go together: the "
                              f"predictor fitted on the trace chooses the experts read ahead from disk")
+        if not (self.direct_reads is None or isinstance(self.direct_reads, bool)):
+            raise InputError(f"direct_reads must be True, False or None (decide from the page cache's room), found "
+                             f"{self.direct_reads!r}")
+        if self.host_budget_gb is None and self.direct_reads is not None:
+            raise InputError(f"direct_reads={self.direct_reads} decides how the disk tier reads experts: it needs "
+                             f"host_budget_gb; leave it at None otherwise")
         if self.host_budget_gb is None and self.read_ahead:
             raise InputError(f"read_ahead={self.read_ahead} reads experts ahead from disk: it needs host_budget_gb "
                              f"(the disk tier) and prefetch_trace; leave it at 0 otherwise")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 from jmoe.errors import InputError
 
@@ -50,6 +51,59 @@ def host_available_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                  root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(limit, anonymous bytes in use) of the memory cgroup this process runs in (a container's memory cap, a
+    systemd slice's MemoryMax): the tightest limit of it and its ancestors. None: no limit, or no memory controller
+    mounted. cgroup v1's memory controller when it has one (a hybrid mount), else v2's."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # v1: the stat file has the hierarchy's limit and usage
+            stat = _stat_values(root / "memory" / path.lstrip("/") / "memory.stat")
+            limit = stat.get("hierarchical_memory_limit")
+            return None if limit is None or limit >= CGROUP_V1_NO_LIMIT else (limit, stat.get("total_rss", 0))
+    for line in lines:
+        if line.startswith("0::"):
+            group = root / line[3:].strip().lstrip("/")
+            limits = [int(v) for d in (group, *group.parents) if d.is_relative_to(root)
+                      for v in [_first_word(d / "memory.max")] if v not in (None, "max")]
+            anon = _stat_values(group / "memory.stat").get("anon", 0)
+            return (min(limits), anon) if limits else None
+    return None
+
+
+CGROUP_V1_NO_LIMIT = 1 << 62  # v1 reports no limit as 2**63 - 1 rounded down to a page
+
+
+def _stat_values(path: Path) -> dict[str, int]:
+    try:
+        return {name: int(value) for name, value in (line.split() for line in path.read_text().splitlines())}
+    except (OSError, ValueError):
+        return {}
+
+
+def _first_word(path: Path) -> str | None:
+    try:
+        return path.read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def page_cache_room(planned_bytes: int) -> tuple[int, str]:
+    """(bytes the page cache can keep once this process has allocated `planned_bytes` more, what bounds it): what
+    the machine has free or reclaimable (MemAvailable), or less within this process's memory cgroup limit."""
+    room, source = host_available_bytes(), "MemAvailable of this machine"
+    group = cgroup_memory()
+    if group is not None and group[0] - group[1] < room:
+        room = group[0] - group[1]
+        source = f"its memory cgroup's limit of {group[0] / 1e9:.2f} GB, {group[1] / 1e9:.2f} GB of it in use"
+    return max(room - planned_bytes, 0), source
 
 
 def pinned_pool() -> tuple[int, str]:
