@@ -247,8 +247,10 @@ def report(args, cfg, expert_bytes: int, checkpoint_gb: float, disk: tuple[float
                                                           else f"{limit:.0f} GB NOT APPLIED (no cgroup)")
         ahead = (f"{median(engine_runs, 'read_ahead_used'):.0f}/{median(engine_runs, 'read_ahead_reads'):.0f}"
                  if engine == "jmoe+ra" else "-")
-        reads = "/".join(sorted({"direct" if r["direct_reads"] else "buffered" for r in engine_runs}))
-        lines.append(f"| {limit_text} | {engine} | {reads if engine != 'mmap' else 'mmap'} | {rate:.3f} | {tier_bytes / 1e6:.0f} | {storage / 1e6:.0f} | "
+        reads = "mmap" if engine == "mmap" else "/".join(sorted({"direct" if r["direct_reads"] else "buffered"
+                                                                for r in engine_runs}))
+        lines.append(f"| {limit_text} | {engine} | {reads} | {rate:.3f} | {tier_bytes / 1e6:.0f} | "
+                     f"{storage / 1e6:.0f} | "
                      f"{median(engine_runs, 'wait_seconds') / steps:.2f} | {bound:.3f} | {100 * rate / bound:.0f}% | "
                      f"{median(engine_runs, 'peak_rss_bytes') / 1e9:.2f} | "
                      f"{statistics.median(peak) / 1e9 if peak else float('nan'):.2f} | "

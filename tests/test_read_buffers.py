@@ -96,7 +96,8 @@ def test_a_file_system_that_refuses_direct_reads_is_a_checkpoint_error_naming_th
     real_open = os.open
     monkeypatch.setattr(os, "open", refuse)
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))}: cannot open the checkpoint file for direct "
-                                              r"reads \(O_DIRECT\) \(\[Errno 22\] Invalid argument\).*read it buffered"):
+                                              r"reads \(O_DIRECT\) \(\[Errno 22\] Invalid argument\)"
+                                              r".*read it buffered"):
         open_for_reads(path, direct=True)
     os.close(open_for_reads(path, direct=False))
 

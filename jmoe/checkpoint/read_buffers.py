@@ -13,13 +13,13 @@ How a block comes back: the pool hands out an ndarray subclass over the block wh
 ndarray), so every numpy view made from it keeps it as its base, and a weakref finalizer on it returns the block
 once nothing refers to any of them (never while XLA, a host row's write or a test still holds one).
 
-Why pieces (`read_into`): a layer needs a few experts at once, and one long pread keeps one request at the disk.
+Why pieces (`read_range`): a layer needs a few experts at once, and one long pread keeps one request at the disk.
 This guest's disk gave 0.56-0.75 GB/s for one 39 MB pread at a time and 1.1-1.4 GB/s for the same expert as 4 MiB
 preads with 8 in flight (page cache dropped).
 
 Why direct reads (`open_for_reads(path, direct=True)`, O_DIRECT): a buffered read that reaches storage costs the
 kernel a copy out of the page cache and, where memory is short, the reclaim of the pages it filled. On the bench's
-2-core guest in a 6 GB memory group that was 0.74-0.80 s of CPU per GB read, against 0.15-0.17 s/GB read direct
+2-core Zen 3 guest in a 6 GB memory group that was 0.74-0.80 s of CPU per GB read, against 0.15-0.17 s/GB read direct
 (bench/results/disk_tier_orbax.md). A direct read skips the page cache, so it loses the page cache's hits: worth it
 only where the page cache cannot hold a useful share of the experts read (`direct_reads_pay`).
 """
@@ -68,8 +68,9 @@ def direct_reads_pay(disk_bytes: int, planned_bytes: int) -> tuple[bool, str]:
     allocate `planned_bytes` more (the host tier's rows). Direct when the page cache has room for under a quarter of
     them: then most reads reach storage anyway, and a buffered read's copy and reclaim cost 5x the CPU of a direct
     one (above). With more room, buffered: routing is skewed, so the page cache's share of the reads outgrows its
-    share of the bytes, and each hit saves a read from storage (without a memory limit on the bench's guest, three
-    quarters of the reads were hits and direct reads lost: 0.319 tokens/s against 0.392)."""
+    share of the bytes, and each hit saves a read from storage (without a memory limit on the bench's 30 GB
+    checkpoint, three quarters of the reads were hits: direct reads lost on a Zen 4 guest, 0.319 tokens/s against
+    0.392, and tied on a Zen 3 one, 0.224 against 0.223)."""
     room, bound = page_cache_room(planned_bytes)
     direct = room < disk_bytes / 4
     return direct, (f"the page cache has room for {room / 1e9:.1f} GB ({bound}) of the {disk_bytes / 1e9:.1f} GB of "
@@ -83,7 +84,7 @@ def piece_threads(threads: int) -> PriorityPool:
 
 def read_range(fd: int, start: int, length: int, buffers: BufferPool, pieces: PriorityPool, end_error,
                direct: bool) -> np.ndarray:
-    """uint8 [length]: the file's bytes from `start`, in a block leased from `buffers`, read as `read_into` reads.
+    """uint8 [length]: the file's bytes from `start`, in a block leased from `buffers`, read as `_read_into` reads.
     `direct`: `fd` was opened with O_DIRECT, so the read covers the whole aligned blocks around the range and the
     result is a view into them."""
     if not direct:
