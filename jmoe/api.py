@@ -343,9 +343,11 @@ def direct_tier_reads(config: ModelConfig, placement: Placement, options: Offloa
     direct, why = options.direct_reads, f"direct_reads={options.direct_reads}"
     if direct is None:
         from jmoe.checkpoint.read_buffers import direct_reads_pay
+        from jmoe.plan import resources
 
         on_disk = len(placement.offloaded_layers) * (config.num_experts - placement.host_rows)
-        direct, why = direct_reads_pay(on_disk * placement.expert_bytes, int(options.host_budget_gb * 1e9))
+        room, bound = resources.page_cache_room(int(options.host_budget_gb * 1e9))  # less the rows it will fill
+        direct, why = direct_reads_pay(on_disk * placement.expert_bytes, room, bound)
         why += "; direct_reads=None decides, set it to choose"
     if progress:
         print(f"disk tier: {'direct' if direct else 'buffered'} reads ({why})", file=sys.stderr)

@@ -12,11 +12,11 @@ import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.checkpoint.expert_reader import THREAD_PREFIX
-from jmoe.checkpoint import read_buffers
 from jmoe.checkpoint.read_buffers import PIECE_THREAD_PREFIX
 from jmoe.decode.sampling import SamplingParams
 from jmoe.errors import InputError
 from jmoe.offload.host_tier import STAGED_PER_LAYER, host_budget_gb_holding
+from jmoe.plan import resources
 from jmoe.traces.forced_routing import TraceRouting
 from jmoe.traces.load import load_trace, split_trace
 
@@ -98,7 +98,7 @@ def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_buffered_or_di
                                                                                           monkeypatch):
     directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
     orbax = convert_checkpoint(directory, tmp_path / "orbax", progress=False)
-    monkeypatch.setattr(read_buffers, "page_cache_room", lambda planned: (0, "a test's"))  # direct_reads=None: direct
+    monkeypatch.setattr(resources, "page_cache_room", lambda planned: (0, "a test's"))  # direct_reads=None: direct
     for path, kwargs, direct in ((orbax, {}, None), (orbax, {}, False), (directory, {"expert_dtype": "int8"}, True)):
         ref_logits, ref_tokens = results(jmoe.load(path, progress=False, **kwargs))
         budget = budget_for(path, 1, kwargs.get("expert_dtype"))

@@ -102,16 +102,8 @@ def test_a_file_system_that_refuses_direct_reads_is_a_checkpoint_error_naming_th
     os.close(open_for_reads(path, direct=False))
 
 
-def test_reads_go_direct_when_the_page_cache_has_room_for_under_a_quarter_of_the_experts_on_disk(monkeypatch):
-    planned = []
-
-    def room(planned_bytes):
-        planned.append(planned_bytes)
-        return 2 * 10**9, "a test's limit"
-
-    monkeypatch.setattr(read_buffers, "page_cache_room", room)
-    direct, why = read_buffers.direct_reads_pay(10 * 10**9, 4 * 10**9)
+def test_reads_go_direct_when_the_page_cache_has_room_for_under_a_quarter_of_the_experts_on_disk():
+    direct, why = read_buffers.direct_reads_pay(10 * 10**9, 2 * 10**9, "a test's limit")
     assert (direct, why) == (True, "the page cache has room for 2.0 GB (a test's limit) of the 10.0 GB of experts "
                                    "on disk only")
-    assert planned == [4 * 10**9]
-    assert read_buffers.direct_reads_pay(8 * 10**9, 0)[0] is False  # room for exactly a quarter: buffered
+    assert read_buffers.direct_reads_pay(8 * 10**9, 2 * 10**9, "")[0] is False  # room for a quarter: buffered

@@ -36,7 +36,6 @@ import numpy as np
 
 from jmoe.checkpoint.read_order import PriorityPool
 from jmoe.errors import CheckpointError
-from jmoe.plan.resources import page_cache_room
 
 READ_PIECE_BYTES = 4 << 20
 # A direct read's file offset, length and buffer address are whole blocks of this: 4 KiB covers the logical block
@@ -63,15 +62,14 @@ def open_for_reads(path, direct: bool = False) -> int:
     return fd
 
 
-def direct_reads_pay(disk_bytes: int, planned_bytes: int) -> tuple[bool, str]:
-    """(whether to read `disk_bytes` of experts kept on disk only past the page cache, why), for a process about to
-    allocate `planned_bytes` more (the host tier's rows). Direct when the page cache has room for under a quarter of
-    them: then most reads reach storage anyway, and a buffered read's copy and reclaim cost 5x the CPU of a direct
+def direct_reads_pay(disk_bytes: int, room: int, bound: str) -> tuple[bool, str]:
+    """(whether to read `disk_bytes` of experts kept on disk only past the page cache, why), where the page cache has
+    `room` bytes (jmoe.plan.resources.page_cache_room; `bound`: what bounds it). Direct when it has room for under a
+    quarter of them: then most reads reach storage anyway, and a buffered read's copy and reclaim cost 5x the CPU of a direct
     one (above). With more room, buffered: routing is skewed, so the page cache's share of the reads outgrows its
     share of the bytes, and each hit saves a read from storage (without a memory limit on the bench's 30 GB
     checkpoint, three quarters of the reads were hits: direct reads lost on a Zen 4 guest, 0.319 tokens/s against
     0.392, and tied on a Zen 3 one, 0.224 against 0.223)."""
-    room, bound = page_cache_room(planned_bytes)
     direct = room < disk_bytes / 4
     return direct, (f"the page cache has room for {room / 1e9:.1f} GB ({bound}) of the {disk_bytes / 1e9:.1f} GB of "
                     f"experts on disk only")
