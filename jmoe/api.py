@@ -345,9 +345,9 @@ def direct_tier_reads(config: ModelConfig, placement: Placement, options: Offloa
         from jmoe.checkpoint.read_buffers import direct_reads_pay
         from jmoe.plan import resources
 
-        on_disk = len(placement.offloaded_layers) * (config.num_experts - placement.host_rows)
+        on_disk = (config.num_experts - placement.host_rows) * placement.layer_expert_bytes
         room, bound = resources.page_cache_room(int(options.host_budget_gb * 1e9))  # less the rows it will fill
-        direct, why = direct_reads_pay(on_disk * placement.expert_bytes, room, bound)
+        direct, why = direct_reads_pay(on_disk, room, bound)
         why += "; direct_reads=None decides, set it to choose"
     if progress:
         print(f"disk tier: {'direct' if direct else 'buffered'} reads ({why})", file=sys.stderr)
