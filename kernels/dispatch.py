@@ -24,9 +24,15 @@ from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_pairs, moe_ffn_ragged, moe_
 CPU_PAIRS_PER_SLOT = 1
 
 
-def cpu_backend(num_pairs: int, num_slots: int) -> str:
-    """The fastest measured CPU kernel for a step of `num_pairs` (token, choice) pairs over `num_slots`."""
-    return "pairs" if num_pairs <= CPU_PAIRS_PER_SLOT * num_slots else "xla_tiled"
+def cpu_backend(num_tokens: int, top_k: int, num_slots: int) -> str:
+    """The fastest measured CPU kernel for a step of `num_tokens` tokens of `top_k` choices over `num_slots`.
+
+    A token's choices are distinct experts, so one token puts at most one pair on a slot however few the slots:
+    the disk tier's one-slot rounds of a decoded token (4 pairs over 1 slot) are matrix-vector products, which
+    the tiled kernel ran as tiles of 8 rows, 7 of them padding, through a bfloat16 GEMM that repacks the whole
+    expert first (37.7 against 24.4 ms an expert of 2048 x 3200, Zen 3; bench/results/disk_tier_orbax.md)."""
+    pairs_on_a_slot = min(num_tokens * top_k, num_tokens * num_slots)  # summed over the slots
+    return "pairs" if pairs_on_a_slot <= CPU_PAIRS_PER_SLOT * num_slots else "xla_tiled"
 
 
 def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
@@ -37,11 +43,11 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
     kernel, so the program has no XLA conditional (a conditional makes the GPU wait for the host); it
     compiles for sm_80 to sm_90 (tested by compiling for an H100 target); shapes Triton cannot tile run
     the XLA tiled kernel, masked. Not yet measured on a GPU.
-    CPU: `pairs` for steps of few (token, choice) pairs (decode), else the XLA tiled kernel (cpu_backend;
+    CPU: `pairs` for steps of few (token, choice) pairs a slot (decode), else the XLA tiled kernel (cpu_backend;
     never interpret-mode Pallas, never XLA:CPU's dense ragged_dot); both read `per_expert` arrays when given.
     """
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
-    cpu = _IMPLS[cpu_backend(slot_ids.size, w_gate_up.shape[0])]
+    cpu = _IMPLS[cpu_backend(*slot_ids.shape, w_gate_up.shape[0])]
     return platform_dependent(*args, cuda=functools.partial(_IMPLS["pallas"], activation=activation),
                               default=functools.partial(cpu, activation=activation, per_expert=per_expert))
 

@@ -180,11 +180,12 @@ def test_unreferenced_and_padding_slots_are_never_read(backend, num_tokens):
 @pytest.mark.parametrize("num_tokens,top_k,num_slots,expected", [
     (2, 2, 8, "pairs"), (4, 2, 8, "pairs"), (6, 2, 8, "xla_tiled"),  # 8 slots: pairs up to 4 tokens of 2
     (8, 8, 64, "pairs"), (9, 8, 64, "xla_tiled"),  # many slots: up to one pair per slot too, no fixed cap
+    (1, 4, 1, "pairs"), (2, 4, 1, "xla_tiled"),  # one slot (a disk tier round): a token puts one pair on it
 ])
 def test_auto_on_cpu_runs_pairs_up_to_one_pair_per_slot_else_the_tiled_kernel_never_interpreted_pallas(
         num_tokens, top_k, num_slots, expected):
     inputs = make_inputs(0, num_tokens, top_k, num_slots, 16, 12, jnp.float32)
-    assert cpu_backend(num_tokens * top_k, num_slots) == expected
+    assert cpu_backend(num_tokens, top_k, num_slots) == expected
     text = jax.jit(moe_ffn_auto).lower(*inputs).as_text()
     assert "pallas" not in text and "ragged_dot" not in text
     # The tiled kernel sorts the pairs into row tiles; pairs loops over them unsorted.
