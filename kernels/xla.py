@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jmoe.kernels import grouping
 from jmoe.kernels.activations import get_activation
 from jmoe.kernels.bias import bias_rows
+from jmoe.kernels.float_bits import FloatBits, is_float_bits
 from jmoe.kernels.quantized import materialize, rows_of
 from jmoe.kernels.target import platform_dependent
 
@@ -74,27 +75,58 @@ def moe_ffn_gather(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_do
     return jnp.einsum("tu,tud->td", coef, out)
 
 
-def _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, dtype):
+# K rows of a 16-bit weight a matrix-vector product converts at a time (`dot_by_blocks`).
+VECTOR_BLOCK_ROWS = 64
+
+
+def dot_by_blocks(xs, weight: FloatBits, slot) -> jax.Array:
+    """float32 xs [m, K] @ weight[slot] ([K, N] of a FloatBits [S, K, N]), over blocks of VECTOR_BLOCK_ROWS rows.
+
+    For a few rows XLA:CPU converts the slot's whole 16-bit weight to a float32 temporary, then its dot reads that:
+    three passes over twice the bytes for one product. A block's conversion is fused with its slice and stays in
+    cache, so the weight is read once (bench/results/disk_tier_orbax.md). The products are exact in float32 either
+    way; only the order of the float32 sums differs."""
+    num_rows, blocks = weight.shape[1], weight.shape[1] // VECTOR_BLOCK_ROWS
+    xs = xs.astype(jnp.float32)
+
+    def block_product(start, size):
+        w = jax.lax.dynamic_slice(weight.bits, (slot, start, 0), (1, size, weight.shape[2]))[0]
+        x = jax.lax.dynamic_slice_in_dim(xs, start, size, 1)
+        return jnp.dot(x, FloatBits(w, weight.dtype).astype(jnp.float32), preferred_element_type=jnp.float32)
+
+    y = jnp.zeros((xs.shape[0], weight.shape[2]), jnp.float32)
+    if blocks:  # a loop traces its body even for no trips
+        y = jax.lax.fori_loop(0, blocks, lambda i, y: y + block_product(i * VECTOR_BLOCK_ROWS, VECTOR_BLOCK_ROWS), y)
+    rest = num_rows - blocks * VECTOR_BLOCK_ROWS
+    return y + block_product(blocks * VECTOR_BLOCK_ROWS, rest) if rest else y
+
+
+def _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, dtype, vector=False):
     """ffn(slot, xs [m, d], ws [m]) -> float32 [m, d]: rows of one slot's expert FFN, each times its router
-    weight; the slot's weights are read (and dequantized) once for the m rows."""
+    weight; the slot's weights are read (and dequantized) once for the m rows. `vector`: m is a row or two
+    (`pairs`), so a 16-bit weight held as FloatBits is multiplied by blocks (`dot_by_blocks`)."""
     act = get_activation(activation)
     f = w_down.shape[1]
 
+    def product(rows, weight, slot):
+        if vector and is_float_bits(weight):
+            return dot_by_blocks(rows, weight, slot)
+        return jnp.dot(rows, rows_of(weight, slot, dtype), preferred_element_type=jnp.float32)
+
     def ffn(slot, xs, ws):
-        gate_up = jnp.dot(xs, rows_of(w_gate_up, slot, dtype), preferred_element_type=jnp.float32)
-        gate_up = gate_up + bias_rows(b_gate_up, slot)
+        gate_up = product(xs, w_gate_up, slot) + bias_rows(b_gate_up, slot)
         h = act(gate_up[:, :f], gate_up[:, f:]).astype(dtype)
-        out = jnp.dot(h, rows_of(w_down, slot, dtype), preferred_element_type=jnp.float32)
+        out = product(h, w_down, slot)
         return (out + bias_rows(b_down, slot)) * ws[:, None]
 
     return ffn
 
 
-def _per_expert_ffns(per_expert, activation, dtype):
+def _per_expert_ffns(per_expert, activation, dtype, vector=False):
     """One `_slot_rows_ffn` per expert over its own [1, ...] arrays (called with slot 0), or None."""
     if per_expert is None:
         return None
-    return [_slot_rows_ffn(part.w_gate_up, part.w_down, part.b_gate_up, part.b_down, activation, dtype)
+    return [_slot_rows_ffn(part.w_gate_up, part.w_down, part.b_gate_up, part.b_down, activation, dtype, vector)
             for part in per_expert]
 
 
@@ -199,8 +231,8 @@ def moe_ffn_pairs(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_dow
     slot -1: `_unless_empty`). A loop rather than unrolled pairs: as fast, and compiled once for any number of
     pairs (16 pairs over 16 per-expert arrays, 8 layers: 71 s to compile unrolled, 5 s as a loop)."""
     num_tokens, top_k = slot_ids.shape
-    ffn = _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, x.dtype)
-    apart = _per_expert_ffns(per_expert, activation, x.dtype)
+    ffn = _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, x.dtype, vector=True)
+    apart = _per_expert_ffns(per_expert, activation, x.dtype, vector=True)
     rows = jnp.repeat(x, top_k, axis=0)[:, None]  # [P, 1, d]: pair p is token p // top_k
     row_weights = weights.astype(jnp.float32).reshape(-1, 1)
     y = jax.lax.map(lambda pair: _unless_empty(ffn, *pair, apart), (slot_ids.reshape(-1), rows, row_weights))

@@ -10,6 +10,7 @@ from flax import nnx
 import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import BACKENDS, ExpertWeights, FloatBits, float_bits_views, moe_ffn
+from jmoe.kernels.xla import VECTOR_BLOCK_ROWS, dot_by_blocks
 from jmoe.memory import PINNED_HOST
 
 GPU_ONLY = ("triton",)
@@ -81,3 +82,34 @@ def test_an_offloaded_bf16_decode_step_copies_bits_and_holds_no_float32_copy_of_
     layer_experts = sum(a.nbytes for a in jax.tree.leaves(model.engine.host_experts[0]))
     assert decode.memory_analysis().temp_size_in_bytes < layer_experts
     assert "f32[8,64,192]" not in decode.as_text()  # a layer's w_gate_up as float32
+
+
+@pytest.mark.parametrize("rows", [2 * VECTOR_BLOCK_ROWS, 2 * VECTOR_BLOCK_ROWS + 22, VECTOR_BLOCK_ROWS - 5])
+def test_a_matrix_vector_product_on_bits_goes_by_blocks_of_rows_to_the_same_values(rows):
+    """`pairs` multiplies a FloatBits weight VECTOR_BLOCK_ROWS rows of K at a time, a last partial block included
+    (jmoe.kernels.xla.dot_by_blocks): the same products as float64 up to float32's sums, every slot its own."""
+    rng = np.random.default_rng(4)
+    weight = jnp.asarray(rng.standard_normal((3, rows, 40)), jnp.bfloat16)
+    xs = jnp.asarray(rng.standard_normal((2, rows)), jnp.bfloat16)
+    for slot in range(3):
+        y = jax.jit(dot_by_blocks)(xs, FloatBits(jax.lax.bitcast_convert_type(weight, jnp.uint16), jnp.bfloat16),
+                                    slot)
+        expected = np.asarray(xs, np.float64) @ np.asarray(weight[slot], np.float64)
+        np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_pairs_on_bits_matches_pairs_on_the_floats_with_experts_wider_than_a_block():
+    """The decode kernel on FloatBits (by blocks) against the same kernel on bfloat16 arrays (one dot): K of 2.3
+    blocks in both products."""
+    d, f = 2 * VECTOR_BLOCK_ROWS + 22, 2 * VECTOR_BLOCK_ROWS + 9
+    stacked = experts(jnp.bfloat16, count=4, d=d, f=f)
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16)
+    ids, weights = jnp.asarray([[3, 0]], jnp.int32), jnp.asarray([[0.7, 0.3]], jnp.float32)
+
+    def run(w: ExpertWeights):
+        return np.asarray(moe_ffn(x, ids, weights, w.w_gate_up, w.w_down, b_gate_up=w.b_gate_up, b_down=w.b_down,
+                                  backend="pairs", out_dtype=jnp.float32))
+
+    expected = run(stacked)
+    np.testing.assert_allclose(run(float_bits_views(stacked)), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
