@@ -31,8 +31,8 @@ def cpu_backend(num_tokens: int, top_k: int, num_slots: int) -> str:
     the disk tier's one-slot rounds of a decoded token (4 pairs over 1 slot) are matrix-vector products, which
     the tiled kernel ran as tiles of 8 rows, 7 of them padding, through a bfloat16 GEMM that repacks the whole
     expert first (37.7 against 24.4 ms an expert of 2048 x 3200, Zen 3; bench/results/disk_tier_orbax.md)."""
-    pairs_on_a_slot = min(num_tokens * top_k, num_tokens * num_slots)  # summed over the slots
-    return "pairs" if pairs_on_a_slot <= CPU_PAIRS_PER_SLOT * num_slots else "xla_tiled"
+    pairs_on_slots = min(num_tokens * top_k, num_tokens * num_slots)  # all slots together: one a token on each
+    return "pairs" if pairs_on_slots <= CPU_PAIRS_PER_SLOT * num_slots else "xla_tiled"
 
 
 def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",

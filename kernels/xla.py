@@ -103,7 +103,7 @@ def dot_by_blocks(xs, weight: FloatBits, slot) -> jax.Array:
 
 def _slot_rows_ffn(w_gate_up, w_down, b_gate_up, b_down, activation, dtype, vector=False):
     """ffn(slot, xs [m, d], ws [m]) -> float32 [m, d]: rows of one slot's expert FFN, each times its router
-    weight; the slot's weights are read (and dequantized) once for the m rows. `vector`: m is a row or two
+    weight; the slot's weights are read (and dequantized) once for the m rows. `vector`: m is one row
     (`pairs`), so a 16-bit weight held as FloatBits is multiplied by blocks (`dot_by_blocks`)."""
     act = get_activation(activation)
     f = w_down.shape[1]

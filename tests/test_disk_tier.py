@@ -98,12 +98,16 @@ def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_buffered_or_di
                                                                                           monkeypatch):
     directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
     orbax = convert_checkpoint(directory, tmp_path / "orbax", progress=False)
-    monkeypatch.setattr(resources, "page_cache_room", lambda planned: (0, "a test's"))  # direct_reads=None: direct
+    planned = []  # what direct_reads=None asks the page cache's room for: the host tier's rows come first
+    monkeypatch.setattr(resources, "page_cache_room", lambda planned_bytes: (planned.append(planned_bytes) or 0,
+                                                                             "a test's"))  # None: direct
     for path, kwargs, direct in ((orbax, {}, None), (orbax, {}, False), (directory, {"expert_dtype": "int8"}, True)):
         ref_logits, ref_tokens = results(jmoe.load(path, progress=False, **kwargs))
         budget = budget_for(path, 1, kwargs.get("expert_dtype"))
         with jmoe.load(path, cache=1, host_budget_gb=budget, progress=False, direct_reads=direct, **kwargs) as model:
             assert model.engine.tier.reader.direct == (direct is not False)
+            assert planned == ([int(budget * 1e9)] if direct is None else [])
+            planned.clear()
             logits, tokens = results(model)
             np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0, err_msg=str(kwargs))
             assert tokens == ref_tokens
