@@ -99,8 +99,12 @@ def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_buffered_or_di
     directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
     orbax = convert_checkpoint(directory, tmp_path / "orbax", progress=False)
     planned = []  # what direct_reads=None asks the page cache's room for: the host tier's rows come first
-    monkeypatch.setattr(resources, "page_cache_room", lambda planned_bytes: (planned.append(planned_bytes) or 0,
-                                                                             "a test's"))  # None: direct
+
+    def no_room(planned_bytes):  # so direct_reads=None reads direct
+        planned.append(planned_bytes)
+        return 0, "a test's"
+
+    monkeypatch.setattr(resources, "page_cache_room", no_room)
     for path, kwargs, direct in ((orbax, {}, None), (orbax, {}, False), (directory, {"expert_dtype": "int8"}, True)):
         ref_logits, ref_tokens = results(jmoe.load(path, progress=False, **kwargs))
         budget = budget_for(path, 1, kwargs.get("expert_dtype"))

@@ -66,8 +66,8 @@ def direct_reads_pay(disk_bytes: int, room: int, bound: str) -> tuple[bool, str]
     """(whether to read `disk_bytes` of experts kept on disk only past the page cache, why), where the page cache has
     `room` bytes (jmoe.plan.resources.page_cache_room; `bound`: what bounds it). Direct when it has room for under a
     quarter of them: then most reads reach storage anyway, and a buffered read's copy and reclaim cost 5x the CPU of
-    a direct one (above). With more room, buffered: routing is skewed, so the page cache's share of the reads outgrows its
-    share of the bytes, and each hit saves a read from storage (without a memory limit on the bench's 30 GB
+    a direct one (above). With more room, buffered: routing is skewed, so the page cache's share of the reads
+    outgrows its share of the bytes, and each hit saves a read from storage (without a memory limit on the bench's 30 GB
     checkpoint, three quarters of the reads were hits: direct reads lost on a Zen 4 guest, 0.319 tokens/s against
     0.392, and tied on a Zen 3 one, 0.224 against 0.223)."""
     direct = room < disk_bytes / 4
