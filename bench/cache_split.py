@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, write_result
-from bench.replay import REPORT_CACHES
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.replay_report import REPORT_CACHES
 from jmoe.traces.load import load_trace, split_trace
 from jmoe.traces.replay import build_policy, replay
 

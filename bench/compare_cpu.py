@@ -32,8 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_smoke_argument, read_bandwidth_gbs, smoke_run, write_random_checkpoint, write_result
 from bench.decode import COMPARE_MODELS, PROMPT, compare_models, weight_reads
+from bench.helpers.common import (add_smoke_argument, read_bandwidth_gbs, smoke_run, write_random_checkpoint,
+                                  write_result)
 
 MAX_QUIET_LOAD = 1.0  # 1-minute load average above which a run is not a result
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, smoke_spec
+from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec
 
 # Mixtral layout at a reduced width: 8 experts, top-2, GQA 4:1. At 12 layers the weights are ~2.3 GB in bf16.
 SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=16, num_key_value_heads=4,

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bench.common import add_smoke_argument, per_expert_copies, read_bandwidth_gbs, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, per_expert_copies, read_bandwidth_gbs, smoke_run, write_result
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 16, 512, 1024, 2
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_smoke_argument, per_expert_copies, smoke_run, write_random_checkpoint, write_result
 from bench.compare_cpu import load_average, load_warning, prompt_ids, quiet_start_load
 from bench.decode import COMPARE_MODELS, compare_models
+from bench.helpers.common import add_smoke_argument, per_expert_copies, smoke_run, write_random_checkpoint, write_result
 
 # The same at smoke size; layers, hidden size and width are the checkpoint's (`spec`, compare_models).
 EXPERTS, TOP_K = COMPARE_MODELS["mixtral"]["num_local_experts"], COMPARE_MODELS["mixtral"]["num_experts_per_tok"]

@@ -8,7 +8,7 @@
 Random-weight checkpoints are written once under --workdir (default /tmp/jmoe_bench) by transformers,
 so both engines load the same files. Results go to bench/results/.
 
-A smoke run: every mode, the models at smoke size (bench.common.SMOKE_SIZES), 4 new tokens; cache mode only
+A smoke run: every mode, the models at smoke size (bench.helpers.common.SMOKE_SIZES), 4 new tokens; cache mode only
 caches 0 and top-k (each cache compiles its own programs); manager mode 20 steps.
 """
 
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bench.common import (add_smoke_argument, median_seconds, read_bandwidth_gbs, smoke_run, smoke_spec,
+from bench.helpers.common import (add_smoke_argument, median_seconds, read_bandwidth_gbs, smoke_run, smoke_spec,
                           write_random_checkpoint, write_result)
 
 COMPARE_MODELS = {

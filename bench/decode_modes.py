@@ -31,9 +31,9 @@ from pathlib import Path
 
 import jax
 
-from bench.common import add_smoke_argument, run_parts, smoke_run, write_result
 from bench.decode import PROMPT
 from bench.decode_trace import DEFAULT_PROMPT, measure, traced_checkpoint
+from bench.helpers.common import add_smoke_argument, run_parts, smoke_run, write_result
 
 from jmoe.traces.forced_routing import TraceRouting
 from jmoe.traces.load import split_trace

@@ -19,7 +19,7 @@ Hit rate and bytes moved count the measured decode steps only (statistics snapsh
 step). Bound per step = max(resident step time, bytes moved per step / measured host-to-slot copy
 bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
 
-A smoke run: every part, each model at smoke size (bench.common.SMOKE_SIZES, one MoE layer, the trace cut
+A smoke run: every part, each model at smoke size (bench.helpers.common.SMOKE_SIZES, one MoE layer, the trace cut
 to it), 2 decode steps (4 for the default model, 2 for transformers), one offloaded cache per part (the
 traced parts also their all-resident row) and one policy per part (SMOKE_POLICY: each policy runs once).
 """
@@ -33,8 +33,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import add_smoke_argument, run_parts, smoke_run, smoke_spec, write_random_checkpoint, write_result
 from bench.decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode
+from bench.helpers.common import (add_smoke_argument, run_parts, smoke_run, smoke_spec, write_random_checkpoint,
+                                  write_result)
 
 import jmoe
 from jmoe.offload.policies import make_policy

@@ -31,7 +31,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 
 # DeepSeek-V3 / Kimi-K2's routed expert shape; a small attention and vocabulary (the reads are experts only).
 EXPERT_CONFIG = dict(model_type="mixtral", hidden_size=7168, intermediate_size=2048, num_local_experts=16,

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, write_result
 from bench.disk_reads import convert_once, drop_page_cache, parallel_gbs, sequential_gbs, write_checkpoint
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 
 TRACE = "gptoss"
 LAYERS, EXPERTS, TOP_K = 24, 32, 4  # the GPT-OSS-20B trace's

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
+from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
 from jmoe.decode.sampling import SamplingParams
 from jmoe.offload.history_prefetch import BEST, best_predictor
 from jmoe.offload.policies import make_policy

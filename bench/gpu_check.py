@@ -10,7 +10,7 @@ On a lent machine nothing is installed: run from the repository root after `ln -
 Sections, in order (each with a share of the time budget plus what earlier ones left; what that or the whole
 budget does not reach is recorded as "not run: out of time", never skipped silently):
   environment  JAX version, devices, which optional packages the image has (jax-triton, torch, ...)
-  kernels      every kernel backend in every expert format against `reference` (bench.gpu_numerics)
+  kernels      every kernel backend in every expert format against `reference` (bench.gpu.numerics)
   families     every family's logits on the device against JAX's CPU backend (a child process)
   offload      tokens and logits at caches 0, 2, E-1, E (fetch and host misses), the disk tier (host rows),
                prefetch, layer groups
@@ -24,11 +24,11 @@ The report is rewritten after every section (sections not reached marked so): a 
 machine's time limit keeps what it measured. Failed checks are logged as their section ends. Each item is named
 on stderr before it runs, so one that aborts the process (an XLA check failure) is known; `--exclude TEXT` then
 records the items whose name contains TEXT as not run, and a rerun reaches the rest.
-It builds its own random-weight checkpoints under --workdir (bench.gpu_models) and needs only the image's
+It builds its own random-weight checkpoints under --workdir (bench.gpu.models) and needs only the image's
 packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
---small (and --smoke) use one kernel shape, two of the families (gpu_numerics.SMALL_FAMILIES), models of smoke size
-(bench.common.SMOKE_SIZES) and two caches per speed model; a smoke run's 90 s budget leaves items of the slower
-sections not run (recorded as such): tests/test_gpu_check.py runs every kernel check in full.
+--small (and --smoke) use one kernel shape, two of the families (bench.gpu.numerics.SMALL_FAMILIES), models of
+smoke size (bench.helpers.common.SMOKE_SIZES) and two caches per speed model; a smoke run's 90 s budget leaves items
+of the slower sections not run (recorded as such): tests/test_gpu_check.py runs every kernel check in full.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import add_smoke_argument, smoke_run, write_result
-from bench.gpu_results import NOT_REACHED, Budget, SectionResult, markdown, summary
+from bench.gpu.results import NOT_REACHED, Budget, SectionResult, markdown, summary
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 
 BUDGET_SECONDS = 540  # 9 minutes: a lent machine allows 10 per command
 SMOKE_BUDGET_SECONDS = 90  # every section starts; the suite runs every kernel check in full (tests/test_gpu_check.py)
@@ -67,22 +67,22 @@ def environment(args, budget: Budget, log) -> SectionResult:
 
 
 def section_functions(args) -> dict:
-    from bench import gpu_numerics, gpu_speed
+    from bench.gpu import numerics, speed
 
     measured = {}
 
     def bandwidth(args, budget, log):
-        measured["bandwidth"] = gpu_speed.bandwidth(args.workdir, args.small, budget, log)
+        measured["bandwidth"] = speed.bandwidth(args.workdir, args.small, budget, log)
         return measured["bandwidth"]
 
     def decode(args, budget, log):
-        copy_gbs = gpu_speed.measured_copy_gbs(measured["bandwidth"]) if "bandwidth" in measured else None
-        return gpu_speed.decode_speed(args.workdir, args.small, args.tokens, copy_gbs, budget, log)
+        copy_gbs = speed.measured_copy_gbs(measured["bandwidth"]) if "bandwidth" in measured else None
+        return speed.decode_speed(args.workdir, args.small, args.tokens, copy_gbs, budget, log)
 
     return {"environment": environment,
-            "kernels": lambda args, budget, log: gpu_numerics.kernels(args.small, budget, log),
-            "families": lambda args, budget, log: gpu_numerics.families(args.workdir, args.small, budget, log),
-            "offload": lambda args, budget, log: gpu_numerics.offload(args.workdir, budget, log),
+            "kernels": lambda args, budget, log: numerics.kernels(args.small, budget, log),
+            "families": lambda args, budget, log: numerics.families(args.workdir, args.small, budget, log),
+            "offload": lambda args, budget, log: numerics.offload(args.workdir, budget, log),
             "bandwidth": bandwidth, "decode": decode}
 
 
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_reference is not None:
-        from bench.gpu_numerics import cpu_logits, family_checkpoints
+        from bench.gpu.numerics import cpu_logits, family_checkpoints
 
         cpu_logits(family_checkpoints(args.cpu_reference, args.small), args.cpu_reference / "cpu_logits.npz")
         return 0

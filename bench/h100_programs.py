@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import jmoe
-from bench.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 
 # (label, jmoe.plan options, batch)
 CONFIGURATIONS = [

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import add_smoke_argument
+from bench.helpers.common import add_smoke_argument
 from jmoe.kernels import moe_ffn
 
 MODELS = {

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 from jmoe.config import parse_config
 from jmoe.model.transformer import empty_kv_cache, kv_bytes_per_token
 

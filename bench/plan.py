@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_result
+from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 
 # Published config.json values (Hugging Face hub: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B,
 # Qwen/Qwen3-235B-A22B, and the repositories named below), with the keys jmoe reads.
@@ -233,10 +233,10 @@ def rate(value) -> str:
 
 
 def published(rows: list[dict]) -> str:
-    """What other engines publish for the models planned (bench/plan_peers.py, with sources), next to the plan's
+    """What other engines publish for the models planned (bench/helpers/plan_peers.py, with sources), next to the plan's
     batch-1 decode estimate on the same card at each cache (marked where it does not fit: with the peer's host
     RAM or quantized dense weights it might)."""
-    from bench.plan_peers import PEERS
+    from bench.helpers.plan_peers import PEERS
 
     planned = {r["name"] for r in rows}
     lines = ["| model | card | engine | setting | published decode tok/s | published prefill tok/s | jmoe estimate, "
@@ -329,9 +329,9 @@ def report(args) -> None:
                  *[f"- {line}" for line in estimated[0]["estimate"]["assumptions"]]]
     if not args.smoke:
         body += ["", "Published numbers of other engines for these models (gathered from the sources named, not "
-                 "measured here; bench/plan_peers.py has each one's quote). kTransformers and llama.cpp compute the "
-                 "offloaded experts on the host CPU, where jmoe copies them to the GPU, so their speed depends on the "
-                 "host's CPUs and memory channels as much as on the card:", "", published(rows)]
+                 "measured here; bench/helpers/plan_peers.py has each one's quote). kTransformers and llama.cpp "
+                 "compute the offloaded experts on the host CPU, where jmoe copies them to the GPU, so their speed "
+                 "depends on the host's CPUs and memory channels as much as on the card:", "", published(rows)]
     if errors:
         body += ["", "Failed plans:", *[f"- {e}" for e in errors]]
     (args.workdir / "plan_rows.json").write_text(json.dumps(rows))

@@ -17,8 +17,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_result
-from bench.gpu_models import SPEED_MODELS, hf_config
+from bench.gpu.models import SPEED_MODELS, hf_config
+from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 from bench.plan import write_header_only_checkpoint
 
 CONTEXT = 128  # gpu_check's decode: a 32-token prompt and 64 new tokens, in a KV cache of 128 columns
@@ -72,7 +72,7 @@ def calibrate(results_path: Path, target: str, workdir: Path, smoke: bool = Fals
 
 def markdown(rows: list[dict], results_path: Path, target: str) -> str:
     lines = [f"jmoe.plan's batch-1 decode estimate for `{target}` (compiled programs, header-only checkpoints of "
-             f"bench.gpu_models.SPEED_MODELS, context {CONTEXT}, the hit rate each setting measured) against the "
+             f"bench.gpu.models.SPEED_MODELS, context {CONTEXT}, the hit rate each setting measured) against the "
              f"tokens/s measured in `{results_path}`.", "",
              "| model | cache | hit rate | estimate low | estimate high | measured | in range | measured / low |",
              "|---|---|---|---|---|---|---|---|"]

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_result
+from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 from bench.plan import MODELS, write_header_only_checkpoint
 
 DEFAULT = Path(__file__).resolve().parents[1] / "checkpoints/default/config.json"

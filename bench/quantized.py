@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 import jmoe
-from bench.common import add_smoke_argument, run_parts, smoke_run, write_random_checkpoint, write_result
 from bench.decode import COMPARE_MODELS, PROMPT, compare_models
+from bench.helpers.common import add_smoke_argument, run_parts, smoke_run, write_random_checkpoint, write_result
 from bench.router_predictor import heldout_streams
 from jmoe.decode.sampling import SamplingParams
 from jmoe.eval.metrics import evaluate, pack_windows, padded_batch

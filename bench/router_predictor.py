@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 
 import jmoe
 from checkpoints.recipe.corpus import load_corpus

@@ -27,8 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
+from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
 
 DEVICES = (1, 2, 4)
 SPEC = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,

@@ -35,9 +35,9 @@ from typing import NamedTuple
 import httpx
 import numpy as np
 
-from bench.common import add_smoke_argument, read_bandwidth_gbs, smoke_run, write_result
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
 from bench.decode import WeightReads, weight_reads
+from bench.helpers.common import add_smoke_argument, read_bandwidth_gbs, smoke_run, write_result
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
 ENGINES = ("jmoe", "transformers")
@@ -340,10 +340,10 @@ def report(args, runs: dict, soaked: dict | None, start_load: float, conditions:
                       f"needed (per step the dense weights, {reads.weights.fixed / 1e6:.2f} MB, and each MoE layer's "
                       f"distinct experts as the server counted them, {reads.weights.per_expert / 1e6:.2f} MB each; "
                       f"every row's cached tokens, {reads.kv_per_token / 1e3:.1f} kB each) at this machine's "
-                      f"{reads.bandwidth_gbs:.1f} GB/s streaming read bandwidth (bench.common.read_bandwidth_gbs); "
-                      f"prefill is left out. The bound's own ratio to {first} client"
-                      f"{'' if first == 1 else 's'}: " + ", ".join(f"{bounds[c] / bounds[first]:.2f}x at {c}"
-                                                                  for c in bounds) + "."]
+                      f"{reads.bandwidth_gbs:.1f} GB/s streaming read bandwidth "
+                      f"(bench.helpers.common.read_bandwidth_gbs); prefill is left out. The bound's own ratio to "
+                      f"{first} client{'' if first == 1 else 's'}: "
+                      + ", ".join(f"{bounds[c] / bounds[first]:.2f}x at {c}" for c in bounds) + "."]
     if "jmoe" in runs:
         lines += ["", "Where jmoe's wall time went (its /metrics step sums; the rest: between steps, handing tokens to "
                       "the HTTP side, waiting for requests):", "",

@@ -39,7 +39,8 @@ def library_files() -> list[Path]:
     return sorted((ROOT / "jmoe").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py"))
 
 
-def jmoe_imports(path: Path) -> list[str]:
+def absolute_imports(path: Path) -> list[str]:
+    """The modules `path` imports by absolute name."""
     tree = ast.parse(path.read_text())
     names = []
     for node in ast.walk(tree):
@@ -47,7 +48,7 @@ def jmoe_imports(path: Path) -> list[str]:
             names.append(node.module)
         elif isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
-    return [n for n in names if n == "jmoe" or n.startswith("jmoe.")]
+    return names
 
 
 @pytest.mark.parametrize("path", library_files(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -55,12 +56,19 @@ def test_imports_flow_down_the_layers(path):
     if path.name == "__main__.py":  # `python -m jmoe.X` entry points run a command line
         return
     module = module_name(path)
-    upward = [name for name in jmoe_imports(path) if layer_of(name) > layer_of(module)]
+    jmoe_imports = [name for name in absolute_imports(path) if name.split(".")[0] == "jmoe"]
+    upward = [name for name in jmoe_imports if layer_of(name) > layer_of(module)]
     assert not upward, f"{module} (layer {layer_of(module)}) imports higher layers: {upward}"
 
 
+def test_the_library_never_imports_bench_or_tests():
+    users = {str(p.relative_to(ROOT)): names for p in library_files()
+             if (names := [n for n in absolute_imports(p) if n.split(".")[0] in ("bench", "tests")])}
+    assert not users, f"{users}: benchmarks and tests import jmoe, never the other way (move the logic into jmoe)"
+
+
 def test_modules_stay_small():
-    files = library_files() + sorted((ROOT / "bench").glob("*.py"))
+    files = library_files() + sorted((ROOT / "bench").rglob("*.py"))
     large = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not large, f"modules over {MAX_LINES} lines: {large}; split them by concern"
 

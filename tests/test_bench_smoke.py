@@ -1,7 +1,8 @@
 """Benchmarks that cannot rot: every bench module with a command line runs in its smoke mode
 (`python -m bench.NAME --smoke`: the real run's code paths at toy sizes, in a temporary directory) and must
 exit 0 without touching bench/results. Modules are found by scanning bench/*.py, so a new one is covered the
-day it lands, and one without --smoke fails here."""
+day it lands, and one without --smoke fails here. Helpers live in subpackages (bench/gpu/, bench/helpers/), so the
+top level holds entry points only."""
 
 import os
 import re
@@ -16,10 +17,13 @@ BENCH = ROOT / "bench"
 TIMEOUT_S = 300  # one module; the slowest smoke runs take about a minute on a shared 2-core machine
 
 
+def has_command_line(path: Path) -> bool:
+    return re.search(r"^if __name__ == [\"']__main__[\"']:", path.read_text(), re.MULTILINE) is not None
+
+
 def bench_modules() -> list[str]:
     """bench/*.py modules with a command line (a `__main__` block)."""
-    return sorted(path.stem for path in BENCH.glob("*.py")
-                  if re.search(r"^if __name__ == [\"']__main__[\"']:", path.read_text(), re.MULTILINE))
+    return sorted(path.stem for path in BENCH.glob("*.py") if has_command_line(path))
 
 
 def results_snapshot() -> dict[str, tuple[int, bytes]]:
@@ -30,8 +34,13 @@ def results_snapshot() -> dict[str, tuple[int, bytes]]:
 
 def test_discovery_finds_the_bench_modules():
     modules = bench_modules()
-    assert {"decode", "decode_trace", "replay", "kv_cache_mla"} <= set(modules)
-    assert "common" not in modules and "prefetch_report" not in modules
+    assert {"decode", "decode_trace", "replay", "kv_cache_mla", "gpu_check"} <= set(modules)
+    # The layout says what is what: every top-level module is an entry point, every helper is in a subpackage.
+    assert modules == sorted(path.stem for path in BENCH.glob("*.py") if path.stem != "__init__")
+    helpers = {str(path.relative_to(BENCH)) for package in BENCH.glob("*/__init__.py") for path in
+               package.parent.rglob("*.py")}  # bench/data's script is data tooling, not a package
+    assert {"helpers/common.py", "helpers/prefetch_report.py", "gpu/models.py"} <= helpers
+    assert not [name for name in helpers if has_command_line(BENCH / name)]
 
 
 @pytest.mark.parametrize("module", bench_modules())

@@ -43,7 +43,7 @@ def test_sections_past_the_budget_are_recorded_as_not_run():
 
 
 def test_excluded_items_are_recorded_as_not_run_without_running():
-    from bench.gpu_results import Budget, SectionResult
+    from bench.gpu.results import Budget, SectionResult
 
     ran = []
     result = SectionResult()
@@ -57,7 +57,7 @@ def test_excluded_items_are_recorded_as_not_run_without_running():
 def test_family_argmax_check_forgives_near_ties_only():
     import numpy as np
 
-    from bench.gpu_numerics import argmax_agrees
+    from bench.gpu.numerics import argmax_agrees
 
     reference = np.array([[1.0, 0.9999, 0.0], [0.0, 2.0, 1.0]])
     swapped_near_tie = reference + np.array([[-2e-4, 2e-4, 0.0], [0.0, 0.0, 0.0]])
@@ -67,7 +67,7 @@ def test_family_argmax_check_forgives_near_ties_only():
 
 
 def test_profile_summary_measures_copy_kernel_overlap_on_device_streams():
-    from bench.gpu_profile import device_summary
+    from bench.gpu.profile import device_summary
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jmoe.errors import JmoeError
 from jmoe.offload.policies import CachePolicy, LFRUPolicy, StaticPolicy, make_policy
 from jmoe.traces.belady import BeladyOracle
-from jmoe.traces.load import TraceError, frequency_table, load_trace, split_trace
+from jmoe.traces.load import TRACE_FILES, TraceError, frequency_table, load_trace, split_trace, write_trace_starts
 from jmoe.traces.replay import replay
 from replay_cli import REPO_ROOT, run_cli
 
@@ -226,6 +226,22 @@ def test_gptoss_split_keeps_tuning_and_reporting_apart():
     assert not split["overlap"]
     chosen = split_trace(trace, ["Polyglot-or-Not_Fact-Completion"])
     assert len(chosen["eval_ids"]) == 1188
+
+
+def test_trace_starts_are_the_first_tokens_of_every_trace(tmp_path):
+    data_dir = write_trace_starts(tmp_path / "data", sequences=2, tokens=16)
+    for name in TRACE_FILES:
+        full, start = load_trace(name), load_trace(name, data_dir)
+        if name != "gptoss":
+            np.testing.assert_array_equal(start["expert_ids"], full["expert_ids"][:32])
+            continue
+        for dataset in set(full["dataset"]):  # its first two sequences, in file order, each cut to 16 tokens
+            kept, originals = np.flatnonzero(start["dataset"] == dataset), np.flatnonzero(full["dataset"] == dataset)
+            assert len(kept) == min(2, len(originals))
+            for i, j in zip(kept, originals):
+                first_tokens = full["expert_ids"][full["seq_offsets"][j]:full["seq_offsets"][j + 1]][:16]
+                np.testing.assert_array_equal(start["expert_ids"][start["seq_offsets"][i]:start["seq_offsets"][i + 1]],
+                                              first_tokens)
 
 
 def test_cli_json_on_olmoe_matches_the_core():

@@ -10,7 +10,8 @@ import pytest
 from jmoe.offload.policies import make_policy
 from jmoe.offload.predictors import Predictor, make_predictor
 from jmoe.traces.belady import BeladyOracle
-from jmoe.traces.load import TraceError
+from jmoe.traces.comparison import tier_comparison
+from jmoe.traces.load import TraceError, load_trace
 from jmoe.traces.replay import replay
 from jmoe.traces.tiers import TierConfig, replay_tiers, replay_tiers_grid, tier_grid
 from replay_cli import run_cli
@@ -210,6 +211,15 @@ def test_report_grid_covers_both_relations_and_the_h_plus_c_comparison():
     assert TierConfig(8, 16 + 8, "inclusive") in configs  # inclusive at H + C for exclusive at H = 16
     assert all(c.host_cache >= c.cache for c in configs if c.relation == "inclusive")
     assert len(configs) == len(set(configs))
+
+
+def test_tier_comparison_finds_both_equalities_on_a_real_trace():
+    compared = tier_comparison(load_trace("olmoe"), [8, 16], [1])
+    assert compared["hosts"] == [16, 32, 48] and compared["warmup"] == 149  # olmoe's whole tuning half
+    assert set(compared["grid"]) == {(c, h) for c in [8, 16] for h in [16, 32, 48]}
+    assert len(compared["by_config"]) == len(compared["rows"])
+    for pairs in (compared["one_level"], compared["twins"]):  # exact counts, cell by cell
+        assert pairs and all(count == expected for count, expected in pairs)
 
 
 def test_cli_two_levels_json_and_errors():

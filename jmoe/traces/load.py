@@ -1,4 +1,5 @@
-"""Routing traces on disk: which files there are, loading, validation and the tuning/report splits.
+"""Routing traces on disk: which files there are, loading, validation and the tuning/report splits, and their
+first tokens written out as a small stand-in (``write_trace_starts``).
 
 A trace is the expert ids a model chose while decoding, ``expert_ids`` int [tokens, layers, k].
 The traces ship in the repository's ``bench/data`` (provenance in its README). GPT-OSS holds
@@ -85,6 +86,25 @@ def load_trace(name: str, data_dir: Path = DATA_DIR) -> dict:
     else:
         trace["expert_ids"] = np.load(path)
     return trace
+
+
+def write_trace_starts(data_dir: Path, sequences: int, tokens: int) -> Path:
+    """``data_dir`` (created) holding the start of every trace in DATA_DIR, as the same files: for gptoss the first
+    ``sequences`` sequences of each dataset, each cut to ``tokens`` tokens; for the one-prompt traces the first
+    2 x ``tokens`` tokens (their tuning and report halves). A stand-in for DATA_DIR in a few tokens."""
+    data_dir.mkdir(parents=True)
+    for name, file in TRACE_FILES.items():
+        trace = load_trace(name)
+        if name != "gptoss":
+            np.save(data_dir / file, trace["expert_ids"][:2 * tokens])
+            continue
+        offsets, names = trace["seq_offsets"], trace["dataset"]
+        keep = np.concatenate([np.flatnonzero(names == dataset)[:sequences] for dataset in np.unique(names)])
+        keep.sort()
+        rows = [trace["expert_ids"][offsets[i]:min(offsets[i + 1], offsets[i] + tokens)] for i in keep]
+        np.savez(data_dir / file, expert_ids=np.concatenate(rows), dataset=names[keep],
+                 seq_offsets=np.concatenate([[0], np.cumsum([len(r) for r in rows])]))
+    return data_dir
 
 
 def sequence_rows(trace: dict, keep: np.ndarray) -> np.ndarray:

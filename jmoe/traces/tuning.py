@@ -2,8 +2,9 @@
 recency weight, the ``lags`` predictor's weights and the ``best`` prefetch setting, and the
 shipped cross-layer predictor table.
 
-Each search returns its numbers; ``bench/replay.py`` writes them as Markdown
-(``--tune`` -> replay_tuning.md, ``--prefetch-report`` -> replay_prefetch.md, ``--fit-table``).
+Each search returns its numbers; ``python -m bench.replay`` writes them as Markdown
+(``--tune`` -> replay_tuning.md, ``--prefetch-report`` -> replay_prefetch.md) or saves the table
+(``--fit-table``).
 """
 
 from __future__ import annotations

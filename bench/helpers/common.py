@@ -17,7 +17,7 @@ import numpy as np
 
 from jmoe.compile_cache import with_fast_compile
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 _results_dir = RESULTS  # where write_result writes: a smoke run points it at its temporary directory
 # The sizes of a smoke run's random checkpoints: every width small, two layers. A spec keeps its other keys
 # (family, number of experts, top-k, vocabulary), so a smoke run has the real run's routing shapes.

@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bench.common import smoke_spec
+from bench.helpers.common import smoke_spec
 
 # One small case per family jmoe loads (shapes as tests/hf_models.py varies them: experts, top-k, GQA, shared
 # experts, dense layers, MLA, grouped routers, sinks and biases).
@@ -61,7 +61,7 @@ def hf_config(model_type: str, **overrides) -> dict:
 
 
 def speed_models(small: bool) -> dict[str, dict]:
-    """SPEED_MODELS, at smoke size (bench.common.SMOKE_SIZES, the same experts and top-k) when `small`."""
+    """SPEED_MODELS, at smoke size (bench.helpers.common.SMOKE_SIZES, the same experts and top-k) when `small`."""
     return {name: smoke_spec(spec) if small else spec for name, spec in SPEED_MODELS.items()}
 
 

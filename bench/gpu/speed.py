@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import median_seconds
 from bench.decode import PROMPT, jmoe_decode
 from bench.disk_reads import convert_once
-from bench.gpu_profile import step_split, step_timer, traced_steps
-from bench.gpu_models import hf_config, speed_models, write_checkpoint
-from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult, format_value
+from bench.gpu.models import hf_config, speed_models, write_checkpoint
+from bench.gpu.profile import step_split, step_timer, traced_steps
+from bench.gpu.results import OUT_OF_TIME, Budget, SectionResult, format_value
+from bench.helpers.common import median_seconds
 
 PLAIN_COPY_BYTES = 1 << 30  # the link's peak: one plain 1 GiB copy (16 MiB in small mode)
 COPIED_EXPERTS = 8  # experts per timed in-program copy: enough bytes that launch overhead does not dominate

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu_models import FAMILY_CASES, hf_config, write_checkpoint
-from bench.gpu_results import OUT_OF_TIME, Budget, SectionResult
+from bench.gpu.models import FAMILY_CASES, hf_config, write_checkpoint
+from bench.gpu.results import OUT_OF_TIME, Budget, SectionResult
 
 # Kernel shapes: (tokens, top-k, experts, d, f): one decode token and a prefill chunk. d and f are multiples of
 # 128 so that every format's blocks (fp8's 128 x 128) divide them (small: 64, fp8 then has one partial block).
@@ -152,7 +152,7 @@ def families(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     # The CPU reference runs in its own process, on JAX's CPU backend, while this one runs on the device.
     child = subprocess.Popen([sys.executable, "-m", "bench.gpu_check", "--cpu-reference", str(workdir),
                               *(["--small"] if small else [])],
-                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=Path(__file__).resolve().parents[1])
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=Path(__file__).resolve().parents[2])
     device = {}
     for family, directory in directories.items():
         if budget.out_of_time():
