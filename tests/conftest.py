@@ -3,31 +3,38 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile in fresh processes and must not write into the user's cache; tests of the cache set their own.
 os.environ.setdefault("JMOE_COMPILE_CACHE", "off")
+# Compiling dominates this suite's time (tiny models, many programs): jmoe.compile_cache.FAST_COMPILE_XLA_FLAGS (as the
+# bench smoke runs use them) cut XLA:CPU's compiling to about a third, here and in every process a test starts (servers,
+# expert-parallel and distributed children, GPU-target compile workers, where the XLA:CPU options change nothing).
+# One of them changes the optimized HLO: tests that read an XLA:CPU program's structure are marked `cpu_hlo` and compile
+# it as users do (`compile_as_users_do` below).
+from jmoe.compile_cache import DEFAULT_HLO_COMPILE_OPTIONS, with_fast_compile  # noqa: E402
 
-# Compiling dominates this suite's time (tiny models, many programs). jmoe.compile_cache.FAST_COMPILE_XLA_FLAGS
-# (as the bench smoke runs use them) halve LLVM's share of it: the same HLO programs (HLO passes, copies and fusion
-# are unchanged; what the tests' HLO checks read), only their machine code less optimized. They hold for this process
-# only: XLA reads XLA_FLAGS once, at its first compile, which happens here; the variable is then restored, so child
-# processes (GPU-target compile workers, bench runs) compile as they would outside the tests unless a test asks.
-from jmoe.compile_cache import with_fast_compile  # noqa: E402
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS"))
 
-_xla_flags = os.environ.get("XLA_FLAGS")
-os.environ["XLA_FLAGS"] = with_fast_compile(_xla_flags)
-try:
-    import jax
+import pytest  # noqa: E402
 
-    jax.jit(lambda x: x + 1)(1).block_until_ready()
-finally:
-    if _xla_flags is None:
-        os.environ.pop("XLA_FLAGS")
-    else:
-        os.environ["XLA_FLAGS"] = _xla_flags
+import shutil  # noqa: E402
 
-import pytest
+from hf_models import FAMILY_CASES, write_checkpoint  # noqa: E402
 
-import shutil
 
-from hf_models import FAMILY_CASES, write_checkpoint
+@pytest.fixture(autouse=True)
+def compile_as_users_do(request, monkeypatch):
+    """In a test marked `cpu_hlo`, every program compiles with XLA's defaults for the fast options that change the
+    optimized HLO (compile options override XLA_FLAGS), so the structure it reads is that of the program users run."""
+    if request.node.get_closest_marker("cpu_hlo") is None:
+        return
+    from jax._src import compiler  # the one function every compile takes its options from
+
+    original = compiler.get_compile_options
+
+    def with_default_hlo(*args, **kwargs):
+        options = original(*args, **kwargs)
+        options.env_option_overrides = [*options.env_option_overrides, *DEFAULT_HLO_COMPILE_OPTIONS.items()]
+        return options
+
+    monkeypatch.setattr(compiler, "get_compile_options", with_default_hlo)
 
 
 @pytest.fixture(scope="session")

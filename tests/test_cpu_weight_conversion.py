@@ -35,6 +35,7 @@ def test_float32_weights_pass_through_untouched():
     assert weight_for(w, jnp.ones((1, 4), jnp.float32)) is w
 
 
+@pytest.mark.cpu_hlo
 def test_a_chain_of_bfloat16_products_holds_one_converted_weight_at_a_time():
     rng = np.random.default_rng(1)
     weights = [jnp.asarray(rng.standard_normal((D, D)) / D ** 0.5, jnp.bfloat16) for _ in range(LAYERS)]

@@ -22,7 +22,6 @@ import pytest
 import jmoe
 from hf_models import write_checkpoint
 from jmoe.checkpoint.convert import convert_checkpoint
-from jmoe.compile_cache import with_fast_compile
 from jmoe.errors import InputError
 
 # One pytest-xdist worker runs this module (--dist loadgroup): its module fixtures are expensive, and each
@@ -61,8 +60,7 @@ CHILD_TIMEOUT_S = 400
 
 
 def several_devices_env() -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(DEVICES), "JMOE_COMPILE_CACHE": "off",
-            "XLA_FLAGS": with_fast_compile(os.environ.get("XLA_FLAGS"))}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(DEVICES), "JMOE_COMPILE_CACHE": "off"}
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,7 @@ def bf16_checkpoint(tmp_path_factory):
     return directory
 
 
+@pytest.mark.cpu_hlo
 @pytest.mark.parametrize("cache", [0, 3])
 def test_an_offloaded_bf16_decode_step_copies_bits_and_holds_no_float32_copy_of_the_experts(bf16_checkpoint, cache):
     """XLA:CPU slices and updates bfloat16 arrays through float32 and hoists the conversion of a loop's invariant

@@ -60,6 +60,7 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     assert prefill.control_flow.conditionals == 0  # streamed chunks compute masked, never branch
 
 
+@pytest.mark.cpu_hlo
 def test_host_mode_decode_has_device_control_flow_only_on_the_host(hf_checkpoints):
     """Host miss mode cannot be compiled for a GPU target in jax 0.10 (see test_plan_gpu_compile); its
     CPU-compiled decode program shows the device-side control flow: no conditional, and every loop with an
@@ -77,6 +78,7 @@ def test_host_mode_decode_has_device_control_flow_only_on_the_host(hf_checkpoint
 SLOT_UPDATES = [dict(backend="auto"), dict(backend="gather"), dict(prefetch=1), dict(miss_mode="host", backend="gather")]
 
 
+@pytest.mark.cpu_hlo
 @pytest.mark.parametrize("options", SLOT_UPDATES, ids=[str(o) for o in SLOT_UPDATES])
 def test_decode_updates_slot_buffers_in_place(many_experts, options):
     """The decode program reads the cache and scratch slots and then admits into them in place: it copies
@@ -184,6 +186,7 @@ def test_gpu_prefill_over_the_disk_tier_streams_only_needed_rows(chunk_size):
     np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.cpu_hlo
 def test_cpu_prefill_reads_offloaded_experts_in_place(many_experts):
     """On CPU the prompt step reads every expert from the host arrays: its program copies no layer's expert
     arrays (XLA:CPU drops the device_put of a whole host array) and allocates no chunk buffers."""

@@ -145,6 +145,7 @@ def test_a_resident_model_on_cpu_reads_experts_in_place_and_matches_transformers
     assert model.generate(prompt, max_new_tokens=8)[0] == reference
 
 
+@pytest.mark.cpu_hlo
 def test_offloaded_experts_are_read_in_place_by_the_prompt_step_and_slots_stay_stacked(big_expert_checkpoint):
     """On a CPU an offloaded layer's experts in pinned host memory get views as well (the same RAM): the prompt step
     reads each expert in place, copying no expert; the cache slots and the copies that fill them stay stacked."""

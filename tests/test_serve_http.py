@@ -18,7 +18,6 @@ import openai
 import pytest
 
 import jmoe
-from jmoe.compile_cache import with_fast_compile
 from jmoe.cli.common import DEFAULT_MODEL_DIR
 
 # One pytest-xdist worker runs this module (--dist loadgroup): its module fixtures are expensive, and each
@@ -51,9 +50,8 @@ class Server:
                 [sys.executable, "-m", "jmoe.serve", "--port", str(self.port), "--max-batch", str(MAX_BATCH),
                  "--max-queue", str(MAX_QUEUE), "--context", str(CONTEXT), "--compile-cache", str(cache)],
                 stdout=out, stderr=subprocess.STDOUT,
-                # Compiled as the in-process reference model is (tests/conftest.py): its warm-up compiles ~60 programs.
-                env={**os.environ, "JAX_PLATFORMS": "cpu",
-                     "XLA_FLAGS": with_fast_compile(os.environ.get("XLA_FLAGS"))})
+                # XLA_FLAGS as tests/conftest.py set them: its warm-up compiles ~60 programs.
+                env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
     def wait_ready(self) -> "Server":
         end = time.monotonic() + READY_DEADLINE
