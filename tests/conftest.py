@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 import shutil  # noqa: E402
 
-from hf_models import FAMILY_CASES, write_checkpoint  # noqa: E402
+from hf_models import FAMILY_CASES, BuiltOnFirstUse, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -39,13 +39,15 @@ def compile_as_users_do(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
-    """name -> (checkpoint directory, the transformers model that wrote it), for every family case."""
+    """name -> (checkpoint directory, the transformers model that wrote it), for every family case (each written when
+    a test first reads it)."""
     root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for i, (name, (model_type, overrides)) in enumerate(FAMILY_CASES.items()):
-        directory = root / name
-        out[name] = (directory, write_checkpoint(directory, model_type, seed=i, **overrides))
-    return out
+
+    def write(name):
+        model_type, overrides = FAMILY_CASES[name]
+        return root / name, write_checkpoint(root / name, model_type, seed=list(FAMILY_CASES).index(name), **overrides)
+
+    return BuiltOnFirstUse(write)
 
 
 @pytest.fixture(scope="session")

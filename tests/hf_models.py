@@ -70,6 +70,19 @@ SCORE_BIAS_STD = 0.2
 BIAS_STD = 0.1
 
 
+class BuiltOnFirstUse(dict):
+    """A dict whose value for a key is built by `build(key)` the first time it is read: a fixture over every family
+    case costs a test module (or an xdist worker, or the quick tier) only the cases its tests read."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, key):
+        self[key] = self.build(key)
+        return self[key]
+
+
 def hf_config(model_type: str, **overrides):
     from transformers import AutoConfig
 

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # Layers from the bottom up: a module may import its own layer or lower ones, never higher ones.
 LAYERS = {

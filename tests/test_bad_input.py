@@ -9,6 +9,8 @@ import jmoe
 from hf_models import VOCAB, edit_json
 from jmoe.errors import CheckpointError, ConfigError, InputError
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
+
 
 @pytest.fixture(scope="module")
 def model(small_mixtral_dir):

@@ -3,9 +3,12 @@
 import zlib
 
 import numpy as np
+import pytest
 from zlib_ng import zlib_ng
 
 from jmoe.checkpoint.checksum import crc32
+
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
 
 
 def test_the_checksum_is_zlibs_crc32_computed_by_zlib_ng():

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jmoe.checkpoint.convert as converter
-from hf_models import FAMILY_CASES, write_checkpoint
+from hf_models import FAMILY_CASES, BuiltOnFirstUse, write_checkpoint
 from jmoe.config import load_config
 from jmoe.convert import main
 from jmoe.errors import CheckpointError
@@ -37,8 +37,7 @@ def assert_same_params(restored, reference):
 def converted(hf_checkpoints, tmp_path_factory):
     """name -> Orbax directory converted from that family's HF checkpoint."""
     root = tmp_path_factory.mktemp("orbax")
-    return {name: convert_checkpoint(hf_checkpoints[name][0], root / name, progress=False)
-            for name in FAMILY_CASES}
+    return BuiltOnFirstUse(lambda name: convert_checkpoint(hf_checkpoints[name][0], root / name, progress=False))
 
 
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
@@ -49,6 +48,7 @@ def test_restore_equals_hf_loading(name, hf_checkpoints, converted):
     assert_same_params(restore_model(converted[name], cfg, progress=False), load_model(hf_dir, cfg, progress=False))
 
 
+@pytest.mark.quick
 def test_restore_places_arrays_in_requested_memory_kind(hf_checkpoints, converted):
     name = "qwen2_moe_shared_dense"
     cfg = load_config(hf_checkpoints[name][0])
@@ -73,6 +73,7 @@ def test_manifest_records_sources_and_copies_config(hf_checkpoints, converted):
         assert (out / copied).read_bytes() == (hf_dir / copied).read_bytes()
 
 
+@pytest.mark.quick
 def test_sharded_checkpoint_and_cli_bfloat16(tmp_path):
     hf_dir = tmp_path / "hf"
     write_checkpoint(hf_dir, "olmoe", seed=7, max_shard_size="40KB", num_experts=4, num_experts_per_tok=2,
@@ -90,6 +91,7 @@ def test_sharded_checkpoint_and_cli_bfloat16(tmp_path):
     assert {leaf.dtype for leaf in params_of(as_f32).values()} == {jnp.dtype("float32")}
 
 
+@pytest.mark.quick
 def test_non_empty_output_needs_overwrite(hf_checkpoints, tmp_path, capsys):
     hf_dir = hf_checkpoints["mixtral_e4k2_gqa2"][0]
     out = tmp_path / "out"
@@ -129,6 +131,7 @@ def _fail_on_third_param(monkeypatch):
     monkeypatch.setattr(converter, "stored_params", flaky)
 
 
+@pytest.mark.quick
 def test_interrupted_conversion_leaves_nothing_that_loads(hf_checkpoints, tmp_path, monkeypatch):
     hf_dir = hf_checkpoints["qwen3_moe_headdim_tied"][0]
     cfg = load_config(hf_dir)

@@ -9,6 +9,9 @@ import pytest
 
 from jmoe.model.layers import weight_for
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
+
+
 D, LAYERS = 512, 8
 
 

@@ -29,6 +29,7 @@ def test_size_and_shape_limits(hf_config):
     assert generation["eos_token_id"] == hf_config["eos_token_id"]
 
 
+@pytest.mark.quick
 def test_transformers_and_jmoe_agree_in_float32(hf_config):
     import torch
     from transformers import AutoModelForCausalLM

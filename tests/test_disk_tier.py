@@ -76,6 +76,7 @@ def test_every_cache_and_host_budget_matches_resident(name, hf_checkpoints):
         assert not reader_threads()
 
 
+@pytest.mark.quick
 def test_tiered_experts_are_not_loaded_and_the_placement_counts_the_rows(hf_checkpoints):
     directory = hf_checkpoints["olmoe_e8k4_clip"][0]
     whole = jmoe.load(directory, cache=2, progress=False)
@@ -156,6 +157,7 @@ def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_p
         assert sum(layer["read_ahead_reads"] for layer in model.stats()) > 0
 
 
+@pytest.mark.quick
 def test_budgets_and_options_the_tier_does_not_take_are_clear_errors(hf_checkpoints):
     directory = hf_checkpoints["mixtral_e4k2_gqa2"][0]
     one_row = budget_for(directory, 1)
@@ -185,6 +187,7 @@ def test_budgets_and_options_the_tier_does_not_take_are_clear_errors(hf_checkpoi
     assert model.placement_plan.host_rows == 0 and model.engine.tier is None and not reader_threads()
 
 
+@pytest.mark.quick
 def test_the_command_line_takes_a_host_budget_and_reports_disk_reads(hf_checkpoints, tmp_path, capsys):
     import shutil
 

@@ -89,6 +89,7 @@ def test_eval_over_two_processes_equals_one_process(model_dir, data_file):
     assert all(report["batch_shapes"] == [[2, SEQ]] for report in reports)
 
 
+@pytest.mark.quick
 def test_native_lines_on_descriptor_1_leave_standard_output_to_python():
     # What Gloo does when its first collective connects, from another thread, at a moment nobody chooses.
     script = ("import json, os, threading; from jmoe.distributed import keep_standard_output_for_python; "
@@ -101,6 +102,7 @@ def test_native_lines_on_descriptor_1_leave_standard_output_to_python():
     assert "[Gloo] Rank 1 is connected" in done.stderr
 
 
+@pytest.mark.quick
 def test_generation_gives_every_process_the_same_tokens(model_dir):
     results = run_together("jmoe.generate", ["--model", str(model_dir), "--prompt", "w3 w1 w4", "--max-new-tokens", "6",
                                              "--json", "--no-compile-cache"])

@@ -66,6 +66,7 @@ def reference(model, stream, seq_len):
     return nll / count, load
 
 
+@pytest.mark.quick
 def test_text_file_perplexity_and_routing_match_numpy_reference(model, stream, text_file):
     result = jeval.evaluate_file(model, text_file, batch_size=4, seq_len=SEQ)  # a padded row, a partial window
     nll, load = reference(model, stream, SEQ)
@@ -78,6 +79,7 @@ def test_text_file_perplexity_and_routing_match_numpy_reference(model, stream, t
     assert [r.layer for r in result.routing] == list(model.config.moe_layer_indices)
 
 
+@pytest.mark.quick
 def test_offloaded_model_gives_the_same_result(model_dir, text_file, model):
     resident = jeval.evaluate_file(model, text_file, batch_size=4, seq_len=SEQ)
     offloaded_model = jmoe.load(model_dir, cache=1, progress=False)
@@ -193,6 +195,7 @@ def _write(path, text):
     (lambda d: _write(d / "words.ids", "1 two 3"), [], "line 1"),
     (lambda d: _write(d / "data.csv", "1,2"), [], "unknown data format '.csv'"),
 ])
+@pytest.mark.quick
 def test_cli_bad_input(model_dir, tmp_path, capsys, make_data, flags, expected):
     code = eval_cli.main(["--model", str(model_dir), "--data", str(make_data(tmp_path))] + flags)
     err = capsys.readouterr().err

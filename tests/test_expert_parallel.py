@@ -123,6 +123,7 @@ def test_each_moe_layer_exchanges_one_all_reduce_of_activations(runs, case):
             assert program["ops"] == [["all-reduce", f"f32[{rows},{hidden}]"]] * moe_layers, program
 
 
+@pytest.mark.quick
 def test_an_expert_axis_that_does_not_divide_the_experts_is_refused(tmp_path):
     """Through the command line's --devices: refused after reading the headers, before any weight."""
     write_checkpoint(tmp_path / "six", "mixtral", num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,

@@ -209,6 +209,7 @@ def fp8_deepseek(hf_checkpoints, tmp_path_factory):
 # ---- exactness ----
 
 @pytest.mark.parametrize("name", sorted(FAMILY_CASES))
+@pytest.mark.quick
 def test_every_expert_of_every_family_is_what_loading_stores(name, hf_checkpoints):
     directory = hf_checkpoints[name][0]
     assert_reader_matches_loading(directory, load_config(directory))
@@ -325,6 +326,7 @@ def test_a_file_truncated_before_construction_is_refused(small_mixtral_copy):
         small_reader(small_mixtral_copy)
 
 
+@pytest.mark.quick
 def test_a_rewrite_that_keeps_size_and_mtime_fails_the_crc(small_mixtral_copy):
     name, path, begin, end = expert_tensor(small_mixtral_copy, 0, 1)
     with small_reader(small_mixtral_copy) as reader:
@@ -400,6 +402,7 @@ def test_partial_reads_are_continued_and_an_early_end_is_an_error(small_mixtral_
             reader.read(0, 2)
 
 
+@pytest.mark.quick
 def test_bad_arguments_are_clear_errors(hf_checkpoints, small_mixtral_dir):
     directory = hf_checkpoints["qwen2_moe_shared_dense"][0]  # layer 1 is dense
     with small_reader(directory) as reader:
@@ -419,6 +422,7 @@ def test_bad_arguments_are_clear_errors(hf_checkpoints, small_mixtral_dir):
 
 # ---- lifecycle ----
 
+@pytest.mark.quick
 def test_close_stops_the_threads_and_closes_every_file(sharded_mixtral):
     assert not reader_threads()
     before, files = open_files(), sorted(str(p) for p in sharded_mixtral.glob("*.safetensors"))

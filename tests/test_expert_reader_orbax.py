@@ -141,6 +141,7 @@ def open_files() -> list[str]:
 # ---- exactness ----
 
 @pytest.mark.parametrize("name", list(CONVERSIONS))
+@pytest.mark.quick
 def test_every_expert_is_what_restore_model_holds(name, converted):
     directory = converted[name]
     cfg = load_config(directory)
@@ -204,6 +205,7 @@ def rchar() -> int:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
 
 
+@pytest.mark.quick
 def test_a_read_reads_only_that_experts_chunks(converted):
     directory = converted["mixtral"]  # float32: every expert chunk over 1 KiB, so none is inline in a node
     expected = restored_experts(directory)
@@ -397,6 +399,7 @@ def test_a_damaged_shard_index_is_an_error_naming_file_parameter_and_expert(mixt
             experts.read(1, 2)
 
 
+@pytest.mark.quick
 def test_bad_arguments_are_clear_errors(converted):
     with reader(converted["mixtral"]) as experts:
         with pytest.raises(InputError, match=r"layer 2 expert 0 is not a routed expert .*MoE layers are \[0, 1\], "

@@ -26,6 +26,7 @@ def config_dict(hf_checkpoints, name):
     return json.loads((hf_checkpoints[name][0] / "config.json").read_text())
 
 
+@pytest.mark.quick
 def test_mla_cache_holds_the_latent_and_the_roped_key(hf_checkpoints):
     cfg = jmoe.load_config(hf_checkpoints[DEEPSEEK][0])
     latent, k_rope = empty_kv_cache(cfg, 2, 5, jnp.float32)[0]
@@ -36,6 +37,7 @@ def test_mla_cache_holds_the_latent_and_the_roped_key(hf_checkpoints):
     assert f"KV cache: {cfg.num_layers * 20 * 4:,} bytes per token" in model.placement_plan.summary()
 
 
+@pytest.mark.quick
 def test_prefetch_score_top_k_is_the_routers_choice(hf_checkpoints):
     """router_probabilities' top-k (what prefetch copies) is exactly the experts route() picks."""
     model = jmoe.load(hf_checkpoints[DEEPSEEK][0], progress=False)
@@ -51,6 +53,7 @@ def test_prefetch_score_top_k_is_the_routers_choice(hf_checkpoints):
     np.testing.assert_allclose(np.asarray(weights).sum(-1), cfg.routed_scaling_factor, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_kimi_k2_is_deepseek_v3(hf_checkpoints, tmp_path):
     directory = tmp_path / "kimi"
     shutil.copytree(hf_checkpoints[DEEPSEEK][0], directory)
@@ -212,6 +215,7 @@ def test_fp8_checkpoint_plans_converts_and_offloads(fp8_pair, tmp_path):
     np.testing.assert_array_equal(np.asarray(jmoe.load(converted, cache=1, progress=False).logits(IDS)), ref)
 
 
+@pytest.mark.quick
 def test_fp8_checkpoint_problems_are_named(fp8_pair, tmp_path):
     fp8_dir, _ = fp8_pair
     broken = tmp_path / "broken"
@@ -224,6 +228,7 @@ def test_fp8_checkpoint_problems_are_named(fp8_pair, tmp_path):
         jmoe.load(broken, progress=False)
 
 
+@pytest.mark.quick
 def test_fp8_checkpoint_matches_transformers(tmp_path):
     """transformers loads a float8 checkpoint on CPU by dequantizing it (it needs accelerate, and blocks that
     divide every quantized weight): jmoe computes the same logits."""

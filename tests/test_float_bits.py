@@ -23,6 +23,7 @@ def experts(dtype, count=5, d=16, f=24) -> ExpertWeights:
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.quick
 def test_views_hold_the_bits_of_the_same_buffers(dtype):
     stacked = experts(dtype)
     views = float_bits_views(stacked)
@@ -86,6 +87,7 @@ def test_an_offloaded_bf16_decode_step_copies_bits_and_holds_no_float32_copy_of_
 
 
 @pytest.mark.parametrize("rows", [2 * VECTOR_BLOCK_ROWS, 2 * VECTOR_BLOCK_ROWS + 22, VECTOR_BLOCK_ROWS - 5])
+@pytest.mark.quick
 def test_a_matrix_vector_product_on_bits_goes_by_blocks_of_rows_to_the_same_values(rows):
     """`pairs` multiplies a FloatBits weight VECTOR_BLOCK_ROWS rows of K at a time, a last partial block included
     (jmoe.kernels.xla.dot_by_blocks): the same products as float64 up to float32's sums, every slot its own."""
@@ -99,6 +101,7 @@ def test_a_matrix_vector_product_on_bits_goes_by_blocks_of_rows_to_the_same_valu
         np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.quick
 def test_pairs_on_bits_matches_pairs_on_the_floats_with_experts_wider_than_a_block():
     """The decode kernel on FloatBits (by blocks) against the same kernel on bfloat16 arrays (one dot): K of 2.3
     blocks in both products."""

@@ -9,6 +9,7 @@ import shutil
 import struct
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jmoe
@@ -50,6 +51,7 @@ def test_config_values(small_mixtral_dir, tmp_path_factory, data):
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.quick
 def test_safetensors_headers(small_mixtral_dir, tmp_path_factory, data):
     directory = tmp_path_factory.mktemp("h") / "m"
     shutil.copytree(small_mixtral_dir, directory)
@@ -70,6 +72,7 @@ def test_safetensors_headers(small_mixtral_dir, tmp_path_factory, data):
 
 @FUZZ
 @given(weight_map=JSON_VALUES | st.dictionaries(st.text(max_size=40), st.text(max_size=30) | JSON_VALUES, max_size=4))
+@pytest.mark.quick
 def test_index_files(small_mixtral_dir, tmp_path_factory, weight_map):
     directory = tmp_path_factory.mktemp("i") / "m"
     shutil.copytree(small_mixtral_dir, directory)

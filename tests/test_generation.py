@@ -42,6 +42,7 @@ def test_bfloat16_load(model_dir, model):
     np.testing.assert_allclose(np.asarray(bf16.logits(ids)), np.asarray(model.logits(ids)), atol=0.1)
 
 
+@pytest.mark.quick
 def test_sampling_is_seeded_and_filters_apply(model):
     prompt = [3, 1, 4, 1, 5]
     a = model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=1)
@@ -73,6 +74,7 @@ def test_sampling_parameter_errors():
         SamplingParams(1.0, top_p=0.0)
 
 
+@pytest.mark.quick
 def test_stops_at_eos_from_generation_config(model_dir, model, tmp_path):
     import shutil
 
@@ -94,6 +96,7 @@ def test_generate_text_and_stream(model, capsys):
     assert capsys.readouterr().out.strip() == text
 
 
+@pytest.mark.quick
 def test_cli_json(model_dir, capsys):
     from jmoe.generate import main
 
@@ -120,6 +123,7 @@ def test_one_program_per_mode_for_all_sampling_parameters_and_bucketed_batches(m
     assert model.generate(three, max_new_tokens=6) == [model.generate(r, max_new_tokens=6)[0] for r in three]
 
 
+@pytest.mark.quick
 def test_generation_reports_compilation_apart_from_decoding(model):
     from jmoe.decode.sampling import SamplingParams
 
@@ -180,6 +184,7 @@ def test_a_prompt_step_reads_only_its_own_cache_columns_and_must_start_at_column
         model.run_step(rows, cache, 4, pad, jax.random.PRNGKey(0), 0, SamplingParams())
 
 
+@pytest.mark.quick
 def test_top_k_and_top_p_keep_what_sorting_keeps():
     """The sort-free filters keep exactly the tokens a sort keeps: top-k the k most likely and their ties, top-p
     (after top-k) the most likely tokens until their probabilities reach top_p, the one reaching it included."""

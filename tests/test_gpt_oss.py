@@ -59,6 +59,7 @@ def mxfp4_checkpoint(tmp_path_factory):
 IDS = np.random.RandomState(0).randint(0, VOCAB, (2, 10))
 
 
+@pytest.mark.quick
 def test_mxfp4_checkpoint_dequantizes_as_defined_and_as_transformers_does(mxfp4_checkpoint):
     import torch
     from transformers import AutoModelForCausalLM, Mxfp4Config

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import jmoe
-from hf_models import FAMILY_CASES, VOCAB
+from hf_models import FAMILY_CASES, VOCAB, BuiltOnFirstUse
 from jmoe.model import attention
 
 CASES = sorted(FAMILY_CASES)
@@ -13,7 +13,7 @@ CASES = sorted(FAMILY_CASES)
 
 @pytest.fixture(scope="module")
 def loaded(hf_checkpoints):
-    return {name: jmoe.load(hf_checkpoints[name][0], progress=False) for name in CASES}
+    return BuiltOnFirstUse(lambda name: jmoe.load(hf_checkpoints[name][0], progress=False))
 
 
 # Prompts of 1 and 13 tokens for every case (13 is past every sliding window); 5 tokens, which runs the same
@@ -22,7 +22,9 @@ LENGTHS = [(length, name) for name in CASES for length in (1, 5, 13)
            if length != 5 or FAMILY_CASES[name][1].get("sliding_window", 0) > length]
 
 
-@pytest.mark.parametrize("length,name", LENGTHS, ids=[f"{length}-{name}" for length, name in LENGTHS])
+@pytest.mark.parametrize("length,name", [  # the quick tier: every family's 13-token prompt
+    pytest.param(length, name, id=f"{length}-{name}", marks=[pytest.mark.quick] if length == 13 else [])
+    for length, name in LENGTHS])
 def test_logits_match_transformers(name, length, hf_checkpoints, loaded):
     ids = np.random.RandomState(length).randint(0, VOCAB, (2, length))
     ref = hf_checkpoints[name][1](torch.tensor(ids)).logits.detach().numpy()
@@ -49,6 +51,7 @@ def test_kv_cached_decoding_equals_full_recompute(name, loaded):
     assert np.argmax(logits[len(prompt) - 1:], axis=-1).tolist() == generated
 
 
+@pytest.mark.quick
 def test_batch_of_different_lengths_equals_one_by_one(loaded):
     model = loaded["qwen3_moe_headdim_tied"]
     rng = np.random.RandomState(11)

@@ -56,6 +56,7 @@ def test_the_engine_split_of_the_scores_adds_up_to_the_predictor():
 
 
 @pytest.mark.parametrize("predicted", [[], [11], [11, 12, 13, 14, 15]])
+@pytest.mark.quick
 def test_a_step_copies_only_the_experts_the_rule_takes(predicted):
     """A layer's cache holds 4 experts in 8 slots; the predictor adds `predicted` (best first) to them. The
     step copies min(len(predicted), budget = 4) experts, each into a free slot, and says so: the copies run
@@ -130,6 +131,7 @@ def test_history_prefetch_changes_no_result(checkpoint):
     assert model.generate(prompts, max_new_tokens=8) == expected  # with the history of the first generation
 
 
+@pytest.mark.quick
 def test_bad_prefetch_trace(checkpoint, tmp_path):
     with pytest.raises(jmoe.InputError, match="either prefetch=2 .* or prefetch_trace"):
         jmoe.load(checkpoint, cache=3, prefetch=2, prefetch_trace=markov_trace(50, seed=0), progress=False)

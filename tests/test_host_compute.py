@@ -11,6 +11,9 @@ from jmoe.kernels import ExpertWeights, moe_ffn_reference
 from jmoe.memory import PINNED_HOST, sharding_for
 from jmoe.offload.host_compute import experts_on_host
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
+
+
 HOST = sharding_for(PINNED_HOST)
 swiglu_on_host = jax.jit(functools.partial(experts_on_host, activation="swiglu"))
 

@@ -41,6 +41,7 @@ def copy_dir(good_dir, tmp_path):
 @pytest.mark.parametrize("key,value", [("num_local_experts", 1_000_000), ("num_local_experts", 10**9),
                                        ("num_hidden_layers", 100_000), ("num_hidden_layers", 10**9),
                                        ("vocab_size", 10**8), ("intermediate_size", 100_000)])
+@pytest.mark.quick
 def test_a_config_far_larger_than_its_weights_fails_fast(copy_dir, key, value):
     edit_json(copy_dir / "config.json", **{key: value})
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -74,6 +75,7 @@ def test_a_config_that_is_a_json_list_is_refused(copy_dir):
 
 
 @pytest.mark.parametrize("entry", ["../other/model.safetensors", "/etc/passwd", 7])
+@pytest.mark.quick
 def test_index_entries_never_leave_the_model_directory(copy_dir, entry):
     (copy_dir / "model.safetensors").rename(copy_dir / "shard.safetensors")
     names = json.loads(json.dumps({"weight_map": {"model.embed_tokens.weight": entry,
@@ -171,6 +173,7 @@ def model(good_dir):
     (lambda m: m.generate_text(b"w1 w2", max_new_tokens=2), "expected a str or a list of str, found bytes"),
     (lambda m: m.logits([[1.5, 2]]), r"found an element \[1.5, 2\]"),
 ])
+@pytest.mark.quick
 def test_api_arguments_are_checked(model, call, message):
     with pytest.raises(jmoe.InputError, match=message):
         call(model)
@@ -197,6 +200,7 @@ def _poison(directory, name):
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
 
+@pytest.mark.quick
 def test_non_finite_weights_are_found_at_load_and_conversion_and_during_generation(copy_dir, tmp_path):
     _poison(copy_dir, "model.layers.1.self_attn.o_proj.weight")
     with pytest.raises(CheckpointError, match=r"parameter layers.1.attn.o.kernel holds 1 NaN or infinite values"):
@@ -209,6 +213,7 @@ def test_non_finite_weights_are_found_at_load_and_conversion_and_during_generati
         model.generate([[1, 2, 3]], max_new_tokens=3)
 
 
+@pytest.mark.quick
 def test_a_flipped_byte_in_orbax_data_is_an_error(good_dir, tmp_path):
     out = convert_checkpoint(good_dir, tmp_path / "out", progress=False)
     data = max((p for p in (out / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)

@@ -94,6 +94,7 @@ def run(backend, inputs):
     return _JITTED[backend](*inputs)
 
 
+@pytest.mark.quick
 def test_reference_matches_numpy_loop():
     inputs = make_inputs(0, 9, 3, 5, 8, 12, jnp.float32, "padded")
     y = run("reference", inputs)
@@ -158,6 +159,7 @@ def test_long_prefill_and_padding_rows(backend):
     ["reference", "gather", "xla_tiled", "pairs", "pallas", "auto", "xla"],  # xla: zeroes unused slots on CPU (dense ragged_dot)
 )
 @pytest.mark.parametrize("num_tokens", [40])
+@pytest.mark.quick
 def test_unreferenced_and_padding_slots_are_never_read(backend, num_tokens):
     num_slots = 6
     x, _, weights, w_gate_up, w_down = make_inputs(2, num_tokens, 2, num_slots, 8, 8, jnp.float32)
@@ -193,6 +195,7 @@ def test_auto_on_cpu_runs_pairs_up_to_one_pair_per_slot_else_the_tiled_kernel_ne
     assert_close(moe_ffn(*inputs, backend="auto"), moe_ffn(*inputs, backend=expected), jnp.float32)
 
 
+@pytest.mark.quick
 def test_auto_on_cpu_switches_to_expert_chunks_past_one_pair_per_slot_on_per_expert_arrays():
     """On per-expert arrays, 8 tokens of 2 over 16 slots run `pairs` (no sort); 9 tokens run xla_tiled's per-expert
     chunks, which sort the pairs by slot."""
@@ -278,6 +281,7 @@ def test_without_a_gpu_only_the_cpu_branch_is_traced_and_a_gpu_target_traces_eve
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the error raised where there is no GPU")
+@pytest.mark.quick
 def test_triton_without_gpu_raises_clear_error():
     inputs = make_inputs(0, 2, 2, 4, 16, 16, jnp.float32)
     with pytest.raises(RuntimeError, match="backend='triton' needs a GPU.*backend='xla'"):
@@ -314,6 +318,7 @@ def _ok():
         (4, jnp.zeros((3, 6, 8), jnp.int8), "w_down must be float32, bfloat16 or a jmoe.kernels.QuantizedTensor"),
     ],
 )
+@pytest.mark.quick
 def test_bad_inputs_raise_clear_value_error(index, bad, match):
     args = list(_ok())
     args[index] = bad
@@ -355,6 +360,7 @@ def test_bias_shapes_are_checked():
 
 
 @pytest.mark.parametrize("backend", ["reference", "gather", "xla", "xla_tiled", "pairs", "pallas", "auto"])
+@pytest.mark.quick
 def test_out_of_range_slot_ids_and_nan_in_unused_slots(backend):
     x, slot_ids, weights, w_gate_up, w_down = make_inputs(3, 6, 2, 4, 16, 16, jnp.float32)
     slot_ids = jnp.asarray(np.array(slot_ids) % 3)  # slot 3 is never used ...

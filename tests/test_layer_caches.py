@@ -54,6 +54,7 @@ def test_per_layer_caches_match_resident_and_show_in_stats_and_placement(olmoe, 
         assert "(MoE layer 0)" in summary
 
 
+@pytest.mark.quick
 def test_layer_without_cache_never_hits_while_its_neighbour_caches(olmoe):
     directory = olmoe[0]
     model = jmoe.load(directory, cache=[0, 8 - 1], policy="lru", progress=False)
@@ -63,6 +64,7 @@ def test_layer_without_cache_never_hits_while_its_neighbour_caches(olmoe):
     assert big_cache["hits"] > 0
 
 
+@pytest.mark.quick
 def test_static_policy_installs_each_layers_own_number_of_experts(olmoe):
     from jmoe.offload.policies import StaticPolicy
 
@@ -73,6 +75,7 @@ def test_static_policy_installs_each_layers_own_number_of_experts(olmoe):
     assert installed == [[6, 7], [3, 4, 5, 6, 7]]
 
 
+@pytest.mark.quick
 def test_per_layer_cache_and_cpu_moe_layers_bad_input(olmoe):
     directory = olmoe[0]
     with pytest.raises(jmoe.InputError, match="cache lists 3 values, but the model has 2 MoE layers"):

@@ -41,6 +41,7 @@ def test_grouped_weights_give_identical_results(sparse_step_dir, reference, grou
     assert model.generate(PROMPTS, max_new_tokens=8) == ref_tokens
 
 
+@pytest.mark.quick
 def test_placement_keeps_the_last_n_of_every_group_on_the_host(sparse_step_dir):
     model = jmoe.load(sparse_step_dir, offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1,
                       progress=False)
@@ -73,6 +74,7 @@ def test_prefetch_buffer_bytes_counts_the_layers_in_flight():
     assert [groups.fetched_at(layer) for layer in (1, 2, 3, 5)] == [0, 0, 1, 3]
 
 
+@pytest.mark.quick
 def test_every_fetch_waits_for_the_layer_it_is_issued_at(sparse_step_dir):
     """Each grouped layer's copies are tied to an optimization barrier on the residual stream."""
     model = jmoe.load(sparse_step_dir, offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1,
@@ -81,6 +83,7 @@ def test_every_fetch_waits_for_the_layer_it_is_issued_at(sparse_step_dir):
     assert text.count("stablehlo.optimization_barrier") == len(model.placement_plan.fetched_keys) == 2
 
 
+@pytest.mark.quick
 def test_bad_group_settings(sparse_step_dir):
     cases = [
         (dict(offload_group_size=2, offload_num_in_group=3), "num in group must be between 1 and the group size 2"),

@@ -78,6 +78,7 @@ def test_offloaded_experts_live_in_pinned_host_and_device_bytes_match_summary(ol
     assert device_bytes == model.placement_plan.totals()["device_bytes"]
 
 
+@pytest.mark.quick
 def test_prefill_routing_to_every_expert_with_cache_top_k_is_exact(olmoe_dir):
     base = jmoe.load(olmoe_dir, progress=False)
     prompt = list(np.random.RandomState(5).randint(0, VOCAB, 120))
@@ -101,6 +102,7 @@ def test_no_recompilation_and_no_device_to_host_transfer_over_100_churning_steps
     assert sum(s["evictions"] for s in stats) > 50, "the cache should churn"
 
 
+@pytest.mark.quick
 def test_statistics_add_up(olmoe_dir):
     model = jmoe.load(olmoe_dir, cache=3, progress=False)
     out = model.generate(PROMPTS, max_new_tokens=7)
@@ -139,6 +141,7 @@ def test_offload_params_by_segment_and_regex(olmoe_dir):
     assert by_regex.generate(PROMPTS, max_new_tokens=6) == base.generate(PROMPTS, max_new_tokens=6)
 
 
+@pytest.mark.quick
 def test_device_budget_picks_largest_fitting_cache(olmoe_dir):
     from jmoe.offload.placement import BUDGET_KV_TOKENS
 
@@ -152,6 +155,7 @@ def test_device_budget_picks_largest_fitting_cache(olmoe_dir):
     assert model.placement_plan.caches == (3, 3)
 
 
+@pytest.mark.quick
 def test_bad_input(olmoe_dir):
     with pytest.raises(jmoe.InputError, match="cache must be a whole number >= 0"):
         jmoe.load(olmoe_dir, cache=-1)
@@ -197,6 +201,7 @@ def first_four_experts(moe_layers: int):
     return lambda step, shape: np.broadcast_to(np.array([0, 1, 2, 3], np.int32), (moe_layers, *shape, 4))
 
 
+@pytest.mark.quick
 def test_forced_routing_drives_the_cache(olmoe_dir):
     """Trace-forced routing (a benchmark option): the engine sees exactly the forced experts."""
     model = jmoe.load(olmoe_dir, cache=2, progress=False)
@@ -306,6 +311,7 @@ def test_host_miss_mode_admits_misses_into_the_cache_for_later_steps(olmoe_dir):
         jmoe.load(olmoe_dir, cache=3, miss_mode="cpu", progress=False)
 
 
+@pytest.mark.quick
 def test_host_miss_mode_copies_only_planned_admissions(olmoe_dir):
     """Host mode plans one admission per layer and step; once the cache holds every expert the steps use, the
     plans admit nothing and the steps copy nothing (before issue 33 each step copied one expert regardless)."""

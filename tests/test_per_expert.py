@@ -33,6 +33,7 @@ def big_experts(count: int, dtype=jnp.float32, f: int = F) -> ExpertWeights:
 
 
 @pytest.mark.parametrize("dtype, f", [(jnp.float32, F), (jnp.bfloat16, 2 * F)])  # 3 MiB an expert
+@pytest.mark.quick
 def test_views_share_the_stacked_arrays_memory(dtype, f):
     experts = big_experts(3, dtype, f)
     views = per_expert_views(experts)
@@ -44,6 +45,7 @@ def test_views_share_the_stacked_arrays_memory(dtype, f):
             np.testing.assert_array_equal(np.asarray(part), np.asarray(stacked[e:e + 1]))
 
 
+@pytest.mark.quick
 def test_quantized_experts_get_views_of_values_and_scales():
     rng = np.random.default_rng(1)
     # int8: 3 MiB an expert.
@@ -81,6 +83,7 @@ def test_cpu_kernels_read_the_per_expert_arrays(backend, num_tokens):
     assert_close(y, ExpertKernel("reference", "swiglu")(x, ids, weights, clean), jnp.float32)
 
 
+@pytest.mark.quick
 def test_per_expert_chunks_cover_every_group_size_exactly_once():
     """xla_tiled on per-expert arrays (CPU): each expert's sorted rows in chunks of 24, then 16 rows (block_m 24),
     for groups of every size around the chunk boundaries (0 to 49 rows), -1 pairs, and a NaN token: chunks reaching

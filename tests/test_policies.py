@@ -17,6 +17,8 @@ from jmoe.offload.policies import (
     register_policy,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
+
 
 def counts_row(num_experts, used):
     """One layer's counts: ``used`` maps expert id -> tokens routed to it."""

@@ -43,6 +43,7 @@ def test_steps_back_counts_steps_across_tokens():
         steps_back(SMALL, None, 0)
 
 
+@pytest.mark.quick
 def test_previous_token_precision_recall_hand_computed():
     # Each step predicts the expert its layer used at the previous token (none at t0).
     # Layer 0: t1 {0} vs 0 yes, t2 {0} vs 1 no, t3 {1} vs 0 no -> 1 correct of 3 predicted,
@@ -55,6 +56,7 @@ def test_previous_token_precision_recall_hand_computed():
     assert result["predicted_per_step"] == pytest.approx(6 / 8)
 
 
+@pytest.mark.quick
 def test_crosslayer_precision_recall_hand_computed():
     # Fitted on SMALL itself, count 1, smoothing 1. With k = 1 the score is log P(b | a).
     # Layer 1 (step before = layer 0 of the same token): pairs 0->1, 0->2, 1->2, 0->1.
@@ -181,6 +183,7 @@ def scripted(predicted_ids, num_experts):
     return ScriptedPredictor(table)
 
 
+@pytest.mark.quick
 def test_prefetch_replay_hand_computed():
     # E = 4, k = 1, C = 2, one layer, LRU, budget 1. Trace 0 1 2 0 3, predictions 1 1 2 3 3.
     # t0: fetch 1 (free slot) -> {1}; 0 stalls, demand copy -> {0, 1}.
@@ -233,6 +236,7 @@ def random_trace(seed, num_tokens, num_layers, num_experts, top_k):
     st.integers(1, 8),  # predicted set size
     st.sampled_from([0.0, 0.5, 2.0]),  # min_gain
 )
+@pytest.mark.quick
 def test_prefetch_bound_and_capacity_are_never_exceeded(seed, num_experts, top_k, budget, name,
                                                         count, min_gain):
     top_k = min(top_k, num_experts)
@@ -350,6 +354,7 @@ def test_cli_bad_prefetch_input(argv, expected):
     assert expected in err
 
 
+@pytest.mark.quick
 def test_predictor_library_errors():
     with pytest.raises(ValueError, match="known predictors: previous, frequency, crosslayer, mix, lags"):
         make_predictor("router")

@@ -76,6 +76,7 @@ def weights(seed, shape, outliers=True):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.quick
 def test_dequantize_matches_the_format_definition_and_rounds_to_nearest(fmt):
     w = weights(0, (3, 256, 160))
     q = quantize(w, fmt)
@@ -103,6 +104,7 @@ def test_dequantize_matches_the_format_definition_and_rounds_to_nearest(fmt):
         assert np.all(np.abs(scaled - ref / scale) <= nearest + 1e-6)
 
 
+@pytest.mark.quick
 def test_scales_follow_the_documented_formulas():
     w = weights(1, (2, 64, 256))
     np.testing.assert_array_equal(quantize(w, "int8").scales, np.abs(w).max(axis=-2, keepdims=True) / 127)
@@ -118,6 +120,7 @@ def test_scales_follow_the_documented_formulas():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.quick
 def test_quantization_is_deterministic_and_sized_as_documented(fmt):
     w = weights(2, (4, 128, 96))
     a, b = quantize(w, fmt), quantize(w.copy(), fmt)
@@ -135,6 +138,7 @@ def test_quantization_is_deterministic_and_sized_as_documented(fmt):
     ("int8", (2, 64, 8), 64, "applies to int4 only"),
     ("int3", (2, 64, 8), None, "unknown expert format 'int3'"),
 ])
+@pytest.mark.quick
 def test_bad_formats_and_group_sizes_are_clear_errors(fmt, shape, group, match):
     with pytest.raises(ValueError, match=match):
         quantize(np.zeros(shape, np.float32), fmt, group)
@@ -190,6 +194,7 @@ def test_a_float_weight_in_the_other_dtype_is_cast_per_slot():
         np.testing.assert_allclose(_JITTED[backend](x, ids, router, gate_up16, down16), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_mixed_or_mismatched_weights_and_triton_are_clear_errors():
     x, ids, router, w_gate_up, w_down = kernel_inputs(4, 2, 2, 3, 64, 64, jnp.float32, 0)
     with pytest.raises(ValueError, match="both plain or both QuantizedTensors of one format"):
@@ -298,6 +303,7 @@ def test_quantized_experts_live_in_pinned_host_and_bytes_moved_are_the_packed_si
     assert per_expert <= {"int8": 0.30, "int4": 0.17}[fmt] * float_bytes
 
 
+@pytest.mark.quick
 def test_a_device_budget_fits_more_quantized_experts(quant_dir):
     full = jmoe.plan(quant_dir, device_budget_gb=0.0034, compile=False).placement
     packed = jmoe.plan(quant_dir, device_budget_gb=0.0034, expert_dtype="int4", compile=False).placement
@@ -351,6 +357,7 @@ def test_bad_expert_dtype_arguments_are_clear_errors(quant_dir, small_mixtral_di
     assert "group size 48 must divide" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_plan_counts_quantized_bytes_as_load_allocates(quant_dir):
     plan = jmoe.plan(quant_dir, cache=2, expert_dtype="mxfp4", compile=False)
     model = jmoe.load(quant_dir, cache=2, expert_dtype="mxfp4", progress=False)

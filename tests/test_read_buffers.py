@@ -12,6 +12,8 @@ from jmoe.checkpoint import read_buffers
 from jmoe.checkpoint.read_buffers import DIRECT_ALIGNMENT, BufferPool, open_for_reads, piece_threads, read_range
 from jmoe.errors import CheckpointError
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
+
 
 def address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]

@@ -7,6 +7,9 @@ import pytest
 
 from jmoe.checkpoint.read_order import DEMAND, PriorityPool, ReadPriority
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this module
+
+
 WAIT_S = 10  # a bound on every wait: a broken pool fails the test instead of hanging it
 
 

@@ -33,6 +33,7 @@ def run(trace, num_experts, capacity, policy):
 HOT_SEQUENCE = [0, 0, 0, 1, 2, 0, 1, 2, 0]
 
 
+@pytest.mark.quick
 def test_lru_hand_computed():
     # t0 0 miss {0}; t1, t2 hits; t3 1 miss {0,1}; t4 2 miss, LRU victim 0 (last t2) -> {1,2};
     # t5 0 miss, victim 1 (t3) -> {2,0}; t6 1 miss, victim 2 (t4) -> {0,1};
@@ -42,6 +43,7 @@ def test_lru_hand_computed():
     assert result["hit_rate"] == pytest.approx(2 / 9)
 
 
+@pytest.mark.quick
 def test_lfu_hand_computed():
     # t0 miss {0}; t1, t2 hits (count 0 = 3); t3 1 miss {0,1}; t4 2 miss, victim 1 (1 < 3)
     # -> {0,2}; t5 hit (0 = 4); t6 1 miss, victim 2 (1 < 4) -> {0,1}; t7 2 miss, victim 1
@@ -50,6 +52,7 @@ def test_lfu_hand_computed():
     assert (result["hits"], result["bytes_moved"]) == (4, 5)
 
 
+@pytest.mark.quick
 def test_lfru_hand_computed():
     # decay 0.5, recency_weight 1. priority = freq / (1 + recency) at the time of the miss.
     # t0 miss {0}: f0 = 1. t1 hit: f0 = 1.5. t2 hit: f0 = 1.75 (last use t2).
@@ -66,6 +69,7 @@ def test_lfru_hand_computed():
     assert run(one_layer(HOT_SEQUENCE), 4, 2, policy)["hits"] == 4
 
 
+@pytest.mark.quick
 def test_belady_hand_computed():
     # t0 miss {0}; t1, t2 hits; t3 1 miss {0,1}; t4 2 miss: next use 0 -> t5, 1 -> t6:
     # victim 1 -> {0,2}; t5 hit; t6 1 miss: next 0 -> t8, 2 -> t7: victim 0 -> {2,1};
@@ -147,6 +151,7 @@ small_traces = st.integers(3, 6).flatmap(
 
 @settings(deadline=None, max_examples=60)
 @given(small_traces)
+@pytest.mark.quick
 def test_belady_matches_brute_force_optimum(case):
     num_experts, top_k, capacity, rows = case
     trace = np.array(rows, dtype=np.int64)  # [T, 1, k]
@@ -292,6 +297,7 @@ def test_cli_bad_input_is_a_clear_error(argv, expected):
     assert expected in err
 
 
+@pytest.mark.quick
 def test_replay_core_rejects_bad_traces_and_caches():
     assert issubclass(TraceError, JmoeError)  # part of jmoe's error hierarchy
     policy = make_policy("lru", 1, 4)

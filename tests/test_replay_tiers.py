@@ -60,6 +60,7 @@ class Constant(Predictor):
         return out
 
 
+@pytest.mark.quick
 def test_loop_inclusive_thrashes_where_exclusive_holds_it():
     # Inclusive C=1, H=2: the tier holds the device's expert plus one other; LRU drops the one the loop
     # needs next, so all 7 accesses are disk reads.
@@ -99,6 +100,7 @@ def test_device_level_is_the_single_level_replay(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.quick
 def test_whole_host_tier_reads_each_expert_once(seed):
     trace = random_trace(seed)
     distinct = sum(len(np.unique(trace[:, l])) for l in range(trace.shape[1]))
@@ -144,6 +146,7 @@ def test_a_separate_host_policy_ranks_the_tier():
 
 
 @pytest.mark.parametrize("relation, host", [("inclusive", 6), ("exclusive", 2)])
+@pytest.mark.quick
 def test_perfect_read_ahead_removes_demand_disk_reads(relation, host):
     # Room for the k = 2 predicted experts beyond the device's C = 4 (inclusive H = C + k; exclusive H = k).
     trace = random_trace(3)
@@ -190,6 +193,7 @@ def test_warmup_is_replayed_but_not_counted():
     assert warm["first_uses"] < cold["first_uses"] and warm["disk_reads"] < cold["disk_reads"]
 
 
+@pytest.mark.quick
 def test_bad_configurations_are_refused():
     trace = random_trace(0, tokens=10)
     with pytest.raises(TraceError, match="H >= C"):

@@ -74,6 +74,7 @@ def test_guesses_match_next_router_on_this_layers_input(model):
     np.testing.assert_array_equal(guesses.ids, routing.transpose(1, 2, 0, 3).reshape(guesses.ids.shape))
 
 
+@pytest.mark.quick
 def test_copied_router_guesses_the_previous_layers_experts():
     # With every router equal to the first one, the guess for MoE layer l + 1 is softmax(router_l(h_l)),
     # whose top k is what layer l chose; its score is then the overlap of consecutive layers' choices.

@@ -289,6 +289,7 @@ def test_no_program_compiles_after_warm_up(engine, prompt_ids):
     assert compiled == []
 
 
+@pytest.mark.quick
 def test_background_thread_serves_concurrent_submissions_and_drains_on_stop(model, prompt_ids):
     expected = [model.generate(ids, max_new_tokens=6)[0] for ids in prompt_ids[:4]]
     engine = ServingEngine(model, max_batch=2, context=64)

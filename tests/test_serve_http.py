@@ -24,7 +24,8 @@ from jmoe.cli.common import DEFAULT_MODEL_DIR
 # worker that ran some of its tests would build them again.
 pytestmark = pytest.mark.xdist_group("serve_http")
 
-CONTEXT, MAX_BATCH, MAX_QUEUE = 256, 4, 8
+# Two rows share steps as more would; each power of two up to max batch is a set of programs to warm up.
+CONTEXT, MAX_BATCH, MAX_QUEUE = 256, 2, 8
 READY_DEADLINE = 300  # seconds: load + warm-up on two busy cores
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self", "import os\n", "for i in range(10):",
            "# Compute the mean\n", "x = [", "return self."]
@@ -357,6 +358,7 @@ def test_sigterm_drains_and_exits_0(server):
 
 
 # ---- in-process ---------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_api_key_guards_v1_only():
     from fastapi.testclient import TestClient
 
@@ -399,6 +401,7 @@ STRICT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
+@pytest.mark.quick
 def test_chat_templates_render_as_transformers_does(tmp_path):
     from transformers import AutoTokenizer
 
@@ -420,6 +423,7 @@ def test_chat_templates_render_as_transformers_does(tmp_path):
         load_chat_template(strict).render([{"role": "assistant", "content": "first"}])
 
 
+@pytest.mark.quick
 def test_chat_without_a_template_is_a_clear_400(tmp_path):
     from jmoe.serve.chat import load_chat_template
     from jmoe.serve.openai_api import ChatBody, Served, chat_generation
@@ -432,6 +436,7 @@ def test_chat_without_a_template_is_a_clear_400(tmp_path):
     assert error.value.param == "messages"
 
 
+@pytest.mark.quick
 def test_generate_cli_takes_generation_config_defaults(tmp_path):
     from jmoe.cli.generate import build_parser, sampling_params
     from jmoe.decode.sampling import SamplingParams

@@ -76,6 +76,7 @@ def decode_hits(model, rows, policy="lru"):
     return hits, misses
 
 
+@pytest.mark.quick
 def test_forced_trace_gives_hand_computed_lru_hits(model_dir):
     model = jmoe.load(model_dir, cache=CACHE, progress=False)
     prompt_rows = np.full((len(PROMPT), LAYERS, TOP_K), [6, 7], np.int32)  # streamed, never cached

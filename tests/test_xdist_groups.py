@@ -4,7 +4,7 @@ pytest 9.2 broke it silently (pyproject.toml pins pytest below it), so this chec
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("xdist_groups")
+pytestmark = [pytest.mark.xdist_group("xdist_groups"), pytest.mark.quick]
 
 
 def test_loadgroup_puts_the_group_in_the_node_id(request):
