@@ -1,20 +1,18 @@
 """Benchmarks that cannot rot: every bench module with a command line runs in its smoke mode
 (`python -m bench.NAME --smoke`: the real run's code paths at toy sizes, in a temporary directory) and must
-exit 0 without touching bench/results. Modules are found by scanning bench/*.py, so a new one is covered the
-day it lands, and one without --smoke fails here. Helpers live in subpackages (bench/gpu/, bench/helpers/), so the
-top level holds entry points only."""
+exit 0 without touching bench/results (tests/smoke_runs.py). Modules are found by scanning bench/*.py, so a new one is
+covered the day it lands, and one without --smoke fails here. Helpers live in subpackages (bench/gpu/, bench/helpers/),
+so the top level holds entry points only."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-TIMEOUT_S = 300  # one module; the slowest smoke runs take about a minute on a shared 2-core machine
+from smoke_runs import BENCH, ROOT, run_smoke
+
+# Smoke runs that another test module runs instead (once, reading their report as well): module -> that test module.
+SMOKE_RUN_ELSEWHERE = {"gpu_check": "test_gpu_check"}
 
 
 def has_command_line(path: Path) -> bool:
@@ -24,12 +22,6 @@ def has_command_line(path: Path) -> bool:
 def bench_modules() -> list[str]:
     """bench/*.py modules with a command line (a `__main__` block)."""
     return sorted(path.stem for path in BENCH.glob("*.py") if has_command_line(path))
-
-
-def results_snapshot() -> dict[str, tuple[int, bytes]]:
-    """Every file under bench/results: (modification time, contents)."""
-    return {str(path.relative_to(BENCH)): (path.stat().st_mtime_ns, path.read_bytes())
-            for path in sorted((BENCH / "results").rglob("*")) if path.is_file()}
 
 
 def test_discovery_finds_the_bench_modules():
@@ -43,17 +35,13 @@ def test_discovery_finds_the_bench_modules():
     assert not [name for name in helpers if has_command_line(BENCH / name)]
 
 
-@pytest.mark.parametrize("module", bench_modules())
+def test_smoke_runs_left_to_other_modules_are_run_there():
+    for module, test_module in SMOKE_RUN_ELSEWHERE.items():
+        assert module in bench_modules()
+        assert f'run_smoke("{module}")' in (ROOT / "tests" / f"{test_module}.py").read_text(), (
+            f"tests/{test_module}.py no longer runs bench.{module}'s smoke run: run it here again")
+
+
+@pytest.mark.parametrize("module", [module for module in bench_modules() if module not in SMOKE_RUN_ELSEWHERE])
 def test_smoke_run(module):
-    before = results_snapshot()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    try:
-        done = subprocess.run([sys.executable, "-m", f"bench.{module}", "--smoke"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"python -m bench.{module} --smoke ran past {TIMEOUT_S} s")
-    assert done.returncode == 0, (f"python -m bench.{module} --smoke exited {done.returncode}:\n"
-                                  f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    after = results_snapshot()
-    changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
-    assert not changed, f"python -m bench.{module} --smoke changed bench/results: {changed}"
+    run_smoke(module)

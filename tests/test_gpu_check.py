@@ -1,42 +1,50 @@
-"""bench.gpu_check's logic on CPU (its small mode): the kernel checks pass here, packages a GPU image may lack are
-reported as not run, and sections the time budget does not reach are recorded, not skipped. The whole small run
-(families, offload, bandwidth, decode) is tests/test_bench_smoke.py's `--smoke` run, which fails on any failed
-check (exit status 1)."""
+"""bench.gpu_check's logic on CPU (its small mode). Its smoke run (every section at tiny shapes, within a time budget)
+runs here, once, instead of in tests/test_bench_smoke.py: it fails on any failed check (exit status 1), and its
+report shows that every kernel check passes here, that packages a GPU image may lack are reported as not run, and
+that sections the time budget does not reach are recorded, not skipped."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
 
+from smoke_runs import run_smoke
 
-def run_gpu_check(*args) -> dict:
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", *args], cwd=ROOT,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout[done.stdout.index("{"):])
+pytestmark = pytest.mark.xdist_group("gpu_check_smoke")  # one worker, so the smoke run below runs once
 
 
-def test_every_kernel_backend_in_every_format_matches_reference_on_cpu():
+@pytest.fixture(scope="module")
+def smoke_report() -> dict:
+    """The JSON report of `python -m bench.gpu_check --smoke` (tests/smoke_runs.py checks its exit and bench/results)."""
+    out = run_smoke("gpu_check")
+    return json.loads(out[out.index("{"):])
+
+
+def test_smoke_run_starts_every_section(smoke_report):
+    assert set(smoke_report["sections"]) == {"environment", "kernels", "families", "offload", "bandwidth", "decode"}
+    assert smoke_report["summary"]["failed"] == 0 and smoke_report["summary"]["sections_not_run"] == []
+    assert smoke_report["summary"]["passed"] > 0
+
+
+def test_every_kernel_backend_in_every_format_matches_reference_on_cpu(smoke_report):
     from jmoe.kernels.dispatch import BACKENDS
     from jmoe.kernels.quantized import FORMATS
 
-    result = run_gpu_check("--sections", "environment,kernels", "--budget-s", "1000")
-    checks = result["sections"]["kernels"]["checks"]
+    checks = smoke_report["sections"]["kernels"]["checks"]
     assert len(checks) == (len(BACKENDS) - 1) * (len(FORMATS) + 1)  # every backend but reference, bf16 + formats
     not_run = [c for c in checks if c["passed"] is None]
     assert {c["name"].split(" / ")[0] for c in not_run} == {"triton"}  # GPU-only, said so
     # ... and, on a GPU too, plain float weights only (quantized experts go to the Pallas kernel)
     assert all(("GPU-only" if c["name"].split(" / ")[1] == "bf16" else "by design") in c["detail"] for c in not_run)
     assert all(c["passed"] for c in checks if c not in not_run), [c for c in checks if c["passed"] is False]
-    assert result["sections"]["environment"]["measurements"]["backend"] == "cpu"
-    assert result["summary"]["failed"] == 0 and result["summary"]["sections_not_run"] == []
+    assert smoke_report["sections"]["environment"]["measurements"]["backend"] == "cpu"
 
 
-def test_sections_past_the_budget_are_recorded_as_not_run():
-    result = run_gpu_check("--budget-s", "0")
+def test_sections_past_the_budget_are_recorded_as_not_run(capsys):
+    from bench.gpu_check import main
+
+    assert main(["--smoke", "--budget-s", "0"]) == 0  # in this process: a budget of 0 runs nothing
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{"):])
     assert set(result["sections"]) == {"environment", "kernels", "families", "offload", "bandwidth", "decode"}
     assert all(s["status"] == "not run: out of time" for s in result["sections"].values())
     assert result["summary"]["sections_not_run"] == list(result["sections"])

@@ -6,6 +6,7 @@ prefetch; layer groups)."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -74,6 +75,8 @@ def kernels(small: bool, budget: Budget, log) -> SectionResult:
                         f"; some slot ids -1 (padding); pass = max |y - reference| <= {KERNEL_TOLERANCE} x "
                         f"max(1, max |reference|)")
     jitted = {b: jax.jit(functools.partial(moe_ffn, backend=b)) for b in BACKENDS}
+    if small:  # tiny shapes, seconds: every check runs whatever the time (tests/test_gpu_check.py asserts on all)
+        budget = Budget(math.inf, excluded=budget.excluded)
     for fmt in (None, *FORMATS):
         for shape_name, shape in _shapes(small).items():
             inputs = kernel_inputs(shape, fmt)
@@ -125,10 +128,15 @@ def _not_applicable(backend: str, fmt: str | None) -> str | None:
 SMALL_FAMILIES = ("mixtral", "deepseek_v3")
 
 
-def family_checkpoints(workdir: Path, small: bool) -> dict[str, Path]:
-    return {family: write_checkpoint(workdir / "families" / family, hf_config(family, **overrides), "float32",
-                                     seed=1)
-            for family, overrides in FAMILY_CASES.items() if not small or family in SMALL_FAMILIES}
+def family_directories(workdir: Path, small: bool) -> dict[str, Path]:
+    return {family: workdir / "families" / family for family in FAMILY_CASES if not small or family in SMALL_FAMILIES}
+
+
+def family_checkpoint(directory: Path) -> Path:
+    """The checkpoint of FAMILY_CASES[directory.name] in `directory`, written once (its config asks transformers)."""
+    if (directory / "config.json").is_file():
+        return directory
+    return write_checkpoint(directory, hf_config(directory.name, **FAMILY_CASES[directory.name]), "float32", seed=1)
 
 
 def cpu_logits(directories: dict[str, Path], out: Path) -> None:
@@ -147,7 +155,7 @@ def families(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
                         f"|device - CPU| <= {FAMILY_TOLERANCE} x max(1, max |CPU logit|) (TF32 dots on a GPU) "
                         f"and the same argmax at every position but near ties (the CPU's top two logits within "
                         f"{ARGMAX_TIE} x max(1, max |CPU logit|): either is right)")
-    directories = family_checkpoints(workdir, small)
+    directories = {family: family_checkpoint(d) for family, d in family_directories(workdir, small).items()}
     out = workdir / "cpu_logits.npz"
     # The CPU reference runs in its own process, on JAX's CPU backend, while this one runs on the device.
     child = subprocess.Popen([sys.executable, "-m", "bench.gpu_check", "--cpu-reference", str(workdir),
@@ -195,8 +203,7 @@ def offload(workdir: Path, budget: Budget, log) -> SectionResult:
     import jmoe
 
     family = "mixtral"
-    directory = write_checkpoint(workdir / "families" / family, hf_config(family, **FAMILY_CASES[family]), "float32",
-                                 seed=1)
+    directory = family_checkpoint(workdir / "families" / family)
     resident = jmoe.load(directory, progress=False)
     num_experts = resident.config.num_experts
     tokens = resident.generate(PROMPT, NEW_TOKENS)

@@ -38,9 +38,12 @@ class Budget:
     def out_of_time(self) -> bool:
         return self.left() <= 0
 
-    def exclusion(self, name: str) -> str | None:
-        """The --exclude text that `name` contains, if any."""
-        return next((text for text in self.excluded if text in name), None)
+    def not_running(self, name: str) -> str | None:
+        """Why item `name` does not run (out of time, or excluded), or None when it runs."""
+        if self.out_of_time():
+            return OUT_OF_TIME
+        text = next((text for text in self.excluded if text in name), None)
+        return None if text is None else f"not run: excluded (--exclude {text!r})"
 
     def left(self) -> float:
         """Seconds until the current section's deadline (or the whole budget's, if sooner)."""
@@ -61,13 +64,10 @@ class SectionResult:
         self.checks.append({"name": name, "passed": passed, "detail": detail})
 
     def attempt(self, name: str, budget: Budget | None, fn) -> None:
-        """Record fn() -> (passed, detail) as check `name`: not run when out of time (budget None: fn is cheap, run it
-        whatever the time), failed on an exception."""
-        if budget is not None and budget.out_of_time():
-            self.check(name, None, OUT_OF_TIME)
-            return
-        if budget is not None and (text := budget.exclusion(name)) is not None:
-            self.check(name, None, f"not run: excluded (--exclude {text!r})")
+        """Record fn() -> (passed, detail) as check `name`: not run when out of time or excluded (budget None: fn is
+        cheap, run it whatever the time), failed on an exception."""
+        if budget is not None and (reason := budget.not_running(name)) is not None:
+            self.check(name, None, reason)
             return
         # Named before it runs: an item that aborts the process (an XLA check failure) is then known from the log.
         print(f"  running: {name}", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ from bench.decode import PROMPT, jmoe_decode
 from bench.disk_reads import convert_once
 from bench.gpu.models import hf_config, speed_models, write_checkpoint
 from bench.gpu.profile import step_split, step_timer, traced_steps
-from bench.gpu.results import OUT_OF_TIME, Budget, SectionResult, format_value
+from bench.gpu.results import Budget, SectionResult, format_value
 from bench.helpers.common import median_seconds
 
 PLAIN_COPY_BYTES = 1 << 30  # the link's peak: one plain 1 GiB copy (16 MiB in small mode)
@@ -217,8 +217,8 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
         most_copying = [label for label, _, options in settings if "host_budget_gb" not in options][-1]
         for label, checkpoint, options in settings:
             cache = options["cache"]
-            if budget.out_of_time():
-                result.check(label, None, OUT_OF_TIME)
+            if (reason := budget.not_running(label)) is not None:
+                result.check(label, None, reason)
                 continue
             if checkpoint != directory:  # the setting reads an Orbax conversion: made at its turn, once
                 convert_once(directory, checkpoint)
