@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -246,9 +247,6 @@ def report(specs, samples, start_load, loads, bandwidth, args, wall) -> str:
     threads = next((s[0]["threads"] for s in samples.values() if "threads" in s[0]), "?")
     implementation = next((s[0]["implementation"] for s in samples.values() if "implementation" in s[0]), "?")
     torch_version = next((s[0]["torch"] for s in samples.values() if "torch" in s[0]), "?")
-    import jax
-    import transformers
-
     method = (f"Method: {args.rounds} rounds; in each, every configuration runs once in a fresh process, in the "
               f"order listed; each process warms up (compiles) and then times {args.repeats} runs; medians are "
               f"over all {args.rounds * args.repeats} samples of a configuration. jmoe decode: the decode steps of "
@@ -257,7 +255,7 @@ def report(specs, samples, start_load, loads, bandwidth, args, wall) -> str:
               f"case: none of generate's per-step bookkeeping), "
               f"{args.tokens - 1} steps. Prefill: jmoe's prompt step (`prefill_seconds`, includes picking the "
               f"first token); transformers: one forward over the prompt with use_cache=True and logits_to_keep=1, "
-              f"then the argmax. jax {jax.__version__} (XLA:CPU), transformers {transformers.__version__} "
+              f"then the argmax. jax {version('jax')} (XLA:CPU), transformers {version('transformers')} "
               f"({implementation}), PyTorch {torch_version} with {threads} threads. "
               f"1-minute load average {start_load:.2f} when the run began; around each process "
               f"{min(loads):.2f} - {max(loads):.2f}, the run's own processes included (each keeps both cores "

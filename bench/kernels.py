@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.helpers.common import add_smoke_argument
+from bench.helpers.common import add_smoke_argument, smoke_run
 from jmoe.kernels import moe_ffn
 
 MODELS = {
@@ -144,13 +144,14 @@ def main():
     add_smoke_argument(parser)
     args = parser.parse_args()
     args.decode_tokens, args.prefill_tokens = (SMOKE_DECODE_T, SMOKE_PREFILL_T) if args.smoke else (DECODE_T, PREFILL_T)
-    if args.smoke:  # prints only, like a real run: no work directory needed
+    if args.smoke:  # prints only, like a real run (its work directory stays empty)
         args.full, args.scale, args.min_time, args.max_reps = False, SMOKE_SCALE, 0.0, 1
-    print(f"platform={jax.default_backend()} devices={jax.devices()} "
-          f"scale={'1 (full)' if args.full else args.scale}")
-    print("| model | phase | T | backend | ms (median) | tokens/s | GB/s (expert bytes) | note |")
-    print("|---|---|---|---|---|---|---|---|")
-    run(args)
+    with smoke_run(args):  # before JAX starts: a smoke run's XLA flags
+        print(f"platform={jax.default_backend()} devices={jax.devices()} "
+              f"scale={'1 (full)' if args.full else args.scale}")
+        print("| model | phase | T | backend | ms (median) | tokens/s | GB/s (expert bytes) | note |")
+        print("|---|---|---|---|---|---|---|---|")
+        run(args)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from jmoe.compile_cache import with_fast_compile
-
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 _results_dir = RESULTS  # where write_result writes: a smoke run points it at its temporary directory
 # The sizes of a smoke run's random checkpoints: every width small, two layers. A spec keeps its other keys
@@ -35,17 +33,17 @@ def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def smoke_run(args: argparse.Namespace):
     """Around a benchmark's run. With `args.smoke`: yields a fresh temporary directory (removed afterwards), set
-    as `args.workdir`, where write_result then writes instead of bench/results, with
-    jmoe.compile_cache.FAST_COMPILE_XLA_FLAGS added to XLA_FLAGS (they take effect where JAX has not started its
-    CPU backend yet, as at a module's start).
+    as `args.workdir`, where write_result then writes instead of bench/results, with the environment of
+    smoke_environment (it takes effect where JAX has not started its CPU backend and PyTorch is not imported yet, as
+    at a module's start).
     Otherwise yields None and changes nothing."""
     global _results_dir
     if not args.smoke:
         yield None
         return
-    flags = os.environ.get("XLA_FLAGS")
-    # In the environment, so that child processes (bench/compare_cpu.py's workers) compile the same way.
-    os.environ["XLA_FLAGS"] = with_fast_compile(flags)
+    # In the environment, so that child processes (bench/compare_cpu.py's workers, servers) run the same way.
+    saved = {key: os.environ.get(key) for key in ("XLA_FLAGS", "OMP_NUM_THREADS")}
+    os.environ.update(smoke_environment(saved["XLA_FLAGS"]))
     with tempfile.TemporaryDirectory(prefix="jmoe_smoke_") as directory:
         args.workdir = Path(directory)
         _results_dir = args.workdir / "results"
@@ -53,10 +51,21 @@ def smoke_run(args: argparse.Namespace):
             yield args.workdir
         finally:
             _results_dir = RESULTS
-            if flags is None:
-                os.environ.pop("XLA_FLAGS")
-            else:
-                os.environ["XLA_FLAGS"] = flags
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
+
+
+def smoke_environment(xla_flags: str | None) -> dict[str, str]:
+    """A smoke run's environment variables, given XLA_FLAGS as it was: XLA:CPU told to optimize less
+    (jmoe.compile_cache.FAST_COMPILE_XLA_FLAGS: compiling is most of a smoke run), and PyTorch on one thread: on a
+    busy machine (the suite's other worker) its two threads spin-wait for each other, and a toy transformers generate
+    took 18 s of CPU instead of 5 (a DeepSeek-shaped one of bench.decode_trace, 2-core Zen 3, load 6)."""
+    from jmoe.compile_cache import with_fast_compile  # here: it imports JAX, which some smoke processes never need
+
+    return {"XLA_FLAGS": with_fast_compile(xla_flags), "OMP_NUM_THREADS": "1"}
 
 
 def smoke_spec(spec: dict, **overrides) -> dict:
