@@ -41,6 +41,7 @@ from bench.helpers.common import add_smoke_argument, read_bandwidth_gbs, smoke_r
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
 ENGINES = ("jmoe", "transformers")
+SMOKE_KV_PAGES = 4  # transformers serve's pages of 256 tokens in a smoke run: a page per request and to spare
 SOURCE_MODULES = ("argparse", "json/decoder", "textwrap", "shlex", "string", "csv", "difflib", "fractions")
 
 
@@ -88,6 +89,10 @@ class Server:
         else:
             command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
                        "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", str(args.model)]
+            if args.smoke:  # a paged KV cache for the smoke's few short requests: sized from the machine's memory,
+                # its tensors took ~15 s of CPU to allocate and reset, half of a smoke run's
+                command += ["--cb-num-blocks", str(SMOKE_KV_PAGES), "--cb-max-batch-tokens",
+                            str(args.max_batch * args.context)]
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
