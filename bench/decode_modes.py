@@ -20,9 +20,9 @@ On this CPU JAX's device and pinned_host memory are both host RAM: a "copy" is a
 compute" runs on the same cores, so these numbers show the engine's overheads, not PCIe effects.
 """
 # What a smoke run cuts (each setting compiles its own programs, most of a smoke run's time): 2 decode steps,
-# the default model at batch 4 only, the GPT-OSS-shaped model at smoke size with one MoE layer, and each
-# setting once, split between the parts by SMOKE_SETTINGS (layer groups on the default model, which has the
-# layers to group); the final resident repeat is left out.
+# the default model's first two layers (bench.helpers.common.default_model) at batch 4 only, the GPT-OSS-shaped
+# model at smoke size with one MoE layer, and each setting once, split between the parts by SMOKE_SETTINGS (layer
+# groups on the default model, which has the layers to group); the final resident repeat is left out.
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import jax
 
 from bench.decode import PROMPT
 from bench.decode_trace import DEFAULT_PROMPT, measure, traced_checkpoint
-from bench.helpers.common import add_smoke_argument, run_parts, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, default_model, run_parts, smoke_run, write_result
 
 from jmoe.traces.forced_routing import TraceRouting
 from jmoe.traces.load import split_trace
@@ -86,15 +86,14 @@ def run_rows(directory, batches: dict[int, list[list[int]]], tokens: int, log, c
 
 def part_default(args, log) -> str:
     import jmoe
-    from jmoe.cli.common import DEFAULT_MODEL_DIR
-
-    tokenizer = jmoe.load(DEFAULT_MODEL_DIR, progress=False).require_tokenizer()
+    directory = default_model(args)
+    tokenizer = jmoe.load(directory, progress=False).require_tokenizer()
     prompts = [tokenizer.encode(p) for p in BATCH_PROMPTS]
-    cfg = jmoe.load_config(DEFAULT_MODEL_DIR)
+    cfg = jmoe.load_config(directory)
     chosen = settings(cfg.num_experts_per_tok, args.default_cache)
     batches, chosen = ({4: prompts}, smoke_settings(chosen, "default")) if args.smoke else \
         ({1: prompts[:1], 4: prompts}, chosen)
-    rows = run_rows(DEFAULT_MODEL_DIR, batches, args.default_tokens, log, chosen)
+    rows = run_rows(directory, batches, args.default_tokens, log, chosen)
     return (f"## (a) Default model, its own routing\n\n`checkpoints/default` ({cfg.num_moe_layers} MoE layers, "
             f"{cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, float32), greedy, {args.default_tokens} "
             f"decode steps after code prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "

@@ -20,8 +20,9 @@ step). Bound per step = max(resident step time, bytes moved per step / measured 
 bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
 
 A smoke run: every part, each model at smoke size (bench.helpers.common.SMOKE_SIZES, one MoE layer, the trace cut
-to it), 2 decode steps (4 for the default model, 2 for transformers), one offloaded cache per part (the
-traced parts also their all-resident row) and one policy per part (SMOKE_POLICY: each policy runs once).
+to it; the default model's first two layers, bench.helpers.common.default_model), 2 decode steps (4 for the default
+model, 2 for transformers), one offloaded cache per part (the traced parts also their all-resident row) and one
+policy per part (SMOKE_POLICY: each policy runs once).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import jax
 import numpy as np
 
 from bench.decode import PROMPT, copy_bandwidth_gbs, jmoe_decode, transformers_decode
-from bench.helpers.common import (add_smoke_argument, run_parts, smoke_run, smoke_spec, write_random_checkpoint,
-                                  write_result)
+from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, default_model, run_parts, smoke_run, smoke_spec,
+                                  write_random_checkpoint, write_result)
 
 import jmoe
 from jmoe.offload.policies import make_policy
@@ -216,12 +217,11 @@ def model_expert_mb(cfg) -> float:
 
 
 def part_default(args, log) -> str:
-    from jmoe.cli.common import DEFAULT_MODEL_DIR
-
-    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-        log(f"{DEFAULT_MODEL_DIR} not found: part (a) skipped")
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        log(f"{DEFAULT_MODEL} not found: part (a) skipped")
         return "## (a) Default model\n\nNot measured: `checkpoints/default` was not present when this ran.\n"
-    resident = jmoe.load(DEFAULT_MODEL_DIR, progress=False)
+    directory = default_model(args)
+    resident = jmoe.load(directory, progress=False)
     cfg = resident.config
     prompt = resident.require_tokenizer().encode(DEFAULT_PROMPT)
     e, k, n = cfg.num_experts, cfg.num_experts_per_tok, args.default_tokens
@@ -234,7 +234,7 @@ def part_default(args, log) -> str:
     rows = []
     steps = {base.steps}
     for cache in caches:
-        model = jmoe.load(DEFAULT_MODEL_DIR, cache=cache, progress=False)
+        model = jmoe.load(directory, cache=cache, progress=False)
         bandwidth = bandwidth or copy_bandwidth_gbs(model)
         for name in policies(args, "default"):
             model.set_policy(name)

@@ -10,9 +10,10 @@ speed: the default model, batch-1 greedy decode at cache 4 of 16 and resident, p
 random: the 215M-parameter random Mixtral of bench/decode.py: top-1 agreement on random token windows,
     bytes per decode step and decode tokens/s at cache 4 of 16 and resident.
 
-A smoke run (compiling is most of its time, one program per format and cache): quality float32 against int4
-g32 (a group size set) on 2 windows; speed int4 at cache 4 only; random at smoke size, float32 only, its
-speed resident only (so both engines and both measuring orders run once); 2 new tokens, one run per row.
+A smoke run (compiling is most of its time, one program per format and cache), the default model cut to its first
+two layers (bench.helpers.common.default_model): quality float32 against int4 g32 (a group size set) on 2 windows;
+speed int4 at cache 4 only; random at smoke size, float32 only, its speed resident only (so both engines and both
+measuring orders run once); 2 new tokens, one run per row.
 tests/test_quantized.py covers the formats themselves.
 """
 
@@ -26,12 +27,12 @@ import numpy as np
 
 import jmoe
 from bench.decode import COMPARE_MODELS, PROMPT, compare_models
-from bench.helpers.common import add_smoke_argument, run_parts, smoke_run, write_random_checkpoint, write_result
-from bench.router_predictor import heldout_streams
+from bench.helpers.common import (add_smoke_argument, default_model, run_parts, smoke_run, write_random_checkpoint,
+                                  write_result)
+from bench.router_predictor import scored_stream
 from jmoe.decode.sampling import SamplingParams
 from jmoe.eval.metrics import evaluate, pack_windows, padded_batch
 
-MODEL_DIR = "checkpoints/default"
 # (label, expert_dtype, int4 group size); None = the checkpoint's float32.
 QUALITY_FORMATS = [("float32", None, None), ("bfloat16", "bfloat16", None), ("int8", "int8", None),
                    ("int4 g32", "int4", 32), ("int4 g64 (default)", "int4", 64), ("int4 g96", "int4", 96),
@@ -70,9 +71,9 @@ def part_quality(args, log) -> str:
     rows, reference, stream = [], None, None
     for label, expert_dtype, group in formats(QUALITY_FORMATS, args.smoke, "quality"):
         log(f"quality {label}")
-        model = jmoe.load(MODEL_DIR, expert_dtype=expert_dtype, expert_group_size=group, progress=False)
+        model = jmoe.load(default_model(args), expert_dtype=expert_dtype, expert_group_size=group, progress=False)
         if stream is None:  # the same tokens for every format
-            stream = heldout_streams(model, SEQ_LEN)[0][:SMOKE_WINDOWS * SEQ_LEN if args.smoke else None]
+            stream = scored_stream(model, SEQ_LEN)[:SMOKE_WINDOWS * SEQ_LEN if args.smoke else None]
         result = evaluate(model, stream, batch_size=BATCH, seq_len=SEQ_LEN)
         picks = argmax_tokens(model, *pack_windows(stream, SEQ_LEN))
         if reference is None:
@@ -138,7 +139,7 @@ SPEED_HEADER = ("| experts | cache | MiB copied per decode step | decode tokens/
 
 
 def part_speed(args, log) -> str:
-    rows = speed_rows(MODEL_DIR, formats(SPEED_FORMATS, args.smoke, "speed"), args.tokens, args.repeats, log,
+    rows = speed_rows(default_model(args), formats(SPEED_FORMATS, args.smoke, "speed"), args.tokens, args.repeats, log,
                       alternate=True, caches=caches(args.smoke, "speed"))
     return (f"## Speed: default model, batch-1 greedy decode on CPU\n\nPrompt of {len(PROMPT)} tokens, "
             f"{args.tokens} new tokens, policy lfru from an empty cache each run; {args.repeats} runs per row, the "

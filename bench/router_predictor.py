@@ -1,7 +1,8 @@
 """Precision and recall per MoE layer of the router predictor on the default model's held-out text.
 
     JAX_PLATFORMS=cpu python -m bench.router_predictor [--seq-len 256] [--batch-size 8]
-    JAX_PLATFORMS=cpu python -m bench.router_predictor --smoke   # two windows of 32 tokens per stream, no result
+    JAX_PLATFORMS=cpu python -m bench.router_predictor --smoke   # two windows of 32 tokens per stream, the model's
+                                                                 # first two layers, no result
 
 The router predictor (jmoe.traces.router_guess, the engine's in-step prefetch guess) names the
 top-N experts of softmax(router_{l+1}(h_l)) for MoE layer l + 1; it is scored per token against the
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.helpers.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, default_model, smoke_run, write_result
 
 import jmoe
 from checkpoints.recipe.corpus import load_corpus
@@ -33,7 +35,6 @@ from jmoe.offload.predictors import make_predictor
 from jmoe.traces.evaluation import precision_recall
 from jmoe.traces.router_guess import RouterGuesses, router_guesses
 
-MODEL_DIR = "checkpoints/default"
 SCORED_FILES = ["functools.py", "codecs.py", "email/generator.py"]  # bench/results/eval.md's held-out text
 COUNTS = (2, 4, 8)
 SMOKE_SEQ_LEN, SMOKE_WINDOWS = 32, 2  # a smoke run scores and fits on this many windows of this length
@@ -42,12 +43,21 @@ SMOKE_SEQ_LEN, SMOKE_WINDOWS = 32, 2  # a smoke run scores and fits on this many
 def heldout_streams(model, seq_len: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(scored tokens, frequency-fit tokens, names of the fit files): disjoint validation files."""
     validation = load_corpus().validation
-    texts = dict(zip(validation.names, validation.texts))
     fit_files = [name for name in validation.names if name not in SCORED_FILES]
-    encode = model.require_tokenizer().encode
-    scored = encode("".join(texts[name] for name in SCORED_FILES))
-    fit = encode("".join(texts[name] for name in fit_files))
-    return check_stream(model.config, scored, seq_len), check_stream(model.config, fit, seq_len), fit_files
+    return (scored_stream(model, seq_len, validation), validation_stream(model, validation, fit_files, seq_len),
+            fit_files)
+
+
+def scored_stream(model, seq_len: int, validation=None) -> np.ndarray:
+    """The scored tokens of heldout_streams (bench/results/eval.md's held-out text), from the recipe corpus's
+    `validation` split (loaded when not given)."""
+    return validation_stream(model, validation or load_corpus().validation, SCORED_FILES, seq_len)
+
+
+def validation_stream(model, validation, names: list[str], seq_len: int) -> np.ndarray:
+    """The files `names` of the corpus split `validation`, concatenated and encoded by the model's tokenizer."""
+    texts = dict(zip(validation.names, validation.texts))
+    return check_stream(model.config, model.require_tokenizer().encode("".join(texts[name] for name in names)), seq_len)
 
 
 def stream_guesses(model, stream: np.ndarray, seq_len: int, batch_size: int) -> RouterGuesses:
@@ -87,16 +97,16 @@ def format_table(rows: list[tuple[str, int, dict]], num_layers: int) -> str:
     return "\n".join(lines)
 
 
-def weights_md5() -> str:
-    return hashlib.md5((Path(MODEL_DIR) / "model.safetensors").read_bytes()).hexdigest()
+def weights_md5(directory: Path) -> str:
+    return hashlib.md5((directory / "model.safetensors").read_bytes()).hexdigest()
 
 
-def report(args, model, scored, fit, fit_files, guesses, rows, seconds) -> str:
+def report(args, directory, model, scored, fit, fit_files, guesses, rows, seconds) -> str:
     cfg = model.config
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     return f"""- No GPU: `JAX_PLATFORMS=cpu`, 2 cores (lscpu: 2 CPUs, 1 thread per core), shared with other jobs.
-- Model: `{MODEL_DIR}` (qwen3_moe, {cfg.num_moe_layers} MoE layers, {e} experts, top-{k}, float32;
-  `model.safetensors` md5 {weights_md5()}).
+- Model: `{os.path.relpath(directory)}` (qwen3_moe, {cfg.num_moe_layers} MoE layers, {e} experts, top-{k}, float32;
+  `model.safetensors` md5 {weights_md5(directory)}).
 - Scored tokens: {len(scored):,}: `{'`, `'.join(SCORED_FILES)}` of the recipe corpus's validation
   split, concatenated without separators, as in [`eval.md`](eval.md); non-overlapping windows of
   {args.seq_len} tokens, batch {args.batch_size}, the last window's padding left out. {len(guesses.ids):,} tokens x
@@ -141,7 +151,8 @@ def main(argv=None) -> int:
 
 
 def score(args) -> None:
-    model = jmoe.load(MODEL_DIR, progress=False)
+    directory = default_model(args)
+    model = jmoe.load(directory, progress=False)
     scored, fit, fit_files = heldout_streams(model, args.seq_len)
     if args.smoke:
         scored, fit = scored[:SMOKE_WINDOWS * args.seq_len], fit[:SMOKE_WINDOWS * args.seq_len]
@@ -150,7 +161,7 @@ def score(args) -> None:
     fit_ids = stream_guesses(model, fit, args.seq_len, args.batch_size).ids
     seconds = time.perf_counter() - start
     rows = score_rows(guesses, fit_ids, model.config.num_experts)
-    body = report(args, model, scored, fit, fit_files, guesses, rows, seconds)
+    body = report(args, directory, model, scored, fit, fit_files, guesses, rows, seconds)
     path = write_result("router_predictor.md", "Router predictor: precision and recall per layer (default model)",
                         body)
     print(path.read_text())

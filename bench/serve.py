@@ -2,7 +2,8 @@
 checkpoint, with a bounded load generator on 127.0.0.1.
 
   JAX_PLATFORMS=cpu python -m bench.serve [--cache 4] [--concurrency 1,2,4,8,16] [--requests 48] [--rounds 2]
-  JAX_PLATFORMS=cpu python -m bench.serve --smoke   # toy sizes, both servers, no result file
+  JAX_PLATFORMS=cpu python -m bench.serve --smoke   # toy sizes, both servers, no result file (the default model's
+                                                    # first two layers, transformers' KV cache sized to the requests)
 
 A fixed request set (from --seed): prompts cut from the Python standard library's own sources (what the default
 model was trained on; 16-192 tokens) and max_tokens 16-128, greedy, streamed. For each concurrency level, N
@@ -37,9 +38,9 @@ import numpy as np
 
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
 from bench.decode import WeightReads, weight_reads
-from bench.helpers.common import add_smoke_argument, read_bandwidth_gbs, smoke_run, write_result
+from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, default_model, read_bandwidth_gbs, smoke_run,
+                                  write_result)
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
 ENGINES = ("jmoe", "transformers")
 SMOKE_KV_PAGES = 4  # transformers serve's pages of 256 tokens in a smoke run: a page per request and to spare
 SOURCE_MODULES = ("argparse", "json/decoder", "textwrap", "shlex", "string", "csv", "difflib", "fractions")
@@ -376,7 +377,8 @@ def report(args, runs: dict, soaked: dict | None, start_load: float, conditions:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="(a smoke run: the default model's first "
+                        "layers, bench.helpers.common.default_model)")
     parser.add_argument("--cache", type=int, default=4, help="jmoe: experts per MoE layer on the device")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
@@ -398,6 +400,7 @@ def main(argv=None) -> None:
     with smoke_run(args):
         if args.smoke:
             args.max_batch, args.context, args.concurrency, args.requests, args.rounds, args.soak = 2, 64, [1, 2], 4, 1, 6
+            args.model = default_model(args)
         start_load = quiet_start_load("bench.serve", args.allow_load or args.smoke)
         args.workdir.mkdir(parents=True, exist_ok=True)
         prompt_range, output_range = ((8, 24), (4, 8)) if args.smoke else ((16, 192), (16, 128))
