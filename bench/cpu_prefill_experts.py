@@ -14,7 +14,8 @@ in its own process, alternated, medians:
 Each way routes the rows too (sort by expert, gather, weighted combine), as a prompt step does.
 
   JAX_PLATFORMS=cpu python -m bench.cpu_prefill_experts      (about five minutes; needs a quiet machine)
-  JAX_PLATFORMS=cpu python -m bench.cpu_prefill_experts --smoke   (a toy checkpoint and prompt, no result file)
+  JAX_PLATFORMS=cpu python -m bench.cpu_prefill_experts --smoke   (a toy checkpoint and prompt, one round, no result
+                                                                  file; XLA's three ways share one process)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -162,30 +164,43 @@ def numpy_way(routing, x, combine, experts):
 
 
 def worker(args) -> None:
+    """Times each of `args.ways` (one, except in a smoke run) in this process; prints {way: samples} as JSON."""
     routing = np.load(args.workdir / "routing.npy")
     inputs = (routing, *problem(routing, compare_models(args.smoke)["mixtral"]))
-    run = (torch_way(*inputs) if args.way == "torch" else numpy_way(*inputs) if args.way == "numpy"
-           else xla_way(args.way, *inputs))
-    start = time.perf_counter()
-    out = run()  # compiles the XLA ways
-    first = time.perf_counter() - start
-    np.save(args.workdir / f"out_{args.way}.npy", out)
-    samples = []
-    for _ in range(args.repeats):
+    timed = {}
+    for way in args.ways.split(","):
+        run = (torch_way(*inputs) if way == "torch" else numpy_way(*inputs) if way == "numpy"
+               else xla_way(way, *inputs))
         start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    print(json.dumps({"seconds": samples, "first": first}))
+        out = run()  # compiles the XLA ways
+        first = time.perf_counter() - start
+        np.save(args.workdir / f"out_{way}.npy", out)
+        samples = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+        timed[way] = {"seconds": samples, "first": first}
+    print(json.dumps(timed))
 
 
-def measure(way: str, args) -> dict:
-    command = [sys.executable, "-m", "bench.cpu_prefill_experts", "worker", "--way", way,
+def processes(smoke: bool) -> list[tuple[str, ...]]:
+    """The ways each process of a round times: one each, or in a smoke run (where starting JAX is much of a process's
+    time) XLA's three in one process."""
+    xla = ("jmoe", "xla_static", "ragged_dot")
+    return [xla, *[(way,) for way in WAYS if way not in xla]] if smoke else [(way,) for way in WAYS]
+
+
+def measure(ways: tuple[str, ...], args) -> dict[str, dict]:
+    command = [sys.executable, "-m", "bench.cpu_prefill_experts", "worker", "--ways", ",".join(ways),
                "--workdir", str(args.workdir), "--repeats", str(args.repeats)] + (["--smoke"] if args.smoke else [])
     before = load_average()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if done.returncode:
-        raise SystemExit(f"cpu_prefill_experts: {way} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": (before, load_average())}
+        raise SystemExit(f"cpu_prefill_experts: {', '.join(ways)} failed (exit {done.returncode}):\n"
+                         f"{done.stderr[-3000:]}")
+    load = (before, load_average())
+    return {way: {**result, "load": load} for way, result in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def report(routing, samples, start_load, loads, args, wall) -> str:
@@ -208,7 +223,7 @@ def report(routing, samples, start_load, loads, args, wall) -> str:
             f"Method: {args.rounds} rounds; in each, every way runs once in a fresh process; each process runs once "
             f"(compiling) and then times {args.repeats} calls; medians over all {args.rounds * args.repeats} samples. "
             f"{flops / 1e9:.1f} GFLOP per call ({layers} layers, {routing.shape[1]} tokens, top-{TOP_K}). jax "
-            f"{__import__('jax').__version__}, PyTorch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"{version('jax')}, PyTorch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"NumPy {np.__version__}. 1-minute load average {start_load:.2f} when the run began; around each process "
             f"{min(loads):.2f} - {max(loads):.2f}, the run's own processes included; whole run {wall:.0f} s.\n\n"
             "| way | ms (median) | min - max | GFLOP/s | speed vs jmoe | first call s | max diff vs PyTorch |\n"
@@ -227,7 +242,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench"))
     parser.add_argument("--out", default="cpu_prefill_experts.md")
     parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")
-    parser.add_argument("--way", choices=list(WAYS), help="worker: which way to time")
+    parser.add_argument("--ways", help=f"worker: which ways to time, comma-separated ({', '.join(WAYS)})")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     if args.mode == "worker":
@@ -247,12 +262,12 @@ def compare(args) -> None:
     np.save(args.workdir / "routing.npy", routing)
     began, samples, loads = time.perf_counter(), {way: [] for way in WAYS}, []
     for round_index in range(args.rounds):
-        for way in WAYS:
-            result = measure(way, args)
-            samples[way].append(result)
-            loads += list(result["load"])
-            print(f"round {round_index + 1}: {way}: median {statistics.median(result['seconds']) * 1e3:.1f} ms, "
-                  f"load {result['load'][0]:.2f} -> {result['load'][1]:.2f}", file=sys.stderr, flush=True)
+        for ways in processes(args.smoke):
+            for way, result in measure(ways, args).items():
+                samples[way].append(result)
+                loads += list(result["load"])
+                print(f"round {round_index + 1}: {way}: median {statistics.median(result['seconds']) * 1e3:.1f} ms, "
+                      f"load {result['load'][0]:.2f} -> {result['load'][1]:.2f}", file=sys.stderr, flush=True)
     body = report(routing, samples, start_load, loads, args, time.perf_counter() - began)
     print(write_result(args.out, "Expert products of a 512-token prompt on CPU: jmoe against exact sizes", body))
 
