@@ -55,9 +55,10 @@ LAYERS, EXPERTS, TOP_K = 24, 32, 4  # the GPT-OSS-20B trace's
 BASE_CONFIG = dict(model_type="mixtral", hidden_size=2048, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
                    num_hidden_layers=LAYERS, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
                    vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
-# A smoke run's model: toy widths and the trace's first 4 layers (tracing the step's 24 layers took most of its time)
+# A smoke run's model: toy widths and the trace's first 2 layers (compiling the step is most of a smoke run, and each
+# layer adds its own code; two have the first layer's read-ahead between steps and the next layer's inside the step)
 SMOKE_CONFIG = {**BASE_CONFIG, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 2, "head_dim": 16,
-                "num_hidden_layers": 4}
+                "num_hidden_layers": 2}
 ENGINES = ("mmap", "jmoe", "jmoe+ra")
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 PARALLEL_READS = 4  # the disk's bandwidth with this many reads in flight (jmoe's reads: k per layer)

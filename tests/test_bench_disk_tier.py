@@ -15,7 +15,7 @@ from jmoe.errors import CheckpointError
 @pytest.fixture(scope="module")
 def orbax_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("disk_tier")
-    return convert_once(write_checkpoint(root / "hf", {**SMOKE_CONFIG, "num_hidden_layers": 2}), root / "orbax")
+    return convert_once(write_checkpoint(root / "hf", SMOKE_CONFIG), root / "orbax")
 
 
 def test_memmap_orbax_reader_matches_the_orbax_reader(orbax_dir):
