@@ -2,7 +2,7 @@
 devices.
 
   python -m bench.scale           # -> bench/results/scale_cpu.md
-  python -m bench.scale --smoke   # toy size, 1 and 4 devices, 2 new tokens, no result file
+  python -m bench.scale --smoke   # toy size, one row per table (1 device, then 4), 2 new tokens, no result file
 
 A Mixtral-shaped random checkpoint (16 experts, top-2) with its own (near-uniform) router, batch 4. Rows: the
 experts split over N = 1, 2, 4 devices (`jmoe.load(..., devices=N)`), first with the same cache per device (the
@@ -99,10 +99,11 @@ def main() -> None:
         tokens = 2 if args.smoke else args.tokens
         path = write_random_checkpoint(args.workdir / ("scale_smoke" if args.smoke else "scale"), "mixtral", **spec)
         prompts = np.random.default_rng(0).integers(0, spec["vocab_size"], (BATCH, PROMPT_LEN)).tolist()
-        # smoke: the one-device and the widest row of each table (each row compiles its own programs)
-        devices = (DEVICES[0], DEVICES[-1]) if args.smoke else DEVICES
-        same_per_device = [measure(path, n, CACHE_PER_DEVICE, prompts, tokens) for n in devices]
-        same_total = [measure(path, n, TOTAL_CACHE // n, prompts, tokens) for n in devices]
+        # smoke: the one-device row of the first table and the widest of the second (every row runs the same code and
+        # compiles its own programs)
+        per_device, total = ((DEVICES[0],), (DEVICES[-1],)) if args.smoke else (DEVICES, DEVICES)
+        same_per_device = [measure(path, n, CACHE_PER_DEVICE, prompts, tokens) for n in per_device]
+        same_total = [measure(path, n, TOTAL_CACHE // n, prompts, tokens) for n in total]
         end_load = load_average()
         body = (f"{load_warning(start_load)}Load average {start_load:.2f} at the start, {end_load:.2f} at the end.\n\n"
                 f"Mixtral-shaped random checkpoint: {spec['num_hidden_layers']} layers, hidden "
