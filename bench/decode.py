@@ -9,8 +9,8 @@ Random-weight checkpoints are written once under --workdir (default /tmp/jmoe_be
 so both engines load the same files. Results go to bench/results/.
 
 A smoke run: every mode, the models at smoke size (bench.helpers.common.SMOKE_SIZES), 4 new tokens; compare mode the
-Mixtral model only, cache mode cache top-k only (every model and cache runs the same code, and each compiles its own
-programs); manager mode 20 steps.
+Mixtral model only (transformers timed once), cache mode cache top-k only (every model and cache runs the same code,
+and each compiles its own programs); manager mode 20 steps.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def jmoe_decode(model, new_tokens: int) -> tuple[float, float]:
     return result.decode_steps / result.decode_seconds, result.decode_seconds / result.decode_steps
 
 
-def transformers_decode(directory: Path, new_tokens: int) -> float:
+def transformers_decode(directory: Path, new_tokens: int, smoke: bool = False) -> float:
+    """transformers' decode tokens/s: generate(new_tokens + 1) - generate(1), medians of 2 and 3 timed runs after a
+    warm-up each (a smoke run: one timed run each)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,8 +100,8 @@ def transformers_decode(directory: Path, new_tokens: int) -> float:
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    prefill = median_seconds(lambda: run(1), repeats=3)
-    full = median_seconds(lambda: run(new_tokens + 1), repeats=2)
+    prefill = median_seconds(lambda: run(1), repeats=1 if smoke else 3)
+    full = median_seconds(lambda: run(new_tokens + 1), repeats=1 if smoke else 2)
     return new_tokens / (full - prefill)
 
 
@@ -115,7 +117,7 @@ def cmd_compare(args) -> None:
         model = jmoe.load(directory, progress=False)
         params = sum(model.placement_plan.nbytes.values()) // 4
         jmoe_tps, _ = jmoe_decode(model, args.tokens)
-        hf_tps = transformers_decode(directory, args.tokens)
+        hf_tps = transformers_decode(directory, args.tokens, args.smoke)
         per_token = weight_reads(model).step()
         bound = bandwidth * 1e9 / per_token
         rows.append(f"| {name} | {params / 1e6:.0f}M | {jmoe_tps:.1f} | {hf_tps:.1f} | {jmoe_tps / hf_tps:.2f}x | "

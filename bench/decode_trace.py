@@ -21,7 +21,7 @@ bandwidth). Compiled programs are kept in --workdir/jax_cache for the next run.
 
 A smoke run: every part, each model at smoke size (bench.helpers.common.SMOKE_SIZES, one MoE layer, the trace cut
 to it; the default model's first two layers, bench.helpers.common.default_model), 2 decode steps (4 for the default
-model, 2 for transformers), one offloaded cache per part (the traced parts also their all-resident row) and one
+model, 2 for transformers, timed once), one offloaded cache per part (the traced parts also their all-resident row) and one
 policy per part (SMOKE_POLICY: each policy runs once).
 """
 
@@ -164,7 +164,7 @@ def part_traced(args, log, name: str) -> str:
     base = measure(resident, [PROMPT], n, TraceRouting(measured_rows, p, cfg))
     log(f"resident: own routing {own_tps:.2f} tok/s, forced {base.tps:.2f} tok/s")
     del resident
-    hf_tps = transformers_decode(directory, args.hf_tokens)
+    hf_tps = transformers_decode(directory, args.hf_tokens, args.smoke)
     log(f"transformers: {hf_tps:.2f} tok/s")
 
     bandwidth = None
