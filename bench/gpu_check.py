@@ -50,7 +50,8 @@ BUDGET_SECONDS = 540  # 9 minutes: a lent machine allows 10 per command
 SMOKE_BUDGET_SECONDS = 90  # a bound: on a quiet machine a smoke run ends sooner, having run what it chose
 # What a smoke run leaves out, as --exclude would: every item whose code path another item runs (the settings differ in
 # jmoe.load's options only, and the suite tests the offload engine in each: tests/test_offload.py, test_disk_tier.py,
-# test_layer_groups.py, ...). It keeps one plain and one disk-tier offload setting, and the second decode model resident.
+# test_layer_groups.py, ...). It keeps one plain and one disk-tier offload setting, and the second decode model
+# resident.
 SMOKE_EXCLUDED = ("cache 0,", "miss fetch", "cache 7,", "cache 8,", "prefetch 2", "layer groups", "deepseek_v3, cache")
 # Each section's share of the budget, plus what earlier ones left unused (the whole budget bounds the run).
 SHARES = {"environment": 0.02, "kernels": 0.15, "families": 0.12, "offload": 0.2, "bandwidth": 0.06, "decode": 0.45}

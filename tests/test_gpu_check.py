@@ -14,7 +14,7 @@ pytestmark = pytest.mark.xdist_group("gpu_check_smoke")  # one worker, so the sm
 
 @pytest.fixture(scope="module")
 def smoke_report() -> dict:
-    """The JSON report of `python -m bench.gpu_check --smoke` (tests/smoke_runs.py checks its exit and bench/results)."""
+    """The JSON report of `python -m bench.gpu_check --smoke` (tests/smoke_runs.py checks its exit, bench/results)."""
     out = run_smoke("gpu_check")
     return json.loads(out[out.index("{"):])
 
