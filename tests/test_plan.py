@@ -168,7 +168,7 @@ def test_load_refuses_before_reading_any_tensor_data(which, olmoe_dir, orbax_dir
         raise AssertionError("tensor data was read before the memory check refused")
 
     monkeypatch.setattr(loading, "read_tensor", no_reading)
-    monkeypatch.setattr(orbax_store.ocp, "load", no_reading)
+    monkeypatch.setattr(orbax_store.orbax(), "load", no_reading)
     copy = header_only_copy(olmoe_dir if which == "safetensors" else orbax_dir, tmp_path / "headers")
     for directory in (olmoe_dir if which == "safetensors" else orbax_dir, copy):
         with pytest.raises(jmoe.InsufficientMemoryError, match=r"host memory: .* needed .* available .*; shorten "
