@@ -5,7 +5,8 @@ speed estimate next to what other engines publish, and what planning costs (wall
 No weights exist here: each model is a config.json with its published shape and a header-only safetensors
 file (every tensor jmoe expects, with its shape and dtype, and no data), written once under --workdir.
 Each plan runs in a fresh process (`python -m jmoe.plan --json`), so its peak RSS is its own; the decode and
-prefill programs are compiled for the target in that process's children.
+prefill programs are compiled for the target in that process's child, side by side (the compilers' peak RSS holds
+both).
 
     python -m bench.plan [--workdir /tmp/jmoe_plan_bench] [--models "mixtral-8x7b,deepseek-v3 (fp8)"]
         [--targets h100,rtx4090,4xh100,8xh100] [--context 4096] [--no-compile] [--extrapolate-layers]

@@ -1,8 +1,11 @@
-"""jmoe.plan: memory from headers alone, equal to what jmoe.load places, and load's early refusal."""
+"""jmoe.plan: memory from headers alone, equal to what jmoe.load places, load's early refusal, and how the processes
+that compile a plan's programs fail."""
 
 import json
 import shutil
 import struct
+import sys
+import time
 
 import jax
 import numpy as np
@@ -264,6 +267,52 @@ def test_without_the_plugin_a_target_plan_says_how_to_compile(olmoe_dir, monkeyp
     assert any("gpu-compile" in note for note in plan.notes)
     assert plan.fits and plan.needs.device_bytes == plan.needs.estimate_bytes
     assert plan.target.device_kind == "NVIDIA GeForce RTX 4090"
+
+
+# A stand-in for jmoe.plan.compile_worker: a job "ok" writes its result, "dies" aborts the process as XLA:GPU's
+# compiler can, "hangs" never finishes.
+FAKE_WORKER = """
+import json, os, pickle, sys, time
+for job, work in pickle.load(open(sys.argv[1], "rb")):
+    if job == "dies":
+        os.abort()
+    if job == "hangs":
+        time.sleep(60)
+    (work / "hlo.txt").write_text("HloModule")
+    (work / "result.json").write_text(json.dumps({"job": work.name}))
+"""
+
+
+@pytest.fixture
+def fake_workers(monkeypatch):
+    from jmoe.plan import workers
+
+    monkeypatch.setattr(workers, "WORKER", [sys.executable, "-c", FAKE_WORKER])
+    return workers
+
+
+def test_one_worker_compiles_a_plans_programs_and_a_death_costs_only_the_program_that_caused_it(fake_workers,
+                                                                                                tmp_path):
+    for case in ("three", "two"):
+        (tmp_path / case).mkdir()
+    results = fake_workers.compile_in_workers({"a": "ok", "b": "dies", "c": "ok"}, tmp_path / "three")
+    assert [results["a"], results["c"]] == [{"job": key, "hlo_text": "HloModule"} for key in "ac"]
+    assert results["b"].startswith("the compiler process exited with status -6")
+    # b and c were unfinished when the worker died: each was compiled again alone, a was not
+    assert sorted(p.name for p in (tmp_path / "three").glob("*.pickle")) == ["a-b-c.pickle", "b.pickle", "c.pickle"]
+    # one program unfinished: it is the one that killed the worker, and it is not compiled again
+    results = fake_workers.compile_in_workers({"a": "ok", "b": "dies"}, tmp_path / "two")
+    assert results["a"]["job"] == "a" and "status -6" in results["b"]
+    assert [p.name for p in (tmp_path / "two").glob("*.pickle")] == ["a-b.pickle"]
+
+
+def test_a_worker_past_the_timeout_is_killed_and_its_unfinished_programs_time_out(fake_workers, monkeypatch, tmp_path):
+    monkeypatch.setattr(fake_workers, "COMPILE_TIMEOUT_SECONDS", 1)
+    start = time.monotonic()
+    results = fake_workers.compile_in_workers({"a": "ok", "b": "hangs", "c": "ok"}, tmp_path)
+    assert time.monotonic() - start < 30
+    assert results["a"]["job"] == "a"
+    assert results["b"] == results["c"] == "timed out after 1 s: no output"
 
 
 def test_command_lines_raise_the_pinned_pool_from_the_plan_before_loading(olmoe_dir, monkeypatch, capsys):

@@ -7,8 +7,8 @@ machine or a GPU target, without reading any weight.
 `jmoe.plan` is both this package and the function `plan`: calling the package calls the function, so
 `jmoe.plan(...)` and `from jmoe.plan import Plan` both work. Modules: headers (what the checkpoint holds),
 targets (GPU target configs), resources (memory available), budget (bytes needed, the fit check),
-programs + compile_worker (ahead-of-time compiles for a target), estimate + hit_rate (tokens/s on the target),
-planner (plan, Plan), report.
+programs + workers + compile_worker (ahead-of-time compiles for a target), estimate + hit_rate (tokens/s on the
+target), planner (plan, Plan), report.
 """
 
 import sys

@@ -1,25 +1,30 @@
-"""Child process of jmoe.plan.programs: compile one of jmoe's generation steps for a GPU this machine does not
-have, and write its memory analysis and optimized HLO.
+"""Child process of jmoe.plan.programs: compile some of jmoe's generation steps for a GPU this machine does not
+have, and write each one's memory analysis and optimized HLO.
 
-`python -m jmoe.plan.compile_worker JOB OUT_DIR` reads the pickled CompileJob, builds the step exactly as a
-Model does (jmoe.decode.steps.make_step_fn over the engine the placement asks for) but from abstract
-parameters, traces it for a compile-only CUDA topology of the job's devices (the target config; N > 1: one
-host's N GPUs, the experts split over them by jmoe.offload.expert_parallel) and writes OUT_DIR/result.json
-and OUT_DIR/hlo.txt. It runs in its own process because JAX must be on `jax_platforms=cpu` before any
-backend starts for the CUDA plugin to offer compile-only topologies, and because some XLA:GPU compiler
-failures abort the process instead of raising.
+`python -m jmoe.plan.compile_worker JOBS` reads the pickled list of (CompileJob, OUT_DIR) pairs (jmoe.plan.workers
+writes it); for each it builds the step exactly as a Model does (jmoe.decode.steps.make_step_fn over the engine the
+placement asks for) but from abstract parameters, traces it for a compile-only CUDA topology of the job's devices
+(the target config; N > 1: one host's N GPUs, the experts split over them by jmoe.offload.expert_parallel) and
+writes OUT_DIR/hlo.txt, then OUT_DIR/result.json. The programs are traced and lowered one after another and each
+compiled on a thread of its own as soon as it is lowered: XLA's compile releases the GIL, so one process imports
+JAX and jmoe once for all of a plan's programs and a multi-core machine still compiles them side by side. It runs
+in a process apart because JAX must be on `jax_platforms=cpu` before any backend starts for the CUDA plugin to
+offer compile-only topologies, and because some XLA:GPU compiler failures abort the process instead of raising.
 
 Pinned-host parameters get a sharding on the mesh's AbstractMesh under `jax.set_mesh`: the concrete
 compile-only mesh has no memory kinds, and this is the way the compiled program still places them in
-host memory (`host_argument_size_in_bytes`).
+host memory (`host_argument_size_in_bytes`). The mesh and the target's compute capability
+(jmoe.kernels.target.compiling_for_gpu) are needed while tracing and lowering only.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -27,21 +32,18 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_i
                  "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes")
 
 
-def compile_step(job, out_dir: Path) -> dict:
+def lowered_step(job):
+    """The job's step traced and lowered for its compile-only topology (within compiling_for_gpu)."""
     import jax
-
-    jax.config.update("jax_platforms", "cpu")  # before any backend starts: see the module docstring
     from flax import nnx
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jmoe.decode.steps import abstract_step_inputs, make_step_fn
-    from jmoe.kernels.target import compiling_for_gpu
     from jmoe.memory import PINNED_HOST
     from jmoe.model.params import abstract_model, flat_params, nest_params
     from jmoe.offload.engine import make_engine
     from jmoe.offload.expert_parallel import EXPERT_AXIS, ExpertParallelEngine, device_placement, param_spec
-    from jmoe.plan.targets import compute_capability
 
     # One host's N GPUs (slices x hosts x devices), on the expert axis the expert-parallel engine splits over.
     topology = topologies.get_topology_desc(platform="cuda", target_config=job.target_config,
@@ -72,17 +74,22 @@ def compile_step(job, out_dir: Path) -> dict:
     step = make_step_fn(graphdef, engine, greedy=True)
     inputs = abstract_step_inputs(cfg, job.batch, job.num_tokens, job.context, job.dtype)
     inputs = placed(inputs[:-2]) + inputs[-2:]  # no sampling arrays, no forced routing
+    with jax.set_mesh(mesh):
+        return step.trace(state, engine_state, *inputs).lower()
+
+
+def write_compiled(lowered, lower_seconds: float, out_dir: Path) -> None:
+    """Compile a lowered step; write its optimized HLO, then result.json (written last: it says the job is done)."""
     start = time.perf_counter()
-    with jax.set_mesh(mesh), compiling_for_gpu(compute_capability(job.target_config)):
-        lowered = step.trace(state, engine_state, *inputs).lower()
-        lowered_at = time.perf_counter()
-        compiled = lowered.compile()
-    done = time.perf_counter()
+    compiled = lowered.compile()
+    compile_seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()
-    memory = {field: int(getattr(analysis, field)) for field in MEMORY_FIELDS}
     (out_dir / "hlo.txt").write_text(compiled.as_text())
-    return {"memory_analysis": memory, "cost_analysis": cost_analysis(compiled),
-            "lower_seconds": lowered_at - start, "compile_seconds": done - lowered_at}
+    result = {"memory_analysis": {field: int(getattr(analysis, field)) for field in MEMORY_FIELDS},
+              "cost_analysis": cost_analysis(compiled), "lower_seconds": lower_seconds,
+              "compile_seconds": compile_seconds}
+    (out_dir / "result.json.tmp").write_text(json.dumps(result))
+    os.replace(out_dir / "result.json.tmp", out_dir / "result.json")  # whole or absent, even if killed
 
 
 def cost_analysis(compiled) -> dict | None:
@@ -106,11 +113,23 @@ def cost_analysis(compiled) -> dict | None:
 
 
 def main(argv: list[str]) -> int:
-    job_path, out_dir = Path(argv[0]), Path(argv[1])
-    with open(job_path, "rb") as f:
-        job = pickle.load(f)
-    result = compile_step(job, out_dir)
-    (out_dir / "result.json").write_text(json.dumps(result))
+    with open(argv[0], "rb") as f:
+        jobs = pickle.load(f)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts: see the module docstring
+    from jmoe.kernels.target import compiling_for_gpu
+    from jmoe.plan.targets import compute_capability
+
+    (capability,) = {compute_capability(job.target_config) for job, _ in jobs}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as compiles, compiling_for_gpu(capability):
+        running = []
+        for job, out_dir in jobs:
+            start = time.perf_counter()
+            lowered = lowered_step(job)
+            running.append(compiles.submit(write_compiled, lowered, time.perf_counter() - start, Path(out_dir)))
+    for compiled in running:
+        compiled.result()  # a compile that raised: its traceback, and exit status 1
     return 0
 
 

@@ -1,21 +1,17 @@
-"""jmoe's decode and prefill programs compiled ahead of time for a GPU target, each in a child process
-(jmoe.plan.compile_worker), and what their memory analysis says.
+"""jmoe's decode and prefill programs compiled ahead of time for a GPU target in a child process
+(jmoe.plan.workers, jmoe.plan.compile_worker), and what their memory analysis says.
 
-The programs are the steps a Model runs (jmoe.decode.steps.make_step_fn, greedy): "decode" feeds one token
-per row into a KV cache of `context` tokens, "prefill" feeds a prompt of `context` tokens into it (the
-longest one it holds); rows are the batch padded as generation pads it (a power of two). A program's device memory is its arguments (parameters on the device, slots, KV cache) plus its
-outputs that are not donated back into them plus its temporaries; pinned-host arguments are counted apart.
-Compile-only XLA:GPU does not autotune and nothing runs: memory is exact, kernel choices are heuristic.
+The programs are the steps a Model runs (jmoe.decode.steps.make_step_fn, greedy): "decode" feeds one token per row
+into a KV cache of `context` tokens, "prefill" feeds a prompt of `context` tokens into it (the longest one it
+holds); rows are the batch padded as generation pads it (a power of two). A program's device memory is its
+arguments (parameters on the device, slots, KV cache) plus its outputs that are not donated back into them plus its
+temporaries; pinned-host arguments are counted apart. Compile-only XLA:GPU does not autotune and nothing runs:
+memory is exact, kernel choices are heuristic.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import pickle
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,8 +23,9 @@ from jmoe.offload.options import OffloadOptions
 from jmoe.offload.expert_parallel import device_placement
 from jmoe.plan.depth import Reduction, extrapolated_flow, plan_reduction, reduced_config
 from jmoe.plan.hlo import Collective, ControlFlow, collectives, control_flow, kernel_count
+from jmoe.plan.workers import compile_in_workers
 
-COMPILE_TIMEOUT_SECONDS = 3600
+PROGRAMS = ("decode", "prefill")
 PLUGIN_HINT = ('compiling for a GPU target needs the CUDA PJRT plugin and ptxas: pip install -e ".[gpu-compile]" '
                '(no NVIDIA driver or GPU needed)')
 
@@ -121,11 +118,12 @@ def plugin_available() -> bool:
 
 
 def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backend: str, batch: int, context: int,
-                     target_config: str, extrapolate_layers: bool = False, devices: int = 1) -> dict[str, Program]:
-    """Compile "decode" and "prefill" for the target, side by side in child processes: the whole model, or (a deep
-    one, with `extrapolate_layers`) two shallow ones extrapolated to its depth (jmoe.plan.depth); for `devices`
-    GPUs of one host with the experts split over them (each program is then one device's share)."""
-    shapes = {"decode": 1, "prefill": context}
+                     target_config: str, extrapolate_layers: bool = False, devices: int = 1,
+                     programs: tuple[str, ...] = PROGRAMS) -> dict[str, Program]:
+    """Compile "decode" and "prefill" (or those of `programs`) for the target in a child process: the whole model,
+    or (a deep one, with `extrapolate_layers`) two shallow ones extrapolated to its depth (jmoe.plan.depth); for
+    `devices` GPUs of one host with the experts split over them (each program is then one device's share)."""
+    shapes = {name: {"decode": 1, "prefill": context}[name] for name in programs}
     if not plugin_available():
         return {name: Program(name, (batch, t), error=PLUGIN_HINT) for name, t in shapes.items()}
     # The policy only steers the manager between steps, never the compiled program; a policy object may
@@ -134,32 +132,25 @@ def compile_programs(config: ModelConfig, dtype, options: OffloadOptions, backen
     reduction = None if not extrapolate_layers else plan_reduction(
         config, lambda cfg: device_placement(cfg, abstract_params(cfg, dtype), options, devices))
     depths = [config.num_layers] if reduction is None else list(reduction.layers)
+    jobs = {f"{name}-{layers}": CompileJob(reduced_config(config, layers), np.dtype(dtype), options, backend, batch,
+                                           num_tokens, context, target_config, devices)
+            for name, num_tokens in shapes.items() for layers in depths}
     with tempfile.TemporaryDirectory(prefix="jmoe-plan-") as tmp:
-        running = {}
-        try:
-            for name, num_tokens in shapes.items():
-                for layers in depths:
-                    work = Path(tmp) / f"{name}-{layers}"
-                    work.mkdir()
-                    with open(work / "job.pickle", "wb") as f:
-                        pickle.dump(CompileJob(reduced_config(config, layers), np.dtype(dtype), options, backend, batch,
-                                               num_tokens, context, target_config, devices), f)
-                    log = open(work / "output.txt", "w+")
-                    process = subprocess.Popen([sys.executable, "-m", "jmoe.plan.compile_worker",
-                                                str(work / "job.pickle"), str(work)], stdout=log,
-                                               stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-                    running[name, layers] = (process, log, work, (batch, num_tokens))
-            compiled = {key: _collect(key[0], *run) for key, run in running.items()}
-        finally:  # interrupted (or failed): no compiler is left running
-            for process, log, _, _ in running.values():
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-                log.close()
+        results = compile_in_workers(jobs, Path(tmp))
+    compiled = {(name, layers): program(name, (batch, num_tokens), results[f"{name}-{layers}"])
+                for name, num_tokens in shapes.items() for layers in depths}
     if reduction is None:
         return {name: compiled[name, config.num_layers] for name in shapes}
     return {name: extrapolated(reduction, *(compiled[name, layers] for layers in reduction.layers))
             for name in shapes}
+
+
+def program(name: str, tokens: tuple[int, int], result: dict | str) -> Program:
+    """A Program from a worker's result, or from why it did not compile."""
+    if isinstance(result, str):
+        return Program(name, tokens, error=result)
+    return Program(name, tokens, result["memory_analysis"], result["cost_analysis"], result["lower_seconds"],
+                   result["compile_seconds"], result["hlo_text"])
 
 
 # What a shallow program's temporaries say of a deep one's: nothing reliable. XLA's scheduler overlaps more of a
@@ -187,29 +178,3 @@ def extrapolated(reduction: Reduction, small: Program, large: Program) -> Progra
                    extrapolated_kernels=round(reduction.extrapolate(small.kernels, large.kernels)),
                    extrapolated_collectives={c: round(reduction.extrapolate(small.collectives.get(c, 0), n))
                                              for c, n in large.collectives.items()})
-
-
-def _collect(name: str, process: subprocess.Popen, log, work: Path, tokens: tuple[int, int]) -> Program:
-    try:
-        returncode = process.wait(timeout=COMPILE_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        returncode = None
-    log.seek(0)
-    output = log.read()
-    result_file = work / "result.json"
-    if returncode == 0 and result_file.is_file():
-        result = json.loads(result_file.read_text())
-        return Program(name, tokens, result["memory_analysis"], result["cost_analysis"], result["lower_seconds"],
-                       result["compile_seconds"], (work / "hlo.txt").read_text())
-    how = (f"timed out after {COMPILE_TIMEOUT_SECONDS} s" if returncode is None
-           else f"the compiler process exited with status {returncode}")
-    return Program(name, tokens, error=f"{how}: {_last_error_lines(output)}")
-
-
-def _last_error_lines(output: str, count: int = 6) -> str:
-    """The lines that say what went wrong, without the plugin's start-up chatter and stack frames."""
-    noise = ("cudart_stub.cc", "absl::InitializeLog", "Invalid stack_frame_id", "    @ ")
-    lines = [line for line in output.splitlines() if line.strip() and not any(n in line for n in noise)]
-    return " | ".join(lines[-count:]) or "no output"
