@@ -1,4 +1,4 @@
-"""jmoe.plan compiles jmoe's decode and prefill programs for an H100 on this CPU machine, in child processes,
+"""jmoe.plan compiles jmoe's decode and prefill programs for an H100 on this CPU machine, in a child process,
 for every supported family (one tiny checkpoint each, from tests/hf_models.py FAMILY_CASES)."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 import jmoe
 from hf_models import FAMILY_CASES
 from jmoe.plan.hlo import Collective, copied_arrays
-from jmoe.plan.programs import PLUGIN_HINT, plugin_available
+from jmoe.plan.programs import PLUGIN_HINT, compile_programs, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
 
@@ -37,8 +37,14 @@ def test_decode_and_prefill_compile_for_h100(case, hf_checkpoints):
         hlo = program.hlo_text
         assert hlo.startswith("HloModule") and "ENTRY" in hlo
         assert (":S(5)}" in hlo) == (needs.host_bytes > 0)  # host memory space in the optimized HLO
+        assert program.cost_analysis["flops"] > 0 and program.cost_analysis["bytes accessed"] > 0
     assert needs.program_bytes == max(p.device_bytes for p in plan.programs.values())
     assert plan.fits and plan.as_dict()["device_bytes_include_programs"]
+    # the prefill of 64 tokens a row does more arithmetic than one decode token; the estimate reads both
+    assert plan.programs["prefill"].cost_analysis["flops"] > plan.programs["decode"].cost_analysis["flops"]
+    assert plan.estimate is not None
+    if "cache" in options:  # uniform routing: a cache of c of E experts holds a needed one with chance c / E
+        assert plan.estimate.hit_rate == pytest.approx(options["cache"] / plan.config.num_experts)
 
 
 def test_a_compiler_process_that_dies_becomes_an_error_of_that_program(hf_checkpoints):
@@ -71,6 +77,15 @@ def routing_trace(cfg, tokens: int = 64) -> np.ndarray:
                       for _ in range(cfg.num_moe_layers)] for _ in range(tokens)])
 
 
+def decode_for_h100(path, backend: str, **options):
+    """(the plan, its decode program compiled for an H100): the prefill program, which these tests do not read, is
+    not compiled."""
+    plan = jmoe.plan(path, target="h100", compile=False, backend=backend, **options)
+    programs = compile_programs(plan.config, plan.headers.dtype, plan.options, backend, plan.rows, plan.context,
+                                plan.target.config_text, programs=("decode",))
+    return plan, programs["decode"]
+
+
 @pytest.mark.parametrize("prefetch", ["router", "history"])
 def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, hf_checkpoints):
     """Cache 4 of 8 experts, prefetch=2 or prefetch_trace, compiled for an H100: no conditional. Router prefetch
@@ -81,8 +96,7 @@ def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, 
     cfg = jmoe.load_config(path)
     options = dict(prefetch=2) if prefetch == "router" else dict(prefetch_trace=routing_trace(cfg))
     # backend "xla": no Triton kernels to compile; the copies and loops are the same for every backend.
-    plan = jmoe.plan(path, target="h100", context=32, cache=4, backend="xla", **options)
-    decode = plan.programs["decode"]
+    plan, decode = decode_for_h100(path, "xla", context=32, cache=4, **options)
     assert decode.error is None, decode.error
     offloaded = len(plan.placement.offloaded_layers)
     flow = decode.control_flow
