@@ -27,11 +27,11 @@ records the items whose name contains TEXT as not run, and a rerun reaches the r
 It builds its own random-weight checkpoints under --workdir (bench.gpu.models) and needs only the image's
 packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
 --small (and --smoke) use one kernel shape, two of the families (bench.gpu.numerics.SMALL_FAMILIES), models of
-smoke size (bench.helpers.common.SMOKE_SIZES) and two caches per speed model, and run every kernel check whatever the
-budget. A smoke run also leaves out, as --exclude does, the items SMOKE_EXCLUDED names (recorded as not run): it
-keeps two offload settings (one with the disk tier) and the second speed model resident only, the items left out
-sharing their code paths; its 90 s budget is a bound a quiet machine does not reach. tests/test_gpu_check.py runs
-the smoke run and reads its report.
+smoke size (bench.helpers.common.SMOKE_SIZES) and two caches per speed model, and run every kernel and family check
+whatever the budget. A smoke run also leaves out, as --exclude does, the items SMOKE_EXCLUDED names (recorded as not
+run): it keeps two offload settings (one with the disk tier) and the second speed model resident only, the items left
+out sharing their code paths; its 90 s budget is a bound a quiet machine does not reach. tests/test_gpu_check.py
+runs the smoke run and reads its report.
 """
 
 from __future__ import annotations

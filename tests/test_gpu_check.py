@@ -1,7 +1,7 @@
 """bench.gpu_check's logic on CPU (its small mode). Its smoke run (every section at tiny shapes, within a time budget)
 runs here, once, instead of in tests/test_bench_smoke.py: it fails on any failed check (exit status 1), and its
-report shows that every kernel check passes here, that packages a GPU image may lack are reported as not run, and
-that sections the time budget does not reach are recorded, not skipped."""
+report shows that every kernel and family check passes here and that packages a GPU image may lack are reported as
+not run; sections the time budget does not reach are recorded, not skipped."""
 
 import json
 
@@ -37,6 +37,13 @@ def test_every_kernel_backend_in_every_format_matches_reference_on_cpu(smoke_rep
     assert all(("GPU-only" if c["name"].split(" / ")[1] == "bf16" else "by design") in c["detail"] for c in not_run)
     assert all(c["passed"] for c in checks if c not in not_run), [c for c in checks if c["passed"] is False]
     assert smoke_report["sections"]["environment"]["measurements"]["backend"] == "cpu"
+
+
+def test_small_families_match_the_cpu_reference(smoke_report):
+    from bench.gpu.numerics import SMALL_FAMILIES
+
+    checks = smoke_report["sections"]["families"]["checks"]
+    assert [c["name"] for c in checks] == list(SMALL_FAMILIES) and all(c["passed"] for c in checks), checks
 
 
 def test_sections_past_the_budget_are_recorded_as_not_run(capsys):

@@ -6,7 +6,6 @@ prefetch; layer groups)."""
 from __future__ import annotations
 
 import functools
-import math
 import os
 import subprocess
 import sys
@@ -76,7 +75,7 @@ def kernels(small: bool, budget: Budget, log) -> SectionResult:
                         f"max(1, max |reference|)")
     jitted = {b: jax.jit(functools.partial(moe_ffn, backend=b)) for b in BACKENDS}
     if small:  # tiny shapes, seconds: every check runs whatever the time (tests/test_gpu_check.py asserts on all)
-        budget = Budget(math.inf, excluded=budget.excluded)
+        budget = budget.unbounded()
     for fmt in (None, *FORMATS):
         for shape_name, shape in _shapes(small).items():
             inputs = kernel_inputs(shape, fmt)
@@ -156,6 +155,8 @@ def families(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
                         f"and the same argmax at every position but near ties (the CPU's top two logits within "
                         f"{ARGMAX_TIE} x max(1, max |CPU logit|): either is right)")
     directories = {family: family_checkpoint(d) for family, d in family_directories(workdir, small).items()}
+    if small:  # two tiny models, and the CPU reference computes them whatever the time: compare them too
+        budget = budget.unbounded()
     out = workdir / "cpu_logits.npz"
     # The CPU reference runs in its own process, on JAX's CPU backend, while this one runs on the device.
     child = subprocess.Popen([sys.executable, "-m", "bench.gpu_check", "--cpu-reference", str(workdir),

@@ -8,6 +8,7 @@ rest of a lent machine's time."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 import traceback
@@ -37,6 +38,10 @@ class Budget:
 
     def out_of_time(self) -> bool:
         return self.left() <= 0
+
+    def unbounded(self) -> Budget:
+        """The same exclusions without a deadline: for sections a small run completes whatever the time."""
+        return Budget(math.inf, excluded=self.excluded)
 
     def not_running(self, name: str) -> str | None:
         """Why item `name` does not run (out of time, or excluded), or None when it runs."""
