@@ -3,6 +3,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile in fresh processes and must not write into the user's cache; tests of the cache set their own.
 os.environ.setdefault("JMOE_COMPILE_CACHE", "off")
+# PyTorch (the reference) on one thread: beside the other xdist worker its threads spin-wait for each other (test_hf_parity
+# and test_families took 10% more CPU with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Compiling dominates this suite's time (tiny models, many programs): jmoe.compile_cache.FAST_COMPILE_XLA_FLAGS (as the
 # bench smoke runs use them) cut XLA:CPU's compiling to about a third, here and in every process a test starts (servers,
 # expert-parallel and distributed children, GPU-target compile workers, where the XLA:CPU options change nothing).
