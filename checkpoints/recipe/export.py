@@ -69,14 +69,9 @@ def hf_tensors(params: nnx.State, cfg: ModelConfig, dtype) -> dict[str, np.ndarr
     return out
 
 
-# A plain ChatML template, so `python -m jmoe.serve` answers chat requests (the model was not trained on chats).
-CHAT_TEMPLATE = """{%- for message in messages %}
-{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
+# A ChatML template, so `python -m jmoe.serve` answers chat requests (the model was not trained on chats), with tools
+# as Qwen's templates write them (Hermes-style <tool_call> blocks), so it takes tool calls too.
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text(encoding="utf-8")
 
 
 def export(params: nnx.State, hf_config: dict, tokenizer_json: Path, out_dir: Path) -> None:
