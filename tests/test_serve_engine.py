@@ -1,9 +1,12 @@
 """The continuous-batching engine (jmoe.serve.ServingEngine) without HTTP: exactness against Model.generate
-whatever the neighbours, at several cache sizes; seeded sampling independent of neighbours; penalties and
-logprobs against the model's own logits; stops, cancellation, limits; no compilation after warm-up."""
+whatever the neighbours, at several cache sizes; seeded sampling independent of neighbours; penalties, biases,
+min_tokens, min_p and logprobs against the model's own logits and transformers' processors; grammar-constrained
+rows beside free ones; stops, cancellation, limits; no compilation after warm-up."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import jax
@@ -222,6 +225,122 @@ def test_plain_greedy_decode_steps_run_no_choice_and_a_later_penalised_request_s
     assert reference_choices(model, prompt, penalised.tokens, presence=0.5, frequency=1.5)[0] == penalised.tokens
 
 
+def greedy_reference(model, prompt, generated, process):
+    """What each generated greedy token should have been: argmax of process(prefix ids, the model's logits there)
+    (a transformers LogitsProcessor applied to the full prefix, prompt + generated so far)."""
+    import torch
+
+    logits = torch.tensor(np.asarray(model.logits([prompt + generated])[0, len(prompt) - 1:-1], np.float32))
+    choices = []
+    for t in range(len(generated)):
+        ids = torch.tensor([prompt + generated[:t]])
+        choices.append(int(torch.argmax(process(ids, logits[t:t + 1].clone())[0])))
+    return choices
+
+
+def test_repetition_penalty_min_tokens_and_logit_bias_match_transformers(engine, model, prompt_ids):
+    """Greedy rows side by side, each against transformers' own processor over the model's logits: the repetition
+    penalty over prompt + generated tokens, min_tokens' ban of EOS and the stop tokens, logit_bias adding to the
+    logits (-100 bans the greedy token, +100 forces one); bad_words' bans."""
+    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    prompt = prompt_ids[2]  # its greedy continuation repeats itself
+    free = engine.submit(prompt, greedy(12))
+    run_until_done(engine, [free])
+    stop = free.tokens[1]
+    repeated = engine.submit(prompt, RequestParams(max_tokens=12, temperature=0.0, repetition_penalty=1.8))
+    late_stop = engine.submit(prompt, RequestParams(max_tokens=12, temperature=0.0, min_tokens=6,
+                                                    stop_token_ids=(stop,)))
+    run_until_done(engine, [repeated, late_stop])
+    assert repeated.tokens != free.tokens
+    assert greedy_reference(model, prompt, repeated.tokens, RepetitionPenaltyLogitsProcessor(1.8)) == repeated.tokens
+    bans = MinNewTokensLengthLogitsProcessor(len(prompt), 6, [*model.config.eos_token_ids, stop])
+    assert greedy_reference(model, prompt, late_stop.tokens, bans) == late_stop.tokens
+    assert stop not in late_stop.tokens[:6] and len(late_stop.tokens) > 6
+    assert late_stop.finish_reason == ("stop" if {stop, *model.config.eos_token_ids} & set(late_stop.tokens)
+                                       else "length")
+    banned = engine.submit(prompt, RequestParams(max_tokens=12, temperature=0.0, logit_bias=((free.tokens[0], -100),)))
+    forced = engine.submit(prompt, RequestParams(max_tokens=4, temperature=0.9, seed=5, logit_bias=((7, 100.0),)))
+    run_until_done(engine, [banned, forced])
+    assert banned.tokens[0] != free.tokens[0] and free.tokens[0] not in banned.tokens
+    assert forced.tokens == [7] * 4
+    # vLLM's bad_words: a sequence's last token is banned right after the rest of it.
+    pair = engine.submit(prompt, RequestParams(max_tokens=3, temperature=0.0, bad_words=(tuple(free.tokens[:2]),)))
+    run_until_done(engine, [pair])
+    assert pair.tokens[0] == free.tokens[0] and pair.tokens[1] != free.tokens[1]
+
+
+@pytest.mark.quick
+def test_choice_program_samples_as_transformers_warpers_filter():
+    """The token-choice program on random logits (no model): bias, repetition penalty, temperature, top-k and
+    min-p as transformers' processors and warpers compute them, then the row's own key's draw, for rows side by
+    side in one call; a -inf bias is never chosen."""
+    import torch
+    from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper)
+
+    from jmoe.decode.sampling import SamplingArrays
+    from jmoe.serve.programs import make_choose_fn
+
+    vocab, rows = 64, 4
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    seen = np.zeros((rows, vocab), bool)
+    seen[:, :8] = True  # the prompts' tokens
+    bias = np.zeros((rows, vocab), np.float32)
+    bias[:, np.argmax(logits, axis=1)] = -np.inf  # every row's most likely token banned
+    bias[1, 9] = 2.5
+    settings = [(0.7, 0, 0.1, 1.3), (1.0, 5, 0.0, 1.0), (1.3, 0, 0.3, 0.7), (0.5, 3, 0.05, 2.0)]
+    temperature, top_k, min_p, repetition = (np.array(column, dtype) for column, dtype in
+                                              zip(zip(*settings), (np.float32, np.int32, np.float32, np.float32)))
+    choose = make_choose_fn(False, False, True)
+    zeros = np.zeros(rows, np.float32)
+    for index in range(20):
+        seeds = np.arange(rows, dtype=np.uint32) + 100
+        counts = jax.numpy.zeros((rows, vocab), np.int32)
+        (tokens, *_), _ = choose(logits, counts, seen, np.arange(rows, dtype=np.int32), np.ones(rows, bool),
+                                 SamplingArrays(temperature, top_k, np.ones(rows, np.float32)), zeros, zeros,
+                                 repetition, min_p, seeds, np.full(rows, index, np.int32), bias)
+        for r, (t, k, p, penalty) in enumerate(settings):
+            ids = torch.arange(8)[None]
+            scores = torch.tensor(logits[r] + bias[r])[None]
+            scores = RepetitionPenaltyLogitsProcessor(penalty)(ids, scores)
+            for warper in [TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else []) + \
+                    ([MinPLogitsWarper(p)] if p else []):
+                scores = warper(ids, scores)
+            key = jax.random.fold_in(jax.random.PRNGKey(seeds[r]), index)
+            expected = jax.random.categorical(key, jax.numpy.asarray(scores.numpy()), axis=-1)[0]
+            assert int(tokens[r]) == int(expected), (index, r)
+            assert bias[r, int(tokens[r])] != -np.inf
+
+
+def test_grammar_rows_and_free_rows_share_a_batch(engine, model, prompt_ids):
+    """A JSON-schema row and a regex row beside a free greedy row: the constrained texts follow their grammars (and
+    end when the grammar does), the free row's tokens are its tokens alone."""
+    from jmoe.serve.grammar import Grammars
+
+    grammars = Grammars(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    alone = engine.submit(prompt_ids[0], greedy(10))
+    run_until_done(engine, [alone])
+    json_row = engine.submit(prompt_ids[1], RequestParams(max_tokens=40, temperature=0.0,
+                                                          constraint=grammars.json_schema(schema)))
+    free = engine.submit(prompt_ids[0], greedy(10))
+    regex_row = engine.submit(prompt_ids[2], RequestParams(max_tokens=20, temperature=1.0, seed=3,
+                                                           constraint=grammars.regex(r"[a-c]{2,5}!")))
+    run_until_done(engine, [json_row, free, regex_row])
+    assert free.tokens == alone.tokens
+    value = json.loads(model.tokenizer.decode(json_row.tokens))
+    assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99 and isinstance(value["ok"], bool)
+    assert json_row.finish_reason == "stop" and json_row.grammar_seconds > 0
+    assert re.fullmatch(r"[a-c]{2,5}!", model.tokenizer.decode(regex_row.tokens))
+    with pytest.raises(RequestError, match="cannot compile") as error:
+        grammars.json_schema({"type": "string", "format": "no-such-format"})
+    assert error.value.param == "response_format"
+
+
 def test_stop_strings_stop_tokens_and_eos(engine, model, prompt_ids):
     tokenizer = model.tokenizer
     free = engine.submit(prompt_ids[0], greedy(16))
@@ -268,9 +387,9 @@ def test_bad_requests_and_a_full_queue(engine, prompt_ids):
     run_until_done(engine, waiting)
 
 
-def test_no_program_compiles_after_warm_up(engine, prompt_ids):
-    """Long prompts (chunked), every occupancy, greedy and sampled rows, logprobs and penalties: the warm
-    engine compiles nothing (counted by JAX's own compile events, not only the engine's table)."""
+def test_no_program_compiles_after_warm_up(engine, model, prompt_ids):
+    """Long prompts (chunked), every occupancy, greedy and sampled rows, logprobs, penalties, biases and a grammar:
+    the warm engine compiles nothing (counted by JAX's own compile events, not only the engine's table)."""
     compiled = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *_, **__: compiled.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
@@ -282,6 +401,12 @@ def test_no_program_compiles_after_warm_up(engine, prompt_ids):
               (prompt_ids[3], RequestParams(max_tokens=5, temperature=0.0, presence_penalty=1.0))],
              [(ids, RequestParams(max_tokens=2 + i, temperature=0.5 * (i % 2), seed=i)) for i, ids in
               enumerate(prompt_ids[:3])]]
+    from jmoe.serve.grammar import Grammars
+
+    choice = Grammars(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids).choice(["yes", "no"])
+    mixes.append([(prompt_ids[0], RequestParams(max_tokens=4, temperature=0.0, constraint=choice)),
+                  (prompt_ids[1], RequestParams(max_tokens=6, temperature=0.8, seed=1, min_p=0.1,
+                                                repetition_penalty=1.2, min_tokens=2, logit_bias=((3, -100),)))])
     for mix in mixes:
         requests = [engine.submit(ids, params) for ids, params in mix]
         run_until_done(engine, requests)
@@ -330,7 +455,7 @@ def test_warm_up_stops_with_an_error_before_its_programs_pass_the_memory_mapping
     assert real() is not None  # Linux: /proc has the counts
     monkeypatch.setattr(mappings, "held_and_limit", lambda: (real()[0], real()[0] + 1000))
     engine = ServingEngine(model, max_batch=1, context=64)
-    with pytest.raises(InsufficientMemoryError, match=r"vm\.max_map_count.*--max-batch 1, --context 64: 7 programs"):
+    with pytest.raises(InsufficientMemoryError, match=r"vm\.max_map_count.*--max-batch 1, --context 64: 10 programs"):
         engine.warm_up()
     assert engine.compiled_programs == 1
     assert engine._mappings.per_program > 100  # the first program's own mappings, measured

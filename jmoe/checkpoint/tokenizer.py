@@ -21,8 +21,12 @@ class TextTokenizer:
         add (a BOS, say): a chat template writes those itself."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json's text (what a grammar engine builds its token table from)."""
+        return self._tok.to_str()
 
 
 def load_tokenizer(model_dir: Path) -> TextTokenizer | None:

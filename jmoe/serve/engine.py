@@ -29,11 +29,11 @@ import numpy as np
 
 from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
-from jmoe.decode.sampling import SamplingArrays
 from jmoe.model import empty_kv_cache
+from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias, static_bias
 from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
-from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_prefill_fn
+from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_mark_prompt_fn, make_prefill_fn
 from jmoe.serve.text import StopText
 
 # Prompt tokens per prefill entry and step; shorter chunks are padded up to the next of these. 192 halves the most
@@ -43,6 +43,12 @@ from jmoe.serve.text import StopText
 CHUNK_BUCKETS = (16, 64, 128, 192, 256)
 # The fewest cache columns a decode step's attention reads (then powers of two up to the context).
 MIN_VISIBLE = 64
+# The token-choice program's static variants (greedy, logprobs, biased): a step with a biased row runs one with
+# logprobs, whose other rows' tokens are what a narrower variant would choose (two more programs per entry bucket).
+# The bias is a variant rather than always passed: building and sending a [8, V] zero array took a greedy choice
+# from 5.9 to 7.5 ms at V = 151,936 on two CPU cores (0.31 to 0.36 ms at 4,096), and plain greedy steps run none.
+CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, True)) + ((True, True, True),
+                                                                                        (False, True, True))
 
 
 class TokenEvent(NamedTuple):
@@ -59,11 +65,16 @@ class Request:
     """A submitted request: read its tokens with `events()` (or the `on_event` callback given to submit)."""
 
     def __init__(self, prompt: list[int], params: RequestParams, seed: int,
-                 on_event: Callable[[TokenEvent], None] | None, stop_text: StopText):
+                 on_event: Callable[[TokenEvent], None] | None, stop_text: StopText, vocab_size: int):
         self.id = uuid.uuid4().hex
         self.prompt = prompt
         self.params = params
         self.seed = seed
+        # The bias every step of the request adds (logit_bias, allowed_token_ids), None when it has none.
+        self.static_bias = static_bias(params, vocab_size)
+        # A grammar's matcher (jmoe.serve.grammar.Matcher), advanced with every token, asked for each step's mask.
+        self.matcher = None if params.constraint is None else params.constraint.matcher()
+        self.grammar_seconds = 0.0  # host time spent on the grammar's masks
         self.tokens: list[int] = []  # generated so far
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
@@ -146,13 +157,14 @@ class ServingEngine:
         # A step of first chunks reads only its own columns; a step that continues a long prompt reads them all.
         self._prefill = {v: make_prefill_fn(model.graphdef, model.engine, v) for v in (*self.chunks, context)}
         self._decode = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
-        self._choose = {(greedy, logprobs): make_choose_fn(greedy, logprobs)
-                        for greedy in (True, False) for logprobs in (True, False)}
+        self._choose = {variant: make_choose_fn(*variant) for variant in CHOOSE_VARIANTS}
+        self._mark_prompt = make_mark_prompt_fn()
         self._programs: dict[tuple, jax.stages.Compiled] = {}
         self._mappings = MappingBudget(f"lower max_batch or context (--max-batch {max_batch}, --context {context}: "
                                        f"{self.program_count} programs)")
         self.kv_cache = empty_kv_cache(cfg, max_batch, context, model.kv_dtype)
         self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
+        self.seen = jnp.zeros((max_batch, cfg.vocab_size), bool)  # prompt tokens, for repetition penalties
         self._rows: list[Request | None] = [None] * max_batch
         self._waiting: deque[Request] = deque()
         self._lock = threading.Condition()
@@ -175,6 +187,7 @@ class ServingEngine:
                                              f"shorten the prompt or lower max_tokens")
         if params.stop and self.model.tokenizer is None:
             raise RequestError("stop", "stop strings need the model's tokenizer.json; use stop_token_ids")
+        params.check_vocabulary(self.config.vocab_size)
         with self._lock:
             if self._stopping:
                 raise QueueFullError("the server is shutting down")
@@ -182,7 +195,9 @@ class ServingEngine:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue "
                                      f"{self.max_queue}); retry later")
             seed = self._seeds.getrandbits(32) if params.seed is None else params.seed
-            request = Request(list(prompt), params, seed, on_event, StopText(self.model.tokenizer, params.stop))
+            text = StopText(self.model.tokenizer, params.stop, params.include_stop_str_in_output,
+                            params.skip_special_tokens)
+            request = Request(list(prompt), params, seed, on_event, text, self.config.vocab_size)
             self._waiting.append(request)
             self._lock.notify()
         return request
@@ -240,23 +255,27 @@ class ServingEngine:
                     _, _, self.kv_cache, engine.state = self._program(
                         ("prefill", entries, chunk, visible), self._prefill[visible], args)(*args)
             for variant, choose in self._choose.items():
-                args = self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries, reset=True)
+                args = self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries, reset=True,
+                                         biased=variant[2])
                 _, self.counts = self._program(("choose", *variant, entries), choose, args)(*args)
             for visible in self.visible_buckets:
                 args = self._decode_args(np.zeros(entries, np.int32), np.zeros(entries, np.int32),
                                          np.zeros(entries, bool))
                 _, _, self.kv_cache, engine.state = self._program(("decode", visible, entries), self._decode[visible],
                                                                   args)(*args)
+        args = self._mark_args(self.max_batch, np.zeros(self.config.vocab_size, bool))
+        self.seen = self._program(("mark_prompt",), self._mark_prompt, args)(*args)
         engine.state = jax.tree.map(jax.device_put, saved, shardings)
         self.kv_cache = empty_kv_cache(self.config, self.max_batch, self.context, self.model.kv_dtype)
         self.counts = jnp.zeros_like(self.counts)
+        self.seen = jnp.zeros_like(self.seen)
         self.ready = True
 
     @property
     def program_count(self) -> int:
         """The programs warm_up compiles: per entry bucket, prefill (each chunk bucket, first or later chunks), token
-        choice (each variant) and decode (each visible bucket)."""
-        return len(self.entry_buckets) * (2 * len(self.chunks) + len(self._choose) + len(self.visible_buckets))
+        choice (each variant) and decode (each visible bucket); and the one that marks a prompt's tokens."""
+        return len(self.entry_buckets) * (2 * len(self.chunks) + len(self._choose) + len(self.visible_buckets)) + 1
 
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
         program = self._programs.get(key)
@@ -273,7 +292,11 @@ class ServingEngine:
         nothing to do. The background thread calls it in a loop; call it yourself only when not started."""
         with self._lock:
             self._release_cancelled()
-            self._admit()
+            admitted = self._admit()
+        for request in admitted:
+            if request.params.repetition_penalty != 1.0:  # its penalty reads the prompt's tokens
+                args = self._mark_args(request.row, np.isin(np.arange(self.config.vocab_size), request.prompt))
+                self.seen = self._program(("mark_prompt",), self._mark_prompt, args)(*args)
         prefilling = [r for r in self._rows if r is not None and r.prefilled < len(r.prompt)]
         for batch in self._prefill_batches(prefilling):
             self._prefill_step(batch)
@@ -311,12 +334,15 @@ class ServingEngine:
             if request.cancelled:
                 self._finish(request, "cancelled")
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        admitted = []
         for row, occupant in enumerate(self._rows):
             if occupant is None and self._waiting:
                 request = self._waiting.popleft()
                 request.row = row
                 self._rows[row] = request
+                admitted.append(request)
+        return admitted
 
     def _finish(self, request: Request, reason: str, token: int | None = None, text: str = "",
                 logprob: float | None = None, top=None) -> None:
@@ -396,7 +422,7 @@ class ServingEngine:
         args = self._decode_args(tokens, positions, active)
         (logits, argmax, finite), routing, self.kv_cache, state = self._program(
             ("decode", visible, entries), self._decode[visible], args)(*args)
-        if all(r is None or r.params.plain_greedy for r in rows):
+        if all(r is None or (r.params.plain_greedy and not r.matcher) for r in rows):
             # Every token is its row's argmax: no choice program (0.2-0.5 ms a step, a tenth of it). The rows' penalty
             # counts are left behind, which only a request with penalties reads, and it resets them when it starts.
             choice = (argmax, None, None, None)
@@ -414,10 +440,13 @@ class ServingEngine:
             self.observer.step(kind, time.perf_counter() - began, rows, routing)
 
     def _choose_tokens(self, logits, requests: list[Request | None], reset: bool):
-        """The next token of each entry of `logits` [P, V] (requests: P entries, None = padding)."""
-        variant = (all(r is None or r.params.greedy for r in requests),
-                   any(r is not None and r.params.logprobs is not None for r in requests))
-        args = self._choose_args(logits, requests, reset)
+        """The next token of each entry of `logits` [P, V] (requests: P entries, None = padding). Called once the
+        step that makes `logits` is dispatched: the grammars' masks are computed while the device runs it."""
+        greedy = all(r is None or r.params.greedy for r in requests)
+        biased = any(r is not None and has_bias(r) for r in requests)
+        variant = (greedy, True, True) if biased else \
+            (greedy, any(r is not None and r.params.logprobs is not None for r in requests), False)
+        args = self._choose_args(logits, requests, reset, biased)
         choice, self.counts = self._program(("choose", *variant, len(requests)), self._choose[variant], args)(*args)
         return choice
 
@@ -435,9 +464,10 @@ class ServingEngine:
             logprob = float(token_logprobs[entry])
             top = tuple(zip(map(int, top_ids[entry, :params.logprobs]),
                             map(float, top_logprobs[entry, :params.logprobs])))
-        text = request._text.delta(request.tokens)
+        text = request._text.delta(request.tokens, may_stop=len(request.tokens) > params.min_tokens)
         reason = None
-        if request._text.stopped or token in params.stop_token_ids or (token in self.eos and not params.ignore_eos):
+        if request._text.stopped or token in params.stop_token_ids or (token in self.eos and not params.ignore_eos) \
+                or grammar_complete(request, token):
             reason = "stop"
         elif len(request.tokens) >= params.max_tokens:
             reason = "length"
@@ -455,19 +485,15 @@ class ServingEngine:
     def _decode_args(self, tokens, positions, active) -> tuple:
         return (self.model.params, self.model.engine.state, self.kv_cache, tokens, positions, active)
 
-    def _choose_args(self, logits, requests: list[Request | None], reset: bool) -> tuple:
-        n = len(requests)
-        temperature, presence, frequency = (np.zeros(n, np.float32) for _ in range(3))
-        top_p = np.ones(n, np.float32)
-        top_k, indices = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        seeds = np.zeros(n, np.uint32)
-        rows = np.full(n, self.max_batch, np.int32)
-        for i, request in enumerate(requests):
-            if request is None:
-                continue
-            p = request.params
-            temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
-            seeds[i], indices[i], rows[i] = request.seed, len(request.tokens), request.row
-        return (logits, self.counts, rows, np.full(n, reset), SamplingArrays(temperature, top_k, top_p), presence,
-                frequency, seeds, indices)
+    def _choose_args(self, logits, requests: list[Request | None], reset: bool, biased: bool = False) -> tuple:
+        arrays, grammar_seconds = choice_arrays(requests, self.max_batch, self.config.vocab_size, self.eos, biased)
+        constrained = sum(r is not None and r.matcher is not None for r in requests)
+        if constrained and self.observer is not None and hasattr(self.observer, "grammar"):
+            self.observer.grammar(grammar_seconds, constrained)
+        return (logits, self.counts, self.seen, arrays.rows, np.full(len(requests), reset), arrays.sampling,
+                arrays.presence, arrays.frequency, arrays.repetition, arrays.min_p, arrays.seeds, arrays.indices,
+                arrays.bias)
+
+    def _mark_args(self, row: int, mask: np.ndarray) -> tuple:
+        return self.seen, np.int32(row), mask
+

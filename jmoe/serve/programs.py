@@ -81,22 +81,32 @@ def make_decode_fn(graphdef, engine, visible: int):
     return jax.jit(decode, donate_argnums=(1, 2))
 
 
-def make_choose_fn(greedy: bool, logprobs: bool):
-    """The next token of P entries from their logits [P, V]: penalties from `counts` [B, V] (tokens each row
-    has generated; `reset` entries start from none), then argmax, or per-row temperature / top-k / top-p
-    sampling with the entry's own key (seed and token index), so a row's draw never depends on its
-    neighbours. Returns (tokens int32 [P], their log-probabilities, the top MAX_TOP_LOGPROBS ids and
-    log-probabilities, counts with each entry's token added). Log-probabilities are the model's own
-    (log-softmax of the raw logits, before penalties and temperature), as vLLM reports them. Static variants:
-    `greedy`, every entry is greedy and nothing is sorted; without `logprobs` no entry asked for them, and
-    zeros stand in (a top-k over the vocabulary costs about as much as the rest of the choice)."""
+def make_choose_fn(greedy: bool, logprobs: bool, biased: bool):
+    """The next token of P entries from their logits [P, V]: the entry's additive `bias` [P, V] (static variant
+    `biased`; logit_bias values, -inf on banned tokens: min_tokens, allowed_token_ids, a grammar's mask), then the
+    repetition penalty over `seen` [B, V] (the row's prompt tokens, set by make_mark_prompt_fn for a request that
+    asks for the penalty) and the tokens it has generated, then the presence and frequency penalties from `counts`
+    [B, V] (tokens each row has generated; `reset` entries start from none), then argmax, or per-row temperature /
+    top-k / top-p / min-p sampling with the entry's own key (seed and token index), so a row's draw never depends
+    on its neighbours. Every parameter is a traced per-entry array (repetition 1 and min_p 0 = off, exactly: x / 1
+    and x * 1 are x). Returns (tokens int32 [P], their log-probabilities, the top MAX_TOP_LOGPROBS ids and
+    log-probabilities, counts with each entry's token added). Log-probabilities are the model's own (log-softmax
+    of the raw logits, before bias, penalties and temperature), as vLLM reports them. Static variants: `greedy`,
+    every entry is greedy and nothing is sorted; without `logprobs` no entry asked for them, and zeros stand in (a
+    top-k over the vocabulary costs about as much as the rest of the choice); without `biased` no entry has a
+    bias this step and `bias` is None (a [P, V] array built and sent every step costs the host and the link)."""
 
-    def choose(logits, counts, rows, reset, sampling: SamplingArrays, presence, frequency, seeds, indices):
+    def choose(logits, counts, seen, rows, reset, sampling: SamplingArrays, presence, frequency, repetition, min_p,
+               seeds, indices, bias):
         row_counts = jnp.where(reset[:, None], 0, jnp.take(counts, rows, axis=0, mode="clip"))
-        penalised = logits - frequency[:, None] * row_counts - presence[:, None] * (row_counts > 0)
+        row_seen = jnp.take(seen, rows, axis=0, mode="clip") | (row_counts > 0)
+        scores = logits + bias if biased else logits
+        penalty = repetition[:, None]
+        scores = jnp.where(row_seen, jnp.where(scores > 0, scores / penalty, scores * penalty), scores)
+        penalised = scores - frequency[:, None] * row_counts - presence[:, None] * (row_counts > 0)
         tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
         if not greedy:
-            drawn = jax.vmap(_sample_one)(penalised, seeds, indices, sampling)
+            drawn = jax.vmap(_sample_one)(penalised, seeds, indices, sampling, min_p)
             tokens = jnp.where(sampling.temperature > 0, drawn, tokens)
         entries = tokens.shape[0]
         if logprobs:
@@ -114,9 +124,20 @@ def make_choose_fn(greedy: bool, logprobs: bool):
     return jax.jit(choose, donate_argnums=(1,))
 
 
-def _sample_one(logits, seed, index, sampling: SamplingArrays):
-    """One row's draw: its key is its seed folded with the index of the token it draws."""
+def make_mark_prompt_fn():
+    """(seen bool [B, V], row int32, mask bool [V]) -> seen with row `row` replaced by `mask` (the prompt's tokens
+    of a request with a repetition penalty; rows past B dropped)."""
+    return jax.jit(lambda seen, row, mask: seen.at[row].set(mask, mode="drop"), donate_argnums=(0,))
+
+
+def _sample_one(logits, seed, index, sampling: SamplingArrays, min_p):
+    """One row's draw: its key is its seed folded with the index of the token it draws. min_p (0 = off) drops the
+    tokens whose probability after temperature is below min_p times the most likely one's, as Hugging Face's
+    MinPLogitsWarper does after top-k and top-p (the most likely token survives both, so the order does not matter):
+    p_i < min_p * p_max <=> logit_i < logit_max + temperature * log(min_p)."""
     key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
     params = jax.tree.map(lambda a: a[None], sampling)
     params = params._replace(temperature=jnp.where(params.temperature > 0, params.temperature, 1.0))
+    floor = jnp.max(logits) + params.temperature[0] * jnp.log(min_p)
+    logits = jnp.where(logits < floor, -jnp.inf, logits)
     return sample(logits[None], key, params)[0]
