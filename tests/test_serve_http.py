@@ -13,9 +13,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import re
+from typing import Annotated, Literal
+
 import httpx
+import numpy as np
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 import jmoe
 from jmoe.cli.common import DEFAULT_MODEL_DIR
@@ -27,6 +32,9 @@ pytestmark = pytest.mark.xdist_group("serve_http")
 # Two rows share steps as more would; each power of two up to max batch is a set of programs to warm up.
 CONTEXT, MAX_BATCH, MAX_QUEUE = 256, 2, 8
 READY_DEADLINE = 300  # seconds: load + warm-up on two busy cores
+OPENAI_COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+                            "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
+                            "top_p", "user"}
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self", "import os\n", "for i in range(10):",
            "# Compute the mean\n", "x = [", "return self."]
 
@@ -89,7 +97,7 @@ class Server:
             time.sleep(0.1)
 
     def complete(self, prompt, **kwargs):
-        extra = {name: kwargs.pop(name) for name in ("top_k", "ignore_eos") if name in kwargs}  # vLLM's, not OpenAI's
+        extra = {name: kwargs.pop(name) for name in list(kwargs) if name not in OPENAI_COMPLETION_FIELDS}  # vLLM's
         return self.client.completions.create(model="default", prompt=prompt, extra_body=extra, **kwargs)
 
 
@@ -239,6 +247,91 @@ def test_logprobs(server):
     assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
 
 
+class Pet(BaseModel):
+    """What chat.completions.parse asks for: an enum, bounded integers, a boolean, bounded strings and lists."""
+
+    kind: Literal["cat", "dog", "parrot"]
+    age: int = Field(ge=0, le=30)
+    vaccinated: bool
+    name: str = Field(max_length=12)
+    tags: list[Annotated[str, Field(max_length=8)]] = Field(max_length=3)
+
+
+def test_structured_outputs_always_parse(server):
+    """The shipped tiny model answers in the schema's shape, greedy or sampled, through the openai client's parse
+    helper (response_format json_schema, strict); json_object output is JSON; vLLM's fields on completions."""
+    messages = [{"role": "user", "content": "Describe a pet as JSON."}]
+    for settings in ({}, {"temperature": 1.0, "seed": 11}, {"temperature": 1.0, "seed": 12, "top_p": 0.9}):
+        parsed = server.client.chat.completions.parse(model="default", messages=messages, response_format=Pet,
+                                                      max_completion_tokens=200, **settings)
+        pet = parsed.choices[0].message.parsed
+        assert isinstance(pet, Pet), parsed.choices[0].message.content
+        assert parsed.choices[0].finish_reason == "stop"
+    anything = server.client.chat.completions.create(model="default", messages=messages, max_tokens=200,
+                                                     response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert anything.choices[0].message.content.startswith("{")
+    choice = server.complete(PROMPTS[0], max_tokens=8, guided_choice=["yes", "no", "maybe"])
+    assert choice.choices[0].text in ("yes", "no", "maybe")
+    regex = server.complete(PROMPTS[1], max_tokens=12, temperature=1.0, seed=2,
+                            structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    streamed = server.complete(PROMPTS[0], max_tokens=20, stream=True,
+                               guided_json={"type": "array", "items": {"type": "boolean"}, "maxItems": 2})
+    assert isinstance(json.loads("".join(c.choices[0].text for c in streamed)), list)
+
+
+def test_logit_bias_bans_and_forces_a_token(server, reference):
+    logits = np.asarray(reference.logits([reference.tokenizer.encode(PROMPTS[0])])[0, -1])
+    first, second = map(int, np.argsort(-logits)[:2])
+    banned = server.complete(PROMPTS[0], max_tokens=1, logit_bias={str(first): -100})
+    assert banned.choices[0].text == reference.tokenizer.decode([second])  # greedy: the next most likely
+    forced = server.complete(PROMPTS[0], max_tokens=3, temperature=1.0, logit_bias={"7": 100}, ignore_eos=True)
+    assert forced.choices[0].text == reference.tokenizer.decode([7, 7, 7])
+    for empty in (None, {}):
+        assert server.complete(PROMPTS[0], max_tokens=2, logit_bias=empty).usage.completion_tokens == 2
+
+
+def test_every_openai_and_vllm_field_is_accepted(server):
+    """Fields that change nothing here, vLLM's extensions, and a field nobody defines (logged once, ignored)."""
+    common = {
+        "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "safety_identifier": "s",
+        "prompt_cache_key": "c", "frequency_penalty": None, "presence_penalty": 0.0, "seed": 3, "top_p": 1.0,
+        "logit_bias": None, "stop": None, "n": 1, "stream": False, "top_k": -1, "min_p": 0.0,
+        "repetition_penalty": 1.0, "min_tokens": 1, "stop_token_ids": [1], "include_stop_str_in_output": False,
+        "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+        "allowed_token_ids": None, "truncate_prompt_tokens": 20, "length_penalty": 1.0, "use_beam_search": False,
+        "priority": 0, "request_id": "r1", "cache_salt": "salt", "kv_transfer_params": None, "vllm_xargs": {},
+        "return_token_ids": False, "stream_interval": 1, "response_format": {"type": "text"},
+        "guided_decoding_backend": "xgrammar", "bad_words": ["lambda"], "no_such_field_anywhere": 1,
+    }
+    completion = post(server, "/v1/completions", {
+        "model": "default", "prompt": PROMPTS[0], "max_tokens": 4, "echo": True, "best_of": 1, "suffix": None,
+        "logprobs": None, "add_special_tokens": True, **common})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"].startswith(PROMPTS[0])  # echo
+    chat = post(server, "/v1/chat/completions", {
+        "model": "default", "max_completion_tokens": 4, "logprobs": False, "top_logprobs": None,
+        "parallel_tool_calls": True, "modalities": ["text"], "prediction": {"type": "content", "content": "x"},
+        "reasoning_effort": "low", "verbosity": "low", "stream_options": None, "add_generation_prompt": True,
+        "continue_final_message": False, "chat_template_kwargs": {"enable_thinking": False}, "echo": False,
+        "messages": [{"role": "developer", "content": "Be brief."},
+                     {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}], **common})
+    assert chat.status_code == 200, chat.text
+    assert "ignored fields no schema defines: no_such_field_anywhere" in server.log_tail(20000)
+
+
+def test_stream_usage_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    chunks = list(server.complete(PROMPTS[2], max_tokens=6, stream=True, ignore_eos=True, echo=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chunks[0].choices[0].text == PROMPTS[2]  # echo: the prompt comes first
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 6
+
+
 def post(server, path, body, **kwargs):
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=60,
@@ -253,7 +346,21 @@ def post(server, path, body, **kwargs):
     ({"model": "default", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
     ({"model": "default", "prompt": "x", "temperature": 3}, 400, "temperature"),
     ({"model": "default", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ({"model": "default", "prompt": "x", "logit_bias": {}}, 400, "logit_bias"),  # unknown fields are rejected
+    ({"model": "default", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),  # not a token id
+    ({"model": "default", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "default", "prompt": "x", "logit_bias": {"5000": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ({"model": "default", "prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias.5"),  # strict types
+    ({"model": "default", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"model": "default", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": "default", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"model": "default", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"model": "default", "prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+    ({"model": "default", "prompt": "x", "echo": True, "logprobs": 2}, 400, "echo"),
+    ({"model": "default", "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"model": "default", "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"model": "default", "prompt": "x", "guided_regex": "("}, 400, "guided_regex"),  # the engine names why
+    ({"model": "default", "prompt": "x", "guided_json": {"type": "string", "format": "nope"}}, 400, "guided_json"),
+    ({"model": "default", "prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}, 400, "guided_choice"),
     ({"model": "default", "prompt": [5000]}, 400, "prompt"),  # outside the vocabulary
     ({"model": "default", "prompt": "x " * 1000}, 400, "prompt"),  # longer than the context
     ({"model": "default", "prompt": "def f(x):\n" * 100_000}, 400, "prompt"),  # 1 MB
@@ -276,6 +383,22 @@ def test_bad_chat_requests(server):
     over = post(server, "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
                                                  "max_completion_tokens": CONTEXT})
     assert over.status_code == 400 and over.json()["error"]["param"] == "max_completion_tokens"
+    # What jmoe cannot serve is named: images, audio in or out, a schema the grammar engine cannot compile.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for body, param, words in [
+            ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]},
+             "messages.0.content.1", "image_url"),
+            ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA",
+                                                                                             "format": "wav"}}]}]},
+             "messages.0.content.0", "input_audio"),
+            ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "modalities", "audio"),
+            ({"messages": [{"role": "user", "content": "x"}], "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "nope"}}}},
+             "response_format.json_schema.schema", "nope")]:
+        response = post(server, "/v1/chat/completions", {"model": "default", **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and words in error["message"], error
 
 
 def open_streams(server, count: int, max_tokens: int = CONTEXT - 16) -> list[socket.socket]:
@@ -330,6 +453,8 @@ def test_hundred_dropped_requests(server):
 
 def test_nothing_compiles_after_warm_up(server):
     assert server.metric("jmoe:compiled_programs") == server.programs_after_warm_up
+    assert server.metric('jmoe:constrained_requests_total{kind="json_schema"}') > 0
+    assert server.metric("jmoe:grammar_mask_seconds_count") > 0
     assert server.metric('jmoe:step_seconds_count{kind="decode"}') > 0
     assert server.metric("jmoe:decode_distinct_experts_count") > 0
     assert server.metric("jmoe:time_to_first_token_seconds_count") > 0
@@ -382,6 +507,29 @@ def test_api_key_guards_v1_only():
             assert client.get("/v1/models", headers=good).json()["data"][0]["id"] == "m"
             loading = client.post("/v1/completions", headers=good, json={"model": "m", "prompt": "x"})
             assert loading.status_code == 503 and loading.headers["Retry-After"] == "1"
+    finally:
+        gate.set()
+
+
+@pytest.mark.quick
+def test_strict_fields_answers_400_to_a_field_nobody_defines():
+    from fastapi.testclient import TestClient
+
+    from jmoe.serve.http import create_app
+
+    gate = threading.Event()
+
+    def never_loads(observer):
+        gate.wait()
+        raise RuntimeError("this test loads no model")
+
+    try:
+        with TestClient(create_app(never_loads, "m", strict_fields=True)) as client:
+            body = {"model": "m", "prompt": "x", "stream_options": {"include_usage": True, "colour": "red"}}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options.colour"
+            known = client.post("/v1/completions", json={"model": "m", "prompt": "x", "store": True, "min_p": 0.1})
+            assert known.status_code == 503  # accepted: only the model is missing
     finally:
         gate.set()
 

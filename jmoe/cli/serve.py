@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per request, prompt + completion (default: 4096 or the model's "
                         "max_position_embeddings if smaller)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="answer 400 to a request field no OpenAI or vLLM schema defines (default: log it once per "
+                        "request and ignore it, as vLLM does)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
     add_offload_args(p)
@@ -71,7 +74,7 @@ def serve(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model_dir(args.model)
     app = create_app(make_engine_factory(args, model_dir), args.served_model_name or model_dir.resolve().name,
-                     args.api_key)
+                     args.api_key, args.strict_fields)
     state = app.state.server
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None), state)
     # A model that fails to load stops the server; the error is reported below (exit status 2 for a JmoeError).

@@ -1,8 +1,9 @@
 """Every HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
-400 for a bad request (malformed JSON, a wrong type, an unknown field, a value out of range: never FastAPI's
-raw 422), 401 without the API key, 404 for an unknown model or path, 503 with Retry-After while loading,
-shutting down or when the queue is full, 500 when generation itself failed.
+400 for a bad request (malformed JSON, a wrong type, a value out of range, what the server cannot serve, a
+field nobody defines under --strict-fields: never FastAPI's raw 422), 401 without the API key, 404 for an
+unknown model or path, 503 with Retry-After while loading, shutting down or when the queue is full, 500 when
+generation itself failed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jmoe.serve.params import RequestError
 # Fields whose alternatives pydantic reports one by one: one sentence says what each may be instead.
 FIELD_FORMS = {
     "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
-    "stop": "a string or a list of up to 4 strings",
+    "stop": "a string or a list of up to 64 strings",
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
 }
 

@@ -3,7 +3,8 @@
 Endpoints: GET /v1/models and /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events with `stream: true`), GET /health (the process answers), GET /ready (the model is loaded and
 every program compiled), GET /metrics (Prometheus). With an API key, /v1/* need `Authorization: Bearer KEY`;
-/health, /ready and /metrics stay open. Errors have OpenAI's shape (jmoe.serve.errors).
+/health, /ready and /metrics stay open. Errors have OpenAI's shape (jmoe.serve.errors). A body field no schema
+defines is logged once per request and ignored, as vLLM does; with `strict_fields` it is a 400.
 
 The model is loaded and warmed up on a background thread once the server runs, so /health answers at once
 and requests get 503 until /ready does. Engine events cross into asyncio through `call_soon_threadsafe`; a
@@ -16,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import secrets
 import threading
 import time
@@ -28,21 +30,24 @@ from starlette.concurrency import run_in_threadpool
 from jmoe.serve.chat import load_chat_template
 from jmoe.serve.engine import Request, ServingEngine, TokenEvent
 from jmoe.serve.errors import ApiError, install_error_handlers
+from jmoe.serve.grammar import Grammars
 from jmoe.serve.metrics import Metrics
 from jmoe.serve.openai_api import (ChatBody, Choice, CompletionBody, Generation, Reply, Served, chat_generation,
-                                   completion_generation, usage)
+                                   completion_generation, unknown_fields, usage)
 from jmoe.serve.params import QueueFullError, generation_defaults
 
 RETRY_AFTER_SECONDS = 1
+logger = logging.getLogger("jmoe.serve")
 
 
 class ServerState:
     """The engine once loaded (`loaded`: a future of it), the metrics it reports to, and whether the server
     is shutting down."""
 
-    def __init__(self, make_engine: Callable[[Metrics], ServingEngine], model_name: str):
+    def __init__(self, make_engine: Callable[[Metrics], ServingEngine], model_name: str, strict_fields: bool = False):
         self.make_engine = make_engine
         self.model_name = model_name
+        self.strict_fields = strict_fields
         self.metrics = Metrics()
         self.engine: ServingEngine | None = None
         self.served: Served | None = None
@@ -54,10 +59,16 @@ class ServerState:
         """Build, warm up and start the engine (on a background thread); `loaded` gets it or the error."""
         try:
             engine = self.make_engine(self.metrics)
-            source = engine.model.source
-            self.served = Served(engine.model.tokenizer, engine.context, engine.max_batch + engine.max_queue,
-                                 None if source is None else load_chat_template(source), generation_defaults(source))
+            model = engine.model
+            source = model.source
+            grammars = None if model.tokenizer is None else \
+                Grammars(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+            self.served = Served(model.tokenizer, engine.context, engine.max_batch + engine.max_queue,
+                                 None if source is None else load_chat_template(source), generation_defaults(source),
+                                 grammars)
             self.metrics.engine = self.engine = engine
+            if grammars is not None:
+                grammars.prepare()
             engine.start()
         except BaseException as error:  # reported by /health, /ready and the command line
             self.loaded.set_exception(error)
@@ -79,11 +90,13 @@ class ServerState:
         return self.engine
 
 
-def create_app(make_engine: Callable[[Metrics], ServingEngine], model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(make_engine: Callable[[Metrics], ServingEngine], model_name: str, api_key: str | None = None,
+               strict_fields: bool = False) -> FastAPI:
     """The server's app. `make_engine(observer)` builds the (not yet started) ServingEngine with that observer;
     it is called on a background thread when the app starts, then the engine is warmed up and started.
-    `model_name` is the only model /v1 requests may name; `api_key`, if given, is required on /v1."""
-    state = ServerState(make_engine, model_name)
+    `model_name` is the only model /v1 requests may name; `api_key`, if given, is required on /v1;
+    `strict_fields`: a body field no schema defines is a 400 instead of logged and ignored."""
+    state = ServerState(make_engine, model_name, strict_fields)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -177,6 +190,7 @@ def _check_model_name(state: ServerState, name: str) -> None:
 
 
 async def _generate(state: ServerState, body, http_request: HttpRequest, prepare, chat: bool):
+    _check_unknown_fields(state, body, http_request.url.path)
     _check_model_name(state, body.model)
     engine = state.running_engine()
     generation: Generation = await run_in_threadpool(prepare, body, state.served)  # tokenizing may take a while
@@ -196,7 +210,18 @@ async def _generate(state: ServerState, body, http_request: HttpRequest, prepare
     failed = [r.error for r in requests if r.finish_reason == "error"]
     if failed:
         raise ApiError(500, f"generation failed: {type(failed[0]).__name__}: {failed[0]}", "server_error")
-    return reply.body(choices, usage(generation.prompt_tokens, requests))
+    return reply.body(choices, usage(generation.prompt_tokens, requests), generation.echo)
+
+
+def _check_unknown_fields(state: ServerState, body, path: str) -> None:
+    """Fields no schema defines: a 400 under --strict-fields, else one log line for the request (vLLM's way)."""
+    unknown = unknown_fields(body)
+    if not unknown:
+        return
+    if state.strict_fields:
+        raise ApiError(400, f"unknown field {unknown[0]!r}: this server does not support it and runs with "
+                            f"--strict-fields; remove it", "invalid_request_error", unknown[0])
+    logger.warning("%s: ignored fields no schema defines: %s", path, ", ".join(unknown))
 
 
 def _submit(engine: ServingEngine, generation: Generation, queue: asyncio.Queue) -> list[Request]:
@@ -257,13 +282,17 @@ async def _stream(reply: Reply, generation: Generation, requests: list[Request],
         if reply.chat:
             for index in range(len(requests)):
                 yield _sse(reply.role_chunk(index, usage_field))
+        for index, text in enumerate(generation.echo or ()):
+            if text:
+                yield _sse(reply.chunk(index, TokenEvent(None, text, None, None, None), usage_field,
+                                       _so_far(generation, requests)))
         async for index, event in _events(queue, len(requests)):
             if event.finish_reason == "error":
                 error = requests[index].error
                 yield _sse({"error": {"message": f"generation failed: {type(error).__name__}: {error}",
                                       "type": "server_error", "param": None, "code": None}})
                 return
-            chunk = reply.chunk(index, event, usage_field)
+            chunk = reply.chunk(index, event, usage_field, _so_far(generation, requests))
             if chunk is not None:
                 yield _sse(chunk)
         if usage_field:
@@ -271,6 +300,11 @@ async def _stream(reply: Reply, generation: Generation, requests: list[Request],
         yield "data: [DONE]\n\n"
     finally:
         _end(requests, watcher)
+
+
+def _so_far(generation: Generation, requests: list[Request]) -> dict | None:
+    """The usage so far, for vLLM's continuous_usage_stats (None without it)."""
+    return usage(generation.prompt_tokens, requests) if generation.continuous_usage else None
 
 
 def _sse(payload: dict) -> str:

@@ -1,6 +1,6 @@
 """Prometheus metrics of a serving engine, and one log line per finished request.
 
-`Metrics` is the engine's observer (`step` and `finished` are called on the engine's thread) and owns its own
+`Metrics` is the engine's observer (`step`, `grammar` and `finished` are called on the engine's thread) and owns its own
 CollectorRegistry, so two servers in one process never share counters. What the engine and the model already
 count (running and waiting requests, compiled programs, the expert cache's per-layer statistics) is read at
 scrape time. Every name starts with `jmoe:`.
@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger("jmoe.serve")
 
+GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 EXPERT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -41,6 +42,12 @@ class Metrics:
         self.distinct_experts = Histogram("jmoe:decode_distinct_experts",
                                           "Distinct experts one MoE layer reads in one decode step (one "
                                           "observation per MoE layer and step)", buckets=EXPERT_BUCKETS, registry=r)
+        self.constrained_requests = Counter("jmoe:constrained_requests", "Finished requests whose output a grammar "
+                                            "constrained, by kind (json_schema, json_object, regex, choice, grammar)",
+                                            ["kind"], registry=r)
+        self.grammar_seconds = Histogram("jmoe:grammar_mask_seconds", "Host time computing the grammars' token masks "
+                                         "of one step (all its constrained rows)", buckets=GRAMMAR_BUCKETS,
+                                         registry=r)
         r.register(_EngineCollector(self))
 
     # ---- the observer interface (engine thread) -------------------------------------------------------
@@ -50,6 +57,10 @@ class Metrics:
         if kind == "decode":
             for layer in routing.reshape(routing.shape[0], -1):
                 self.distinct_experts.observe(np.unique(layer[layer >= 0]).size)
+
+    def grammar(self, seconds: float, rows: int) -> None:
+        """A step's grammar masks took `seconds` on the host for `rows` constrained rows."""
+        self.grammar_seconds.observe(seconds)
 
     def finished(self, request) -> None:
         self.prompt_tokens.inc(request.prompt_tokens)
@@ -61,9 +72,14 @@ class Metrics:
         for gap in np.diff(request.token_times):
             self.itl.observe(gap)
         end = request.token_times[-1] if request.token_times else request.submitted
-        logger.info("request %s finished (%s): prompt %d tokens, completion %d tokens, ttft %s, total %.3f s",
+        constraint = request.params.constraint
+        grammar = ""
+        if constraint is not None:
+            self.constrained_requests.labels(constraint.kind).inc()
+            grammar = f", constrained ({constraint.kind}): grammar {request.grammar_seconds * 1000:.1f} ms"
+        logger.info("request %s finished (%s): prompt %d tokens, completion %d tokens, ttft %s, total %.3f s%s",
                     request.id, request.finish_reason, request.prompt_tokens, request.completion_tokens,
-                    "-" if ttft is None else f"{ttft:.3f} s", end - request.submitted)
+                    "-" if ttft is None else f"{ttft:.3f} s", end - request.submitted, grammar)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
