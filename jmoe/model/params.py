@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
@@ -16,13 +20,22 @@ def param_key(path: ParamPath) -> str:
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph and a state of shape/dtype structs: nothing is allocated."""
-    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    """The model's graph and a state of shape/dtype structs: nothing is allocated. The state is the caller's own
+    (a copy of the traced one: its leaves are immutable structs)."""
+    graphdef, state = _traced_abstract_model(cfg, None if dtype is None else jnp.dtype(dtype))
+    return graphdef, jax.tree.map(lambda leaf: leaf, state)
 
 
 def abstract_params(cfg: ModelConfig, dtype) -> dict[ParamPath, object]:
     """{path: shape/dtype struct} of every parameter."""
     return flat_params(nnx.to_pure_dict(abstract_model(cfg, dtype)[1]))
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    # Tracing the initialisation (every random draw) costs 50-200 ms for a tiny model and grows with depth; one load
+    # asks for the abstract model four or five times (headers, placement, loading), a plan and a conversion again.
+    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
 
 
 def flat_params(pure: dict, prefix: tuple = ()) -> dict[ParamPath, object]:
