@@ -283,6 +283,61 @@ def test_structured_outputs_always_parse(server):
     assert isinstance(json.loads("".join(c.choices[0].text for c in streamed)), list)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "clock"}}
+
+
+def test_tool_calls_required_named_none_and_a_result_turn(server):
+    """The shipped tiny model answers required and named tool_choice with valid calls (constrained), streamed as
+    delta.tool_calls; none and auto leave its text as content; the call and the tool's result render back."""
+    from transformers import AutoTokenizer
+
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    create = server.client.chat.completions.create
+    named = create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=48,
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    call, = choice.message.tool_calls
+    assert (choice.finish_reason, choice.message.content, call.type, call.function.name) == \
+        ("tool_calls", None, "function", "get_weather")
+    assert call.id.startswith("call_") and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    chunks = list(create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=48, stream=True,
+                         tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, "function", "get_weather", call.function.arguments)]  # greedy: the same call
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and not any(c.choices[0].delta.content for c in chunks)
+    required = create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=56, tool_choice="required",
+                      parallel_tool_calls=False).choices[0]
+    call_of_choice, = required.message.tool_calls
+    arguments = json.loads(call_of_choice.function.arguments)
+    assert (arguments == {}) if call_of_choice.function.name == "clock" else (arguments["city"] in ("Paris", "Oslo"))
+    assert required.finish_reason == "tool_calls"
+    none = create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=12, tool_choice="none")
+    auto = create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=12)  # the model writes no call
+    assert none.choices[0].message.tool_calls is None and auto.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == auto.choices[0].message.content
+    streamed = create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=12, tool_choice="none",
+                      stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == none.choices[0].message.content
+    # The result turn, the assistant's message sent back as the client returned it. Without the tools (their
+    # ~100 tokens and the turn's do not fit together in this server's 256-token context): the call still renders.
+    turn = ask + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+    answer = create(model="default", messages=turn, max_tokens=8)
+    as_sent = ask + [{"role": "assistant", "tool_calls": [{"id": call.id, "type": "function", "function": {
+        "name": "get_weather", "arguments": json.loads(call.function.arguments)}}]}, turn[-1]]
+    expected = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR).apply_chat_template(as_sent, add_generation_prompt=True)
+    assert answer.usage.prompt_tokens == len(expected["input_ids"])
+    for body, param in [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"messages": ask + [{"role": "assistant", "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}]}]},
+                         "messages.1.tool_calls.0.function.arguments")]:
+        response = post(server, "/v1/chat/completions", {"model": "default", "messages": ask, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_logit_bias_bans_and_forces_a_token(server, reference):
     logits = np.asarray(reference.logits([reference.tokenizer.encode(PROMPTS[0])])[0, -1])
     first, second = map(int, np.argsort(-logits)[:2])

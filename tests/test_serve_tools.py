@@ -9,8 +9,8 @@ import pytest
 from jmoe.cli.common import DEFAULT_MODEL_DIR
 from jmoe.serve.chat import load_chat_template
 from jmoe.serve.params import RequestError
-from jmoe.serve.tools import (HERMES, LLAMA3_JSON, MISTRAL, Parsed, finish_reason, message, plan_tools,
-                              template_tool_calls, tool_format)
+from jmoe.serve.tools import (HERMES, LLAMA3_JSON, MISTRAL, Parsed, plan_tools, reply_finish_reason,
+                              reply_message, template_tool_calls, tool_format)
 
 TOOLS = [
     {"type": "function", "function": {
@@ -165,11 +165,11 @@ def test_tool_choice_none_parses_nothing_and_the_reply_shape():
     assert plan_tools(None, None, None, source()).choice == "none"
     assert plan_tools(tools_(), None, None, source()).choice == "auto"
     call = parse(plan_tools(tools_(), "auto", None, source()), HERMES_REPLIES[0][0]).calls
-    assert message("", call) == {"role": "assistant", "content": None,
-                                 "tool_calls": [{k: v for k, v in call[0].items() if k != "index"}]}
-    assert message("hi", []) == {"role": "assistant", "content": "hi"}
-    assert (finish_reason("stop", call), finish_reason("length", call), finish_reason("stop", [])) == \
-        ("tool_calls", "length", "stop")
+    assert reply_message("", call) == {"role": "assistant", "content": None,
+                                       "tool_calls": [{k: v for k, v in call[0].items() if k != "index"}]}
+    assert reply_message("hi", []) == {"role": "assistant", "content": "hi"}
+    assert (reply_finish_reason("stop", call), reply_finish_reason("length", call),
+            reply_finish_reason("stop", [])) == ("tool_calls", "length", "stop")
 
 
 @pytest.mark.parametrize("tools, choice, param", [
@@ -208,7 +208,8 @@ def test_required_and_named_grammars_write_the_template_format():
     assert named.grammar() == ('start: call\ncall: "<tool_call>\\n" call_json "\\n</tool_call>"\n'
                                'call_json: %json {"x-guidance":{"whitespace_flexible":false,"item_separator":", ",'
                                '"key_separator":": "},"type":"object","properties":{"name":{"const":"clock"},'
-                               '"arguments":{"type":"object","properties":{}}},"required":["name","arguments"],'
+                               '"arguments":{"type":"object","properties":{},"additionalProperties":false}},'
+                               '"required":["name","arguments"],'
                                '"additionalProperties":false}\n')
     required = plan_tools(tools_(), "required", None, source())
     assert required.grammar().startswith('start: call ("\\n" call)*\n') and required.grammar().count("%json") == 2
@@ -227,3 +228,97 @@ def test_required_and_named_grammars_write_the_template_format():
 def test_the_recipe_writes_the_shipped_template():
     recipe = DEFAULT_MODEL_DIR.parent / "recipe" / "chat_template.jinja"
     assert recipe.read_text() == source()
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The API's view of the shipped model, without the model: its tokenizer, template and grammars."""
+    from jmoe.checkpoint.tokenizer import load_tokenizer
+    from jmoe.serve.grammar import Grammars
+    from jmoe.serve.openai_api import Served
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    return Served(tokenizer, 1024, 8, load_chat_template(DEFAULT_MODEL_DIR), {"temperature": 0.0},
+                  Grammars(tokenizer, 4096, [0]))
+
+
+def chat_body(**fields):
+    from jmoe.serve.openai_api import ChatBody
+
+    return ChatBody.model_validate({"model": "m", "messages": OPENAI_TURNS, "tools": TOOLS, **fields})
+
+
+@pytest.mark.quick
+def test_required_and_named_calls_are_constrained_to_the_template_format(served):
+    """The grammar a request's tool_choice compiles to accepts exactly the calls its template writes."""
+    from jmoe.serve.openai_api import chat_generation
+
+    auto = chat_generation(chat_body(), served)
+    (prompt, params), = auto.choices
+    assert params.constraint is None and auto.tools.choice == "auto"
+    assert served.tokenizer.decode(prompt) == served.chat.render(as_template_sees(OPENAI_TURNS), TOOLS)
+    written = as_template_sees([{"role": "assistant", "tool_calls": [CALL]}])  # the template's own call text
+    call_text = served.chat.render(written, TOOLS).split("<|im_start|>assistant\n")[-2].removesuffix("<|im_end|>\n")
+    assert call_text.startswith("<tool_call>\n{") and call_text.endswith("}\n</tool_call>")
+
+    def accepts(generation, text):
+        matcher = generation.choices[0][1].constraint.matcher()
+        for token in served.tokenizer.encode(text, add_special_tokens=False):
+            if not matcher.allowed()[token]:
+                return False
+            matcher.accept(token)
+        return matcher.accepting
+
+    named = chat_generation(chat_body(tool_choice={"type": "function", "function": {"name": "get_weather"}}), served)
+    assert accepts(named, call_text)
+    assert not accepts(named, call_text.replace('"Paris"', '"Rome"'))  # not in the enum
+    assert not accepts(named, call_text.replace("true", '"yes"'))
+    assert not accepts(named, call_text + "\n" + call_text)  # a named function is called once
+    required = chat_generation(chat_body(tool_choice="required"), served)
+    assert accepts(required, call_text + "\n" + call_text)
+    clock = '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'
+    assert accepts(required, clock) and not accepts(named, clock)
+    assert chat_generation(chat_body(tool_choice="none"), served).choices[0][1].constraint is None
+    with pytest.raises(RequestError) as both:
+        chat_generation(chat_body(tool_choice="required", response_format={"type": "json_object"}), served)
+    assert both.value.param == "tool_choice"
+
+
+def events(text, reason="stop", piece=3):
+    from jmoe.serve.engine import TokenEvent
+
+    pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
+    return [TokenEvent(i, p, None, None, reason if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+
+
+@pytest.mark.quick
+def test_a_reply_with_calls_streamed_and_whole(served):
+    """Reply's body and chunks in OpenAI's shape: message.tool_calls, delta.tool_calls, finish_reason."""
+    from jmoe.serve.openai_api import Choice, Reply, chat_generation
+
+    reply_text = HERMES_REPLIES[1][0]
+    for choice_field, calls, reason in [(None, ["clock", "get_weather"], "tool_calls"), ("none", [], "stop")]:
+        generation = chat_generation(chat_body(tool_choice=choice_field), served)
+        choice = Choice()
+        for event in events(reply_text):
+            choice.add(event)
+        whole = Reply(True, "m", served.tokenizer.decode, generation.tools).body([choice], {})["choices"][0]
+        assert [c["function"]["name"] for c in whole["message"].get("tool_calls", [])] == calls
+        assert whole["finish_reason"] == reason
+        assert whole["message"]["content"] == ("Let me look." if calls else reply_text)
+        reply = Reply(True, "m", served.tokenizer.decode, generation.tools)
+        chunks = [c["choices"][0] for c in (reply.chunk(0, e, False) for e in events(reply_text)) if c is not None]
+        streamed_calls = [call for c in chunks for call in c["delta"].get("tool_calls", [])]
+        assert [(c["index"], c["type"], c["function"]) for c in streamed_calls] == \
+            [(i, "function", c["function"]) for i, c in enumerate(whole["message"].get("tool_calls", []))]
+        assert all(c["id"].startswith("call_") for c in streamed_calls)
+        assert "".join(c["delta"].get("content", "") for c in chunks) == whole["message"]["content"]
+        assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+    # Echoed text is never read for calls; a reply cut by the token limit keeps "length".
+    generation = chat_generation(chat_body(), served)
+    reply = Reply(True, "m", served.tokenizer.decode, generation.tools)
+    from jmoe.serve.engine import TokenEvent
+    echoed = reply.chunk(0, TokenEvent(None, "<tool_call>", None, None, None), False, echo=True)
+    assert echoed["choices"][0]["delta"] == {"content": "<tool_call>"}
+    cut = [reply.chunk(1, e, False) for e in events(HERMES_REPLIES[0][0], "length")]
+    assert [c for c in cut if c is not None][-1]["choices"][0]["finish_reason"] == "length"

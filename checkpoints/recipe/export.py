@@ -70,7 +70,7 @@ def hf_tensors(params: nnx.State, cfg: ModelConfig, dtype) -> dict[str, np.ndarr
 
 
 # A ChatML template, so `python -m jmoe.serve` answers chat requests (the model was not trained on chats), with tools
-# as Qwen's templates write them (Hermes-style <tool_call> blocks), so it takes tool calls too.
+# in Qwen's format (Hermes-style <tool_call> blocks, a one-line instruction), so it takes tool calls too.
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text(encoding="utf-8")
 
 

@@ -198,7 +198,8 @@ async def _generate(state: ServerState, body, http_request: HttpRequest, prepare
     requests = _submit(engine, generation, queue)
     watcher = asyncio.create_task(_cancel_on_disconnect(http_request, requests))
     tokenizer = state.served.tokenizer
-    reply = Reply(chat, state.model_name, (lambda ids: "") if tokenizer is None else tokenizer.decode)
+    reply = Reply(chat, state.model_name, (lambda ids: "") if tokenizer is None else tokenizer.decode,
+                  generation.tools)
     if generation.stream:
         return StreamingResponse(_stream(reply, generation, requests, queue, watcher), media_type="text/event-stream")
     try:
@@ -285,7 +286,7 @@ async def _stream(reply: Reply, generation: Generation, requests: list[Request],
         for index, text in enumerate(generation.echo or ()):
             if text:
                 yield _sse(reply.chunk(index, TokenEvent(None, text, None, None, None), usage_field,
-                                       _so_far(generation, requests)))
+                                       _so_far(generation, requests), echo=True))
         async for index, event in _events(queue, len(requests)):
             if event.finish_reason == "error":
                 error = requests[index].error

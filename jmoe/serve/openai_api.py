@@ -5,9 +5,12 @@ The bodies (jmoe.serve.bodies) hold every field OpenAI and vLLM define, strictly
 the checkpoint's generation_config.json defaults (temperature, top_p, top_k), then OpenAI's. A completion
 `prompt` may be a list of several prompts: each gets `n` choices, numbered prompt-major (choice index = prompt
 index * n + j), all generated together. Structured outputs (`response_format`, vLLM's `structured_outputs` and
-`guided_*`) compile through `Served.grammars` (jmoe.serve.grammar) into the RequestParams' constraint. What
-jmoe cannot serve is a 400 naming the field: image, audio, file and video content; audio output; beam search;
-prompt log-probabilities (and so echo with logprobs); a completion suffix; best_of above n; structural tags.
+`guided_*`) compile through `Served.grammars` (jmoe.serve.grammar) into the RequestParams' constraint. Chat's
+`tools` / `tool_choice` go through jmoe.serve.tools: the tools rendered by the template, `required` and named
+calls constrained by its grammar (instead of a structured output: a request asking for both is a 400), the reply
+parsed into `tool_calls` (`Reply`, whole and streamed alike). What jmoe cannot serve is a 400 naming the field:
+image, audio, file and video content; audio output; beam search; prompt log-probabilities (and so echo with
+logprobs); a completion suffix; best_of above n; structural tags.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from jmoe.serve.bodies import (ChatBody, CompletionBody, GenerationBody, Message
 from jmoe.serve.chat import ChatTemplate
 from jmoe.serve.engine import Request, TokenEvent
 from jmoe.serve.params import MAX_TOP_LOGPROBS, SEED_LIMIT, RequestError, RequestParams
+from jmoe.serve.tools import (ToolCallParser, ToolPlan, plan_tools, reply_finish_reason, reply_message,
+                             template_tool_calls)
 
 __all__ = ["ChatBody", "CompletionBody", "Served", "Generation", "chat_generation", "completion_generation",
            "unknown_fields", "Reply", "Choice", "usage"]
@@ -55,6 +60,7 @@ class Generation(NamedTuple):
     include_usage: bool
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     echo: list[str] | None = None  # text each choice starts with (completions' echo: its prompt)
+    tools: ToolPlan | None = None  # chat's tools: how the reply is read for calls
 
 
 def completion_generation(body: CompletionBody, served: Served) -> Generation:
@@ -109,14 +115,16 @@ def chat_generation(body: ChatBody, served: Served) -> Generation:
             template = ChatTemplate(body.chat_template, special, "the request's chat_template")
         except ConfigError as e:
             raise RequestError("chat_template", str(e)) from e
-    text = template.render([_message_dict(m, i) for i, m in enumerate(body.messages)])
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, template.source(body.tools or None))
+    text = template.render([_message_dict(m, i) for i, m in enumerate(body.messages)], tools.tools)
     prompt = _truncated(body, served.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = _whole_in("top_logprobs", body.top_logprobs or 0, 0, MAX_TOP_LOGPROBS) if body.logprobs else None
     limit_name = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    generation = _generation(body, [prompt], served, "messages", limit, limit_name, logprobs)
+    generation = _generation(body, [prompt], served, "messages", limit, limit_name, logprobs,
+                             _tool_constraint(tools, served))._replace(tools=tools)
     last = body.messages[-1]
     if body.echo and last.role == "assistant":  # vLLM's: the reply starts with the assistant's own last words
         echo = _message_dict(last, len(body.messages) - 1).get("content") or ""
@@ -125,7 +133,8 @@ def chat_generation(body: ChatBody, served: Served) -> Generation:
 
 
 def _generation(body: GenerationBody, prompts: list[list[int]], served: Served, prompt_name: str,
-                max_tokens: int | None, max_tokens_name: str, logprobs: int | None) -> Generation:
+                max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
+                tool_constraint=None) -> Generation:
     n = _whole_in("n", generation_n(body), 1, MAX_N)
     if n * len(prompts) > served.capacity:
         raise RequestError("n", f"this request asks for {n * len(prompts)} generations ({len(prompts)} prompts x n "
@@ -135,6 +144,12 @@ def _generation(body: GenerationBody, prompts: list[list[int]], served: Served, 
         raise RequestError("stream_options", "stream_options is only allowed with stream: true")
     _refuse_unserved(body)
     constraint = _constraint(body, served)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise RequestError("tool_choice", "tool_choice \"required\" or a named function constrains the reply to "
+                                              "tool calls, so it cannot also follow a structured output "
+                                              "(response_format, structured_outputs, guided_*); drop one of them")
+        constraint = tool_constraint
     choices = []
     for p, prompt in enumerate(prompts):
         room = served.context - len(prompt)
@@ -153,6 +168,15 @@ def _generation(body: GenerationBody, prompts: list[list[int]], served: Served, 
     include_usage = bool(options is not None and options.include_usage)
     continuous = include_usage and bool(options.continuous_usage_stats)
     return Generation(choices, sum(map(len, prompts)), bool(body.stream), include_usage, continuous)
+
+
+def _tool_constraint(tools: ToolPlan, served: Served):
+    """The grammar of a `required` or named tool_choice (jmoe.serve.grammar.Constraint), or None."""
+    if not tools.constrained:
+        return None
+    if served.grammars is None:
+        raise RequestError("tool_choice", f"tool_choice {tools.choice!r} needs the model's tokenizer.json")
+    return served.grammars.grammar(tools.grammar(), "tools")
 
 
 def _refuse_unserved(body: GenerationBody) -> None:
@@ -327,7 +351,9 @@ def _message_dict(message: Message, index: int) -> dict:
                                    f"{part.type} content is not supported: this server's model reads text only, "
                                    f"so {kind} parts cannot be served; send text parts")
         content = "".join(part.text or "" for part in content if part.type in TEXT_PARTS)
-    fields = {"role": message.role, "content": content, "name": message.name, "tool_calls": message.tool_calls,
+    calls = None if message.tool_calls is None else template_tool_calls(message.tool_calls,
+                                                                         f"messages.{index}.tool_calls")
+    fields = {"role": message.role, "content": content, "name": message.name, "tool_calls": calls or None,
               "tool_call_id": message.tool_call_id}
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -362,8 +388,10 @@ class Reply:
     """The response to one HTTP request: its id (shared by every chunk), and its bodies and chunks in the shape
     of OpenAI's chat completions (`chat`) or legacy completions. `decode` turns token ids into text."""
 
-    def __init__(self, chat: bool, model: str, decode: Callable[[list[int]], str]):
+    def __init__(self, chat: bool, model: str, decode: Callable[[list[int]], str], tools: ToolPlan | None = None):
         self.chat, self.model, self._decode = chat, model, decode
+        self.tools = tools if chat and tools is not None and tools.parses else None  # None: replies are content
+        self._parsers: dict[int, ToolCallParser] = {}  # a streamed choice's, by index
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -376,27 +404,51 @@ class Reply:
         echo = echo or [""] * len(choices)
         if self.chat:
             return self._envelope("chat.completion", [
-                {"index": i, "message": {"role": "assistant", "content": e + c.text},
-                 "logprobs": self._logprobs(c.events), "finish_reason": c.finish_reason}
+                {"index": i, **self._message(c.text, e, c.finish_reason), "logprobs": self._logprobs(c.events)}
                 for i, (c, e) in enumerate(zip(choices, echo))], usage=usage)
         return self._envelope("text_completion", [
             {"index": i, "text": e + c.text, "logprobs": self._logprobs(c.events), "finish_reason": c.finish_reason}
             for i, (c, e) in enumerate(zip(choices, echo))], usage=usage)
+
+    def _message(self, text: str, echo: str, reason: str | None) -> dict:
+        """A whole chat choice's message and finish reason: its calls parsed out when the request has tools."""
+        if self.tools is None:
+            return {"message": {"role": "assistant", "content": echo + text}, "finish_reason": reason}
+        parser = self.tools.parser()
+        parsed = parser.feed(text).add(parser.finish())
+        return {"message": reply_message(echo + parsed.content, parsed.calls),
+                "finish_reason": reply_finish_reason(reason, parsed.calls)}
 
     def role_chunk(self, index: int, usage_field: bool) -> dict:
         """A chat stream's first chunk of a choice: the assistant's role, no text yet."""
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, usage_field)
 
-    def chunk(self, index: int, event: TokenEvent, usage_field: bool, usage: dict | None = None) -> dict | None:
-        """The stream chunk of one event; None when it has nothing to say (text held back for a stop string).
-        `usage`: the usage so far, sent in the chunk (vLLM's continuous_usage_stats)."""
+    def chunk(self, index: int, event: TokenEvent, usage_field: bool, usage: dict | None = None,
+              echo: bool = False) -> dict | None:
+        """The stream chunk of one event; None when it has nothing to say (text held back for a stop string, or for
+        a tool call still being written). `usage`: the usage so far, sent in the chunk (vLLM's
+        continuous_usage_stats); `echo`: the event is echoed text, not the model's (never read for calls)."""
         if not event.text and event.logprob is None and event.finish_reason is None:
             return None
         logprobs = self._logprobs([event])
         if self.chat:
-            delta = {"content": event.text} if event.text else {}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": event.finish_reason}
+            text, calls, reason = event.text, [], event.finish_reason
+            if self.tools is not None and not echo:
+                if index not in self._parsers:
+                    self._parsers[index] = self.tools.parser()
+                parser = self._parsers[index]
+                parsed = parser.feed(event.text)
+                if reason is not None:
+                    parsed.add(parser.finish())
+                    reason = reply_finish_reason(reason, parser.calls)
+                text, calls = parsed.content, parsed.calls
+                if not text and not calls and logprobs is None and reason is None:
+                    return None
+            delta = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = calls
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
         return self._chunk(choice, usage_field, usage)

@@ -40,7 +40,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from jmoe.serve.params import RequestError
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes none
+# A function without `parameters` takes none (a constrained call writes `{}`).
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # llguidance's JSON options inside a grammar's `%json`: compact JSON with json.dumps' separators, as
 # jmoe.serve.grammar writes JSON (a model cannot spend its tokens on whitespace), and as templates' tojson writes calls.
 JSON_IN_GRAMMAR = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -482,13 +483,13 @@ def _call_object(value, arguments_key: str, functions: frozenset[str]) -> tuple[
 
 
 # ---- the reply -------------------------------------------------------------------------------------------
-def finish_reason(reason: str | None, calls: list[dict]) -> str | None:
+def reply_finish_reason(reason: str | None, calls: list[dict]) -> str | None:
     """OpenAI's finish reason: "tool_calls" when the model stopped after making calls (a reply cut by the
     token limit keeps "length", so the client knows it was cut)."""
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def message(content: str, calls: list[dict]) -> dict:
+def reply_message(content: str, calls: list[dict]) -> dict:
     """A whole reply's assistant message: content null when the model only called tools."""
     if not calls:
         return {"role": "assistant", "content": content}
