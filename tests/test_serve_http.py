@@ -314,6 +314,7 @@ def test_tool_calls_required_named_none_and_a_result_turn(server):
     arguments = json.loads(call_of_choice.function.arguments)
     assert (arguments == {}) if call_of_choice.function.name == "clock" else (arguments["city"] in ("Paris", "Oslo"))
     assert required.finish_reason == "tool_calls"
+    assert server.metric('jmoe:constrained_requests_total{kind="tool_calls"}') >= 3
     none = create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=12, tool_choice="none")
     auto = create(model="default", messages=ask, tools=[WEATHER, CLOCK], max_tokens=12)  # the model writes no call
     assert none.choices[0].message.tool_calls is None and auto.choices[0].message.tool_calls is None

@@ -43,8 +43,8 @@ class Metrics:
                                           "Distinct experts one MoE layer reads in one decode step (one "
                                           "observation per MoE layer and step)", buckets=EXPERT_BUCKETS, registry=r)
         self.constrained_requests = Counter("jmoe:constrained_requests", "Finished requests whose output a grammar "
-                                            "constrained, by kind (json_schema, json_object, regex, choice, grammar)",
-                                            ["kind"], registry=r)
+                                            "constrained, by kind (json_schema, json_object, regex, choice, grammar, "
+                                            "tool_calls)", ["kind"], registry=r)
         self.grammar_seconds = Histogram("jmoe:grammar_mask_seconds", "Host time computing the grammars' token masks "
                                          "of one step (all its constrained rows)", buckets=GRAMMAR_BUCKETS,
                                          registry=r)

@@ -176,7 +176,7 @@ def _tool_constraint(tools: ToolPlan, served: Served):
         return None
     if served.grammars is None:
         raise RequestError("tool_choice", f"tool_choice {tools.choice!r} needs the model's tokenizer.json")
-    return served.grammars.grammar(tools.grammar(), "tools")
+    return served.grammars.lark(tools.grammar(), "tools", "tool_calls")
 
 
 def _refuse_unserved(body: GenerationBody) -> None:
