@@ -2,6 +2,7 @@
 checkpoint, with a bounded load generator on 127.0.0.1.
 
   JAX_PLATFORMS=cpu python -m bench.serve [--cache 4] [--concurrency 1,2,4,8,16] [--requests 48] [--rounds 2]
+                                          [--constrained-share 0.5]   # that share of jmoe's requests JSON-constrained
   JAX_PLATFORMS=cpu python -m bench.serve --smoke   # toy sizes, both servers, no result file (the default model's
                                                     # first two layers, transformers' KV cache sized to the requests)
 
@@ -42,6 +43,10 @@ from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, default_mod
                                   write_result)
 
 ENGINES = ("jmoe", "transformers")
+# --constrained-share: those requests answer in this schema (response_format json_schema), through the grammar engine.
+CONSTRAINED_FORMAT = {"type": "json_schema", "json_schema": {"name": "snippet", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": ["code", "notes"],
+    "properties": {"code": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}}}}}
 SMOKE_KV_PAGES = 4  # transformers serve's pages of 256 tokens in a smoke run: a page per request and to spare
 SOURCE_MODULES = ("argparse", "json/decoder", "textwrap", "shlex", "string", "csv", "difflib", "fractions")
 
@@ -147,13 +152,17 @@ class Server:
         self.log.close()
 
 
-def complete(client: httpx.Client, server: Server, prompt: str, max_tokens: int, timeout: float = 300) -> dict:
+def complete(client: httpx.Client, server: Server, prompt: str, max_tokens: int, timeout: float = 300,
+             constrained: bool = False) -> dict:
     """One streamed greedy completion through `client` (its kept-alive connection, as an OpenAI client holds one:
     a new httpx client costs ~20 ms of this process's time, which eight threads starting at once would add to
     each other's TTFT): time to first token, the times between token chunks, and the tokens generated (the usage
-    chunk's count where the server sends one, else the chunks that carried a token)."""
+    chunk's count where the server sends one, else the chunks that carried a token). `constrained`: the answer
+    follows CONSTRAINED_FORMAT."""
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
+    if constrained:
+        body["response_format"] = CONSTRAINED_FORMAT
     began = time.monotonic()
     arrivals, usage = [], None
     with client.stream("POST", server.url + "/v1/completions", json=body, timeout=timeout) as response:
@@ -188,9 +197,9 @@ def run_level(server: Server, requests: list, concurrency: int) -> dict:
             with lock:
                 if not pending:
                     return
-                prompt, max_tokens = pending.pop()
+                prompt, max_tokens, *constrained = pending.pop()
             try:
-                outcome = complete(http, server, prompt, max_tokens)
+                outcome = complete(http, server, prompt, max_tokens, constrained=bool(constrained and constrained[0]))
             except Exception as error:  # reported after the level: a failed request invalidates it
                 errors.append(error)
                 return
@@ -320,7 +329,10 @@ def report(args, runs: dict, soaked: dict | None, start_load: float, conditions:
     lines = [load_warning(start_load) + conditions, "",
              f"Model `{args.model}`, float32, greedy, streamed completions; jmoe `--cache {args.cache}` "
              f"`--max-batch {args.max_batch}`; {args.requests} requests per level (seed {args.seed}); medians of "
-             f"{args.rounds} rounds, engines alternated.", "",
+             f"{args.rounds} rounds, engines alternated."
+             + (f" A share of {args.constrained_share:g} of the requests (every request i with i * share crossing a "
+                f"whole number) answers in a JSON schema (response_format json_schema: an object of a code string "
+                f"and a list of note strings)." if args.constrained_share else ""), "",
              "| engine | clients | tokens/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | "
              "ITL p99 (ms) | hit rate | bytes/token | decode bound (tokens/s) | share of bound |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -392,11 +404,15 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench_serve"))
     parser.add_argument("--out", default="serve_cpu.md")
     parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")
+    parser.add_argument("--constrained-share", type=float, default=0.0,
+                        help="this share of the requests constrained to a JSON schema (jmoe only)")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         parser.error(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    if not 0 <= args.constrained_share <= 1 or (args.constrained_share and args.engines != ["jmoe"]):
+        parser.error("--constrained-share must be in [0, 1], with --engines jmoe")
     with smoke_run(args):
         if args.smoke:
             args.max_batch, args.context, args.concurrency, args.requests, args.rounds, args.soak = 2, 64, [1, 2], 4, 1, 6
@@ -405,6 +421,8 @@ def main(argv=None) -> None:
         args.workdir.mkdir(parents=True, exist_ok=True)
         prompt_range, output_range = ((8, 24), (4, 8)) if args.smoke else ((16, 192), (16, 128))
         requests = workload(args.model, args.requests, args.seed, prompt_range, output_range)
+        share = args.constrained_share
+        requests = [(*r, int((i + 1) * share) > int(i * share)) for i, r in enumerate(requests)]
         reads = decode_reads(args.model, args.smoke)
         began = time.monotonic()
         runs = {engine: [] for engine in args.engines}
