@@ -100,9 +100,9 @@ def test_formats_are_read_from_the_template():
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is HERMES  # knows no tools: the default
 
 
-def parse(plan, text, piece=None, bare_json=False):
+def parse(plan, text, piece=None):
     """The reply `text` parsed whole, or fed `piece` characters at a time."""
-    parser = plan.parser(bare_json)
+    parser = plan.parser()
     out = Parsed()
     for i in range(0, len(text), piece or max(len(text), 1)):
         out.add(parser.feed(text[i:i + (piece or len(text))]))
@@ -215,14 +215,11 @@ def test_required_and_named_grammars_write_the_template_format():
     assert required.grammar().startswith('start: call ("\\n" call)*\n') and required.grammar().count("%json") == 2
     assert plan_tools(tools_(), "required", False, source()).grammar().startswith("start: call\n")
     assert plan_tools(tools_(), "auto", None, source()).grammar() is None
-    schema = required.json_schema()
-    assert schema["type"] == "array" and schema["minItems"] == 1 and len(schema["items"]["anyOf"]) == 2
-    assert named.json_schema()["properties"]["name"] == {"const": "clock"}
-    mistral = plan_tools(tools_(), "required", False, "[TOOL_CALLS]")
-    assert mistral.grammar().startswith('start: "[" call_json "]"') and mistral.json_schema()["maxItems"] == 1
-    # A reply constrained by json_schema alone is bare JSON, read as calls.
-    bare = parse(required, '[{"name": "clock", "arguments": {}}]', 3, bare_json=True)
-    assert (bare.content, calls_of(bare)) == ("", [(0, "clock", {})])
+    mistral = plan_tools(tools_(), "required", None, "[TOOL_CALLS]")  # one JSON list (its special token unwritten)
+    assert mistral.grammar().startswith('start: "[" call_json (", " call_json)* "]"\n')
+    llama = plan_tools(tools_(), "required", None, "<|python_tag|>")
+    assert llama.grammar().startswith('start: call ("; " call)*\ncall: call_json\n') and '"parameters":' in \
+        llama.grammar()
 
 
 def test_the_recipe_writes_the_shipped_template():
@@ -322,3 +319,20 @@ def test_a_reply_with_calls_streamed_and_whole(served):
     assert echoed["choices"][0]["delta"] == {"content": "<tool_call>"}
     cut = [reply.chunk(1, e, False) for e in events(HERMES_REPLIES[0][0], "length")]
     assert [c for c in cut if c is not None][-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("template, reply", [
+    ("[TOOL_CALLS]", '[{"name": "clock", "arguments": {}}, {"name": "get_weather", "arguments": '
+                     '{"city": "Oslo", "celsius": true}}]'),
+    ("<|python_tag|>", '{"name": "clock", "parameters": {}}; {"name": "get_weather", "parameters": '
+                       '{"city": "Oslo", "celsius": true}}'),
+])
+def test_other_formats_grammars_accept_what_their_parsers_read(served, template, reply):
+    plan = plan_tools(tools_(), "required", None, template)
+    matcher = served.grammars.lark(plan.grammar(), "tools", "tool_calls").matcher()
+    for token in served.tokenizer.encode(reply, add_special_tokens=False):
+        assert matcher.allowed()[token]
+        matcher.accept(token)
+    assert matcher.accepting
+    parsed = parse(plan, reply, 4)
+    assert (parsed.content, [c[1] for c in calls_of(parsed)]) == ("", ["clock", "get_weather"])

@@ -27,7 +27,6 @@ stays in the content as the model wrote it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import secrets
@@ -149,7 +148,6 @@ HERMES = ToolFormat("hermes", "tagged", start="<tool_call>", end="</tool_call>",
 LLAMA3_JSON = ToolFormat("llama3_json", "leading", arguments_key="parameters", triggers=("<|python_tag|>", "{"),
                          separator="; ")
 MISTRAL = ToolFormat("mistral", "leading", triggers=("[TOOL_CALLS]", "["), listed=True, id_chars=9)
-JSON_CALLS = ToolFormat("json", "leading", triggers=("{", "["))  # bare JSON: what `ToolPlan.json_schema` makes
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 
@@ -184,14 +182,9 @@ class ToolPlan:
     def constrained(self) -> bool:
         return self.choice in ("required", "named")
 
-    def parser(self, bare_json: bool = False) -> ToolCallParser | None:
-        """A fresh parser for one choice's text (None: the reply is plain content); `bare_json`: the reply was
-        constrained by `json_schema`, not `grammar`."""
-        if not self.parses:
-            return None
-        format = dataclasses.replace(JSON_CALLS, arguments_key=self.format.arguments_key,
-                                     id_chars=self.format.id_chars) if bare_json else self.format
-        return ToolCallParser(format, frozenset(self.functions))
+    def parser(self) -> ToolCallParser | None:
+        """A fresh parser for one choice's text (None: the reply is plain content)."""
+        return ToolCallParser(self.format, frozenset(self.functions)) if self.parses else None
 
     @property
     def several(self) -> bool:
@@ -204,17 +197,6 @@ class ToolPlan:
         return {"type": "object",
                 "properties": {"name": {"const": name}, self.format.arguments_key: self.functions[name]},
                 "required": ["name", self.format.arguments_key], "additionalProperties": False}
-
-    def json_schema(self) -> dict | None:
-        """`required` / named as one JSON schema, for a grammar engine that takes only JSON: a call object (one
-        function) or a list of them; the reply is then that JSON alone, which `ToolCallParser` also reads."""
-        if not self.constrained:
-            return None
-        calls = [self.call_schema(name) for name in self.functions]
-        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        if not self.several and not self.format.listed:
-            return one
-        return {"type": "array", "items": one, "minItems": 1, **({} if self.several else {"maxItems": 1})}
 
     def grammar(self) -> str | None:
         """`required` / named as a Lark grammar (llguidance's dialect, JSON schemas embedded with `%json`): the
