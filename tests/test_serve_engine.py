@@ -314,6 +314,38 @@ def test_choice_program_samples_as_transformers_warpers_filter():
             assert bias[r, int(tokens[r])] != -np.inf
 
 
+@pytest.mark.quick
+def test_grammar_masks_follow_the_schema_and_end_where_it_does():
+    """jmoe.serve.grammar without a model: a schema's matcher allows the tokens of a valid answer one by one and EOS
+    only where the value is complete; choices, regexes and Lark grammars compile; what llguidance cannot compile
+    is a RequestError naming the field and why."""
+    from jmoe.checkpoint.tokenizer import load_tokenizer
+    from jmoe.serve.grammar import Grammars
+
+    tokenizer = load_tokenizer(DEFAULT)
+    grammars = Grammars(tokenizer, 4096, [0])
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer"}},
+              "required": ["kind", "age"], "additionalProperties": False}
+    matcher = grammars.json_schema(schema).matcher()
+    answer = tokenizer.encode('{"kind": "dog", "age": 7}', add_special_tokens=False)
+    for token in answer:
+        allowed = matcher.allowed()
+        assert allowed.shape == (4096,) and allowed[token] and not allowed[0]  # no EOS mid-value
+        assert matcher.accept(token)
+    assert matcher.stopped and matcher.accepting and matcher.allowed()[0]
+    assert not grammars.json_schema(schema).matcher().allowed()[tokenizer.encode(" ", add_special_tokens=False)[0]]
+    assert grammars.choice(["yes", "no"]).kind == "choice" and grammars.lark('start: "a"+').kind == "grammar"
+    assert grammars.regex("[0-9]+").matcher().allowed().any()
+    for compile_, param, why in [(lambda: grammars.regex("(", "guided_regex"), "guided_regex", "unclosed group"),
+                                 (lambda: grammars.json_schema({"type": "string", "format": "nope"}),
+                                  "response_format", "Unknown format"),
+                                 (lambda: grammars.grammar("start: undefined_rule"), "structured_outputs.grammar",
+                                  "undefined_rule")]:
+        with pytest.raises(RequestError, match=why) as error:
+            compile_()
+        assert error.value.param == param
+
+
 def test_grammar_rows_and_free_rows_share_a_batch(engine, model, prompt_ids):
     """A JSON-schema row and a regex row beside a free greedy row: the constrained texts follow their grammars (and
     end when the grammar does), the free row's tokens are its tokens alone."""

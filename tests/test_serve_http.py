@@ -568,6 +568,43 @@ def test_api_key_guards_v1_only():
 
 
 @pytest.mark.quick
+def test_request_fields_become_engine_parameters():
+    """Without a server: OpenAI's and vLLM's fields as RequestParams (vLLM's top_k -1, logit_bias keys, a seed
+    outside 32 bits, bad words tokenized), echo's text per choice, structured outputs' one source, and the 400s
+    for what cannot be served, each naming its field."""
+    from jmoe.checkpoint.tokenizer import load_tokenizer
+    from jmoe.serve.chat import load_chat_template
+    from jmoe.serve.grammar import Grammars
+    from jmoe.serve.openai_api import ChatBody, CompletionBody, Served, chat_generation, completion_generation
+    from jmoe.serve.params import RequestError
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    served = Served(tokenizer, CONTEXT, 8, load_chat_template(DEFAULT_MODEL_DIR), {"temperature": 0.0},
+                    Grammars(tokenizer, 4096, [0]))
+    body = CompletionBody.model_validate({
+        "model": "m", "prompt": ["ab", "cd"], "n": 2, "echo": True, "top_k": -1, "min_p": 0.2, "seed": -1,
+        "repetition_penalty": 1.1, "logit_bias": {"5": -100, "9": 2}, "min_tokens": 2, "stop_token_ids": [3],
+        "bad_words": ["pass"], "include_stop_str_in_output": True, "guided_choice": ["x", "y"]})
+    generation = completion_generation(body, served)
+    params = generation.choices[0][1]
+    assert (params.top_k, params.min_p, params.repetition_penalty, params.min_tokens) == (0, 0.2, 1.1, 2)
+    assert params.logit_bias == ((5, -100.0), (9, 2.0)) and params.stop_token_ids == (3,)
+    assert params.seed == 2**32 - 1 and generation.choices[1][1].seed == 0  # -1 mod 2^32, then seed + 1
+    assert tokenizer.encode(" pass", add_special_tokens=False) in [list(w) for w in params.bad_words]
+    assert params.constraint.kind == "choice" and generation.echo == ["ab", "ab", "cd", "cd"]
+    chat = ChatBody.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                    "response_format": {"type": "json_object"}, "metadata": {"a": "b"}})
+    assert chat_generation(chat, served).choices[0][1].constraint.kind == "json_object"
+    for fields, param in [({"suffix": "z"}, "suffix"), ({"best_of": 2}, "best_of"),
+                          ({"echo": True, "logprobs": 1}, "echo"), ({"prompt_logprobs": 2}, "prompt_logprobs"),
+                          ({"guided_json": {}, "response_format": {"type": "json_object"}}, "guided_json"),
+                          ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs")]:
+        with pytest.raises(RequestError) as error:
+            completion_generation(CompletionBody.model_validate({"model": "m", "prompt": "x", **fields}), served)
+        assert error.value.param == param, fields
+
+
+@pytest.mark.quick
 def test_strict_fields_answers_400_to_a_field_nobody_defines():
     from fastapi.testclient import TestClient
 
