@@ -400,10 +400,9 @@ def post(server, path, body, **kwargs):
     ({"model": "default", "prompt": 5}, 400, "prompt"),
     ({"model": "default", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": "default", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
-    ({"model": "default", "prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"model": "default", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ({"model": "default", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "default", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),  # not a token id
-    ({"model": "default", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": "default", "prompt": "x", "logit_bias": {"5000": 1}}, 400, "logit_bias"),  # outside the vocabulary
     ({"model": "default", "prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias.5"),  # strict types
     ({"model": "default", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
@@ -569,9 +568,9 @@ def test_api_key_guards_v1_only():
 
 @pytest.mark.quick
 def test_request_fields_become_engine_parameters():
-    """Without a server: OpenAI's and vLLM's fields as RequestParams (vLLM's top_k -1, logit_bias keys, a seed
-    outside 32 bits, bad words tokenized), echo's text per choice, structured outputs' one source, and the 400s
-    for what cannot be served, each naming its field."""
+    """Without a server: OpenAI's and vLLM's fields as RequestParams (vLLM's top_k -1, logit_bias keys and clamp,
+    a seed outside 32 bits, a temperature above OpenAI's 2, bad words tokenized), echo's text per choice,
+    structured outputs' one source, and the 400s for what cannot be served, each naming its field."""
     from jmoe.checkpoint.tokenizer import load_tokenizer
     from jmoe.serve.chat import load_chat_template
     from jmoe.serve.grammar import Grammars
@@ -583,12 +582,13 @@ def test_request_fields_become_engine_parameters():
                     Grammars(tokenizer, 4096, [0]))
     body = CompletionBody.model_validate({
         "model": "m", "prompt": ["ab", "cd"], "n": 2, "echo": True, "top_k": -1, "min_p": 0.2, "seed": -1,
-        "repetition_penalty": 1.1, "logit_bias": {"5": -100, "9": 2}, "min_tokens": 2, "stop_token_ids": [3],
-        "bad_words": ["pass"], "include_stop_str_in_output": True, "guided_choice": ["x", "y"]})
+        "repetition_penalty": 1.1, "logit_bias": {"5": -150, "9": 2}, "min_tokens": 2, "stop_token_ids": [3],
+        "bad_words": ["pass"], "include_stop_str_in_output": True, "guided_choice": ["x", "y"], "temperature": 3})
     generation = completion_generation(body, served)
     params = generation.choices[0][1]
     assert (params.top_k, params.min_p, params.repetition_penalty, params.min_tokens) == (0, 0.2, 1.1, 2)
-    assert params.logit_bias == ((5, -100.0), (9, 2.0)) and params.stop_token_ids == (3,)
+    assert params.temperature == 3
+    assert params.logit_bias == ((5, -100.0), (9, 2.0)) and params.stop_token_ids == (3,)  # vLLM's clamp
     assert params.seed == 2**32 - 1 and generation.choices[1][1].seed == 0  # -1 mod 2^32, then seed + 1
     assert tokenizer.encode(" pass", add_special_tokens=False) in [list(w) for w in params.bad_words]
     assert params.constraint.kind == "choice" and generation.echo == ["ab", "ab", "cd", "cd"]

@@ -26,7 +26,7 @@ from jmoe.serve.bodies import (ChatBody, CompletionBody, GenerationBody, Message
                                unknown_fields)
 from jmoe.serve.chat import ChatTemplate
 from jmoe.serve.engine import Request, TokenEvent
-from jmoe.serve.params import MAX_TOP_LOGPROBS, SEED_LIMIT, RequestError, RequestParams
+from jmoe.serve.params import LOGIT_BIAS_LIMIT, MAX_TOP_LOGPROBS, SEED_LIMIT, RequestError, RequestParams
 from jmoe.serve.tools import (ToolCallParser, ToolPlan, plan_tools, reply_finish_reason, reply_message,
                              template_tool_calls)
 
@@ -228,13 +228,14 @@ def _bad_words(words: list[str] | None, tokenizer: TextTokenizer | None) -> tupl
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias ({"token id": value}; null and {} = none) as (id, value) pairs."""
+    """OpenAI's logit_bias ({"token id": value}; null and {} = none) as (id, value) pairs, each value clamped to
+    [-100, 100] as vLLM does (OpenAI answers 400 beyond it; a request vLLM serves is served)."""
     pairs = []
     for key, value in (bias or {}).items():
         if not key.strip().isdigit():
             raise RequestError("logit_bias", f"logit_bias keys must be token ids written as strings (\"1234\"), "
                                              f"found {key!r}")
-        pairs.append((int(key), value))
+        pairs.append((int(key), min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))))
     return tuple(pairs)
 
 

@@ -19,6 +19,7 @@ from jmoe.jsonfile import read_json
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; the step always computes this many
 MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM any number; a bound on the work of matching them
 SEED_LIMIT = 2**32  # a seed is a uint32 inside the step
+MAX_TEMPERATURE = 100.0  # OpenAI allows 2, vLLM any: a request vLLM serves is served
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 
 
@@ -55,11 +56,12 @@ class RequestParams:
     Face and vLLM define it (1 = off; a logit of a token in the prompt or generated so far is divided by it when
     positive, multiplied when negative); `logit_bias` (token id, value in [-100, 100]) pairs added to the logits;
     `allowed_token_ids` (vLLM's) every other token banned; `bad_words` token sequences whose last token is banned
-    where the tokens before it were just generated (vLLM's, tokenized); `min_tokens` EOS and `stop_token_ids` banned and stop
-    strings ignored until that many tokens are generated; `logprobs` None = none, else how many top alternatives
-    (0-20) come with each token's own log-probability; `seed` None = a fresh random seed; `include_stop_str_in_output`
-    keeps a matched stop string in the text; `skip_special_tokens` False decodes special tokens as text;
-    `constraint` a compiled grammar (jmoe.serve.grammar.Constraint) every token must follow, or None."""
+    where the tokens before it were just generated (vLLM's, tokenized); `min_tokens` EOS and `stop_token_ids`
+    banned and stop strings ignored until that many tokens are generated; `logprobs` None = none, else how many top
+    alternatives (0-20) come with each token's own log-probability; `seed` None = a fresh random seed;
+    `include_stop_str_in_output` keeps a matched stop string in the text; `skip_special_tokens` False decodes
+    special tokens as text; `constraint` a compiled grammar (jmoe.serve.grammar.Constraint) every token must
+    follow, or None."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -84,7 +86,7 @@ class RequestParams:
 
     def __post_init__(self):
         _whole("max_tokens", self.max_tokens, 1, 2**31 - 1)
-        _number("temperature", self.temperature, 0.0, 2.0)
+        _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _whole("top_k", self.top_k, 0, 2**31 - 1)
         _number("min_p", self.min_p, 0.0, 1.0)
