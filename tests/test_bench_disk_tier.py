@@ -18,6 +18,7 @@ def orbax_dir(tmp_path_factory):
     return convert_once(write_checkpoint(root / "hf", SMOKE_CONFIG), root / "orbax")
 
 
+@pytest.mark.quick
 def test_memmap_orbax_reader_matches_the_orbax_reader(orbax_dir):
     cfg = load_config(orbax_dir)
     with OrbaxExpertReader(orbax_dir, cfg) as reader, memmap_orbax_reader_class()(orbax_dir, cfg) as mapped:

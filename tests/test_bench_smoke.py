@@ -13,6 +13,8 @@ from smoke_runs import BENCH, ROOT, run_smoke
 
 # Smoke runs that another test module runs instead (once, reading their report as well): module -> that test module.
 SMOKE_RUN_ELSEWHERE = {"gpu_check": "test_gpu_check"}
+# The quick tier runs the cheapest smoke run: discovery, the subprocess, and the bench/results check.
+QUICK_SMOKE_RUNS = {"kv_cache_mla"}
 
 
 def has_command_line(path: Path) -> bool:
@@ -24,6 +26,7 @@ def bench_modules() -> list[str]:
     return sorted(path.stem for path in BENCH.glob("*.py") if has_command_line(path))
 
 
+@pytest.mark.quick
 def test_discovery_finds_the_bench_modules():
     modules = bench_modules()
     assert {"decode", "decode_trace", "replay", "kv_cache_mla", "gpu_check"} <= set(modules)
@@ -42,6 +45,7 @@ def test_smoke_runs_left_to_other_modules_are_run_there():
             f"tests/{test_module}.py no longer runs bench.{module}'s smoke run: run it here again")
 
 
-@pytest.mark.parametrize("module", [module for module in bench_modules() if module not in SMOKE_RUN_ELSEWHERE])
+@pytest.mark.parametrize("module", [pytest.param(module, marks=[pytest.mark.quick] if module in QUICK_SMOKE_RUNS else [])
+                                    for module in bench_modules() if module not in SMOKE_RUN_ELSEWHERE])
 def test_smoke_run(module):
     run_smoke(module)

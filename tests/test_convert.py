@@ -131,7 +131,6 @@ def _fail_on_third_param(monkeypatch):
     monkeypatch.setattr(converter, "stored_params", flaky)
 
 
-@pytest.mark.quick
 def test_interrupted_conversion_leaves_nothing_that_loads(hf_checkpoints, tmp_path, monkeypatch):
     hf_dir = hf_checkpoints["qwen3_moe_headdim_tied"][0]
     cfg = load_config(hf_dir)

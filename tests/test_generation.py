@@ -42,7 +42,6 @@ def test_bfloat16_load(model_dir, model):
     np.testing.assert_allclose(np.asarray(bf16.logits(ids)), np.asarray(model.logits(ids)), atol=0.1)
 
 
-@pytest.mark.quick
 def test_sampling_is_seeded_and_filters_apply(model):
     prompt = [3, 1, 4, 1, 5]
     a = model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=1)

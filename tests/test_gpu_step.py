@@ -135,6 +135,7 @@ def test_bfloat16_results_do_not_depend_on_which_experts_are_cached():
                                       np.asarray(resident, np.float32), err_msg=f"cached {cached}")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("chunk_size", [2, 3, 8])
 def test_gpu_prefill_streaming_is_exact(chunk_size):
     """The GPU prefill path (CPU prefill reads experts in place instead): cached experts from their slots,

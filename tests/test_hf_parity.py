@@ -51,7 +51,6 @@ def test_kv_cached_decoding_equals_full_recompute(name, loaded):
     assert np.argmax(logits[len(prompt) - 1:], axis=-1).tolist() == generated
 
 
-@pytest.mark.quick
 def test_batch_of_different_lengths_equals_one_by_one(loaded):
     model = loaded["qwen3_moe_headdim_tied"]
     rng = np.random.RandomState(11)

@@ -78,7 +78,6 @@ def test_offloaded_experts_live_in_pinned_host_and_device_bytes_match_summary(ol
     assert device_bytes == model.placement_plan.totals()["device_bytes"]
 
 
-@pytest.mark.quick
 def test_prefill_routing_to_every_expert_with_cache_top_k_is_exact(olmoe_dir):
     base = jmoe.load(olmoe_dir, progress=False)
     prompt = list(np.random.RandomState(5).randint(0, VOCAB, 120))

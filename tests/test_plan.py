@@ -77,6 +77,7 @@ def test_plan_on_a_header_only_copy_equals_the_plan_on_the_full_checkpoint(which
         assert full.needs.host_bytes > 0 and full.fits
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("options", OPTION_SETS, ids=[str(o) for o in OPTION_SETS])
 def test_plan_totals_equal_the_placement_load_makes(olmoe_dir, options):
     plan = jmoe.plan(olmoe_dir, **options)
@@ -95,6 +96,7 @@ def test_plan_totals_equal_the_placement_load_makes(olmoe_dir, options):
                                             model.placement_plan.caches)).get(i) for i in range(2)]
 
 
+@pytest.mark.quick
 def test_plan_json_and_report_say_where_bytes_live_and_what_is_available(olmoe_dir):
     plan = jmoe.plan(olmoe_dir, cache=[0, 3], batch=2, context=64, host_gb=1, device_gb=1)
     data = json.loads(plan.to_json())
@@ -291,6 +293,7 @@ def fake_workers(monkeypatch):
     return workers
 
 
+@pytest.mark.quick
 def test_one_worker_compiles_a_plans_programs_and_a_death_costs_only_the_program_that_caused_it(fake_workers,
                                                                                                 tmp_path):
     for case in ("three", "two"):

@@ -66,6 +66,7 @@ def placement_of(options):
     return lambda cfg: plan_placement(cfg, abstract_params(cfg, np.float32), options)
 
 
+@pytest.mark.quick
 def test_a_reduction_is_used_only_when_the_shallow_placements_match():
     cfg = default_shaped(20)
     reduction = depth.plan_reduction(cfg, placement_of(OffloadOptions(4)))

@@ -104,6 +104,7 @@ def random_trace(tokens=300, layers=2, experts=4, top_k=2, seed=0):
     return np.argsort(rng.random((tokens, layers, experts)) ** np.arange(1, experts + 1), axis=2)[:, :, :top_k]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("policy", ["lru", "lfru"])
 def test_hit_rate_replayed_from_a_trace_equals_the_replay(policy):
     trace = random_trace(layers=3, experts=8, top_k=2)
@@ -122,6 +123,7 @@ def no_compile_but_costs(monkeypatch):
     monkeypatch.setattr(planner, "compile_programs", lambda *args: fake_programs())
 
 
+@pytest.mark.quick
 def test_plan_estimate_from_a_trace_reaches_as_dict_report_and_cli(small_mixtral_dir, tmp_path, no_compile_but_costs,
                                                                    capsys):
     from jmoe.cli.plan import main

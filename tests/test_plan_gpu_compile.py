@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
 FAMILIES = list({model_type: name for name, (model_type, _) in reversed(FAMILY_CASES.items())}.values())[::-1]
 PLACEMENTS = [dict(cache=1, offload_params=["attn"]), dict(cache=2, prefetch=1),
               dict(cpu_moe_layers=1, offload_group_size=2), dict()]
+QUICK_CASE = "olmoe_e8k4_clip"  # the quick tier's H100 compile: the cheapest family
 
 
-@pytest.mark.parametrize("case", FAMILIES)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.quick] if case == QUICK_CASE else [])
+                                  for case in FAMILIES])
 def test_decode_and_prefill_compile_for_h100(case, hf_checkpoints):
     options = PLACEMENTS[FAMILIES.index(case) % len(PLACEMENTS)]
     plan = jmoe.plan(hf_checkpoints[case][0], target="h100", context=64, batch=2, **options)
