@@ -22,13 +22,23 @@ def param_key(path: ParamPath) -> str:
 def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graph and a state of shape/dtype structs: nothing is allocated. The state is the caller's own
     (a copy of the traced one: its leaves are immutable structs)."""
-    graphdef, state = _traced_abstract_model(cfg, None if dtype is None else jnp.dtype(dtype))
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    trace = _traced_abstract_model if _hashable(cfg) else _traced_abstract_model.__wrapped__
+    graphdef, state = trace(cfg, dtype)
     return graphdef, jax.tree.map(lambda leaf: leaf, state)
 
 
 def abstract_params(cfg: ModelConfig, dtype) -> dict[ParamPath, object]:
     """{path: shape/dtype struct} of every parameter."""
     return flat_params(nnx.to_pure_dict(abstract_model(cfg, dtype)[1]))
+
+
+def _hashable(cfg: ModelConfig) -> bool:
+    try:  # a config read from a file may hold a list where a number is usual (pad_token_id: []); it is still valid
+        hash(cfg)
+    except TypeError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=16)
