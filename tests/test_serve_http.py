@@ -2,6 +2,7 @@
 HTTP: one real server process for the module (warm-up is paid once), plus in-process checks of the API key,
 the chat template against transformers and the generate command's defaults."""
 
+import contextlib
 import json
 import os
 import signal
@@ -538,8 +539,9 @@ def test_sigterm_drains_and_exits_0(server):
 
 
 # ---- in-process ---------------------------------------------------------------------------------------
-@pytest.mark.quick
-def test_api_key_guards_v1_only():
+@contextlib.contextmanager
+def client_of_a_loading_server(**options):
+    """A TestClient of create_app(**options) for model "m", whose model never finishes loading (released on exit)."""
     from fastapi.testclient import TestClient
 
     from jmoe.serve.http import create_app
@@ -550,20 +552,25 @@ def test_api_key_guards_v1_only():
         gate.wait()
         raise RuntimeError("this test loads no model")
 
-    app = create_app(never_loads, "m", api_key="secret")
     try:
-        with TestClient(app) as client:
-            assert client.get("/health").status_code == 200
-            assert client.get("/ready").status_code == 503
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
-                response = client.get("/v1/models", headers=headers)
-                assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
-            good = {"Authorization": "Bearer secret"}
-            assert client.get("/v1/models", headers=good).json()["data"][0]["id"] == "m"
-            loading = client.post("/v1/completions", headers=good, json={"model": "m", "prompt": "x"})
-            assert loading.status_code == 503 and loading.headers["Retry-After"] == "1"
+        with TestClient(create_app(never_loads, "m", **options)) as client:
+            yield client
     finally:
         gate.set()
+
+
+@pytest.mark.quick
+def test_api_key_guards_v1_only():
+    with client_of_a_loading_server(api_key="secret") as client:
+        assert client.get("/health").status_code == 200
+        assert client.get("/ready").status_code == 503
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+            response = client.get("/v1/models", headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        good = {"Authorization": "Bearer secret"}
+        assert client.get("/v1/models", headers=good).json()["data"][0]["id"] == "m"
+        loading = client.post("/v1/completions", headers=good, json={"model": "m", "prompt": "x"})
+        assert loading.status_code == 503 and loading.headers["Retry-After"] == "1"
 
 
 @pytest.mark.quick
@@ -606,25 +613,12 @@ def test_request_fields_become_engine_parameters():
 
 @pytest.mark.quick
 def test_strict_fields_answers_400_to_a_field_nobody_defines():
-    from fastapi.testclient import TestClient
-
-    from jmoe.serve.http import create_app
-
-    gate = threading.Event()
-
-    def never_loads(observer):
-        gate.wait()
-        raise RuntimeError("this test loads no model")
-
-    try:
-        with TestClient(create_app(never_loads, "m", strict_fields=True)) as client:
-            body = {"model": "m", "prompt": "x", "stream_options": {"include_usage": True, "colour": "red"}}
-            response = client.post("/v1/completions", json=body)
-            assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options.colour"
-            known = client.post("/v1/completions", json={"model": "m", "prompt": "x", "store": True, "min_p": 0.1})
-            assert known.status_code == 503  # accepted: only the model is missing
-    finally:
-        gate.set()
+    with client_of_a_loading_server(strict_fields=True) as client:
+        body = {"model": "m", "prompt": "x", "stream_options": {"include_usage": True, "colour": "red"}}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options.colour"
+        known = client.post("/v1/completions", json={"model": "m", "prompt": "x", "store": True, "min_p": 0.1})
+        assert known.status_code == 503  # accepted: only the model is missing
 
 
 CONVERSATIONS = [
