@@ -6,7 +6,9 @@ rows beside free ones; stops, cancellation, limits; no compilation after warm-up
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from pathlib import Path
 
 import jax
@@ -15,6 +17,7 @@ import pytest
 
 import jmoe
 from jmoe.serve import QueueFullError, RequestError, RequestParams, ServingEngine
+from jmoe.serve.engine import CHOOSE_VARIANTS
 from jmoe.errors import InsufficientMemoryError
 from jmoe.serve import mappings
 
@@ -446,14 +449,36 @@ def test_no_program_compiles_after_warm_up(engine, model, prompt_ids):
     assert compiled == []
 
 
-@pytest.mark.quick
-def test_background_thread_serves_concurrent_submissions_and_drains_on_stop(model, prompt_ids):
-    expected = [model.generate(ids, max_new_tokens=6)[0] for ids in prompt_ids[:4]]
-    engine = ServingEngine(model, max_batch=2, context=64)
-    engine.start(warm_up=False)
-    requests = [engine.submit(ids, greedy(6)) for ids in prompt_ids[:4]]
-    engine.stop(drain=True, timeout=120)
-    assert [tokens_of(r) for r in requests] == expected
+def test_background_thread_serves_while_the_rest_compiles_behind_and_drains_on_stop(model, prompt_ids, caplog):
+    """start(compile_behind=True): warm-up compiles the programs of one-row steps first, the step thread serves at
+    once while another compiles the rest; a request that needs one not compiled yet (a prompt's later chunks) waits
+    for it or compiles it; the tokens are generate's; in the end every program is compiled, each once; stop drains."""
+    long_prompt = (prompt_ids[1] * 20)[:40]  # three chunks of 16
+    prompts = [*prompt_ids[:3], long_prompt]
+    expected = [model.generate(ids, max_new_tokens=6)[0] for ids in prompts]
+    first, rest = ServingEngine(model, max_batch=2, context=64)._program_specs()
+    assert [spec.key for spec in first + rest] == [
+        ("prefill", 1, 16, 16), *(("choose", *variant, 1) for variant in CHOOSE_VARIANTS), ("decode", 64, 1),
+        ("mark_prompt",), ("prefill", 2, 16, 16), *(("choose", *variant, 2) for variant in CHOOSE_VARIANTS),
+        ("decode", 64, 2), ("prefill", 1, 16, 64), ("prefill", 2, 16, 64)]
+    assert len(first) == 9
+    engine = ServingEngine(model, max_batch=1, context=64)  # its programs: those of the first row above
+    with caplog.at_level(logging.INFO, logger="jmoe.serve"):
+        engine.start(compile_behind=True)
+        assert engine.ready and engine.compiled_programs >= len(first)
+        requests = [engine.submit(ids, greedy(6)) for ids in prompts]
+        deadline = time.monotonic() + 300
+        while engine.compile_status()["compiled_programs"] < engine.program_count:
+            assert time.monotonic() < deadline and engine.failure is None
+            time.sleep(0.2)
+        late = engine.submit(prompt_ids[3], greedy(6))
+        engine.stop(drain=True, timeout=300)
+        assert [tokens_of(r) for r in requests] == expected
+        assert tokens_of(late) == model.generate(prompt_ids[3], max_new_tokens=6)[0]
+    assert engine.compile_status() == {"compiled_programs": 10, "programs": 10, "compile_seconds_left": 0}
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled ")]
+    assert len(compiled) == engine.program_count  # none twice
+    assert re.fullmatch(r"compiled 1 of 10 programs \(prefill 1 16 16\), about \d+ s left", compiled[0])
     with pytest.raises(QueueFullError, match="shutting down"):
         engine.submit(prompt_ids[0], greedy(2))
 
@@ -490,4 +515,4 @@ def test_warm_up_stops_with_an_error_before_its_programs_pass_the_memory_mapping
     with pytest.raises(InsufficientMemoryError, match=r"vm\.max_map_count.*--max-batch 1, --context 64: 10 programs"):
         engine.warm_up()
     assert engine.compiled_programs == 1
-    assert engine._mappings.per_program > 100  # the first program's own mappings, measured
+    assert engine._programs.budget.per_program > 100  # the first program's own mappings, measured

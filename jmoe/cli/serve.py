@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict-fields", action="store_true",
                    help="answer 400 to a request field no OpenAI or vLLM schema defines (default: log it once per "
                         "request and ignore it, as vLLM does)")
+    p.add_argument("--compile-all-first", action="store_true",
+                   help="compile every program before answering (default: answer once the programs of small requests "
+                        "are compiled and compile the rest behind them; a request that needs one not yet compiled "
+                        "waits for it)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
     add_offload_args(p)
@@ -74,7 +78,7 @@ def serve(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model_dir(args.model)
     app = create_app(make_engine_factory(args, model_dir), args.served_model_name or model_dir.resolve().name,
-                     args.api_key, args.strict_fields)
+                     args.api_key, args.strict_fields, compile_behind=not args.compile_all_first)
     state = app.state.server
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None), state)
     # A model that fails to load stops the server; the error is reported below (exit status 2 for a JmoeError).
@@ -85,9 +89,20 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access lines for /health and /ready: load balancers and clients poll them every second."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.args, tuple) and len(record.args) > 2 and record.args[2] in PROBE_PATHS)
+
+
+PROBE_PATHS = ("/health", "/ready")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     return run_cli(lambda: serve(args))
 
 

@@ -8,9 +8,11 @@ next request at the following step. Every step goes through the model's expert e
 prefetch, miss modes, quantized experts and `Model.stats()` serve the batch as they serve `generate`: a
 decode step needs the union of its rows' experts and reads each once.
 
-Steps run on one background thread (`start`); `submit` and `cancel` may be called from any thread. Every
-program is compiled by `warm_up` (shapes are bucketed), so traffic never compiles: `compiled_programs`
-counts them.
+Steps run on one background thread (`start`); `submit` and `cancel` may be called from any thread. Shapes are
+bucketed, so the programs are a known set: `warm_up` compiles every one (then traffic never compiles:
+`compiled_programs` counts them), or with `first_only` those that requests of one row, short prompts and short
+contexts need, and `start(compile_behind=True)` compiles the rest on a thread of its own while requests are served
+(jmoe.serve.compiling: none twice, progress logged).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
 from jmoe.model import empty_kv_cache
 from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias, static_bias
+from jmoe.serve.compiling import ProgramCache, ProgramSpec, shapes_of
 from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
 from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_mark_prompt_fn, make_prefill_fn
@@ -49,6 +52,9 @@ MIN_VISIBLE = 64
 # from 5.9 to 7.5 ms at V = 151,936 on two CPU cores (0.31 to 0.36 ms at 4,096), and plain greedy steps run none.
 CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, True)) + ((True, True, True),
                                                                                         (False, True, True))
+# warm_up(first_only=True): the programs of one-row steps whose first prompt chunk fits a chunk bucket and whose
+# decode reads at most this many cache columns; the rest are compiled behind the first requests.
+FIRST_VISIBLE = 512
 
 
 class TokenEvent(NamedTuple):
@@ -159,12 +165,13 @@ class ServingEngine:
         self._decode = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
         self._choose = {variant: make_choose_fn(*variant) for variant in CHOOSE_VARIANTS}
         self._mark_prompt = make_mark_prompt_fn()
-        self._programs: dict[tuple, jax.stages.Compiled] = {}
-        self._mappings = MappingBudget(f"lower max_batch or context (--max-batch {max_batch}, --context {context}: "
-                                       f"{self.program_count} programs)")
+        self._programs = ProgramCache(self.program_count, MappingBudget(
+            f"lower max_batch or context (--max-batch {max_batch}, --context {context}: {self.program_count} programs)"))
+        self._stop_compiling = threading.Event()
         self.kv_cache = empty_kv_cache(cfg, max_batch, context, model.kv_dtype)
         self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
         self.seen = jnp.zeros((max_batch, cfg.vocab_size), bool)  # prompt tokens, for repetition penalties
+        self._shapes = shapes_of(self._engine_arrays(abstract=False))  # the same for the engine's lifetime
         self._rows: list[Request | None] = [None] * max_batch
         self._waiting: deque[Request] = deque()
         self._lock = threading.Condition()
@@ -212,17 +219,25 @@ class ServingEngine:
     def compiled_programs(self) -> int:
         return len(self._programs)
 
-    def start(self, warm_up: bool = True) -> None:
-        """Compile every program (unless `warm_up` is False: then shapes compile as they first occur), then
-        run steps on a background thread until `stop`."""
+    def start(self, warm_up: bool = True, compile_behind: bool = False) -> None:
+        """Compile every program (unless `warm_up` is False: then shapes compile as they first occur; with
+        `compile_behind`, only the first ones, and the rest on a thread of its own while steps run), then run steps
+        on a background thread until `stop`."""
         if warm_up:
-            self.warm_up()
+            self.warm_up(first_only=compile_behind)
+        if compile_behind:
+            self._programs.compile_behind(sum(self._program_specs(), []), self._stop_compiling)
         self._thread = threading.Thread(target=self._loop, name="jmoe-serving", daemon=True)
         self._thread.start()
+
+    def compile_status(self) -> dict:
+        """Programs compiled, of how many, and about how many seconds the rest take (the server's /ready)."""
+        return self._programs.status()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; with `drain`, finish every admitted and waiting request first, else cancel
         them. Returns when the step thread has ended."""
+        self._stop_compiling.set()
         with self._lock:
             self._stopping = True
             if not drain:
@@ -233,43 +248,70 @@ class ServingEngine:
             self._thread.join(timeout)
 
     # ---- compiling ------------------------------------------------------------------------------------
-    def warm_up(self) -> None:
+    def warm_up(self, first_only: bool = False) -> None:
         """Compile, for every entry count (a power of two up to max_batch): the prefill programs for every chunk
         bucket (first chunks, which read only their own columns, and later ones, which read the context), the token
         choice (greedy or sampled, with or without logprobs) and the decode program for every visible length (a
-        decode step runs the fewest first rows that hold every generating request). Each program also runs once,
-        on padding entries: on XLA:CPU a program's first run cost 30-90 ms more than its next (the default model at
-        context 512), which the first requests would otherwise wait for (routed tokens instead of padding warmed no
-        better, measured). Those runs go around the manager, so the expert cache's slots, tables and counts are
-        put back as they were (router prefetch copies even on padding), and the KV cache and penalty counts start
-        empty."""
+        decode step runs the fewest first rows that hold every generating request); with `first_only`, those of
+        one-row steps, first chunks and decodes reading at most FIRST_VISIBLE columns (`_program_specs`). Each
+        program also runs once, on padding entries: on XLA:CPU a program's first run cost 30-90 ms more than its
+        next (the default model at context 512), which the first requests would otherwise wait for (routed tokens
+        instead of padding warmed no better, measured). Those runs go around the manager, so the expert cache's
+        slots, tables and counts are put back as they were (router prefetch copies even on padding), and the KV
+        cache and penalty counts start empty."""
         engine = self.model.engine
         saved = jax.device_get(engine.state)
         shardings = jax.tree.map(lambda a: a.sharding, engine.state)
-        for entries in self.entry_buckets:
-            # a clipped row, its writes dropped; from column 0, no valid token
-            padding, zeros = np.full(entries, self.max_batch), np.zeros(entries)
-            for chunk in self.chunks:
-                for visible in (chunk, self.context):
-                    args = self._prefill_args(np.zeros((entries, chunk), np.int32), padding, zeros, zeros)
-                    _, _, self.kv_cache, engine.state = self._program(
-                        ("prefill", entries, chunk, visible), self._prefill[visible], args)(*args)
-            for variant, choose in self._choose.items():
-                args = self._choose_args(jnp.zeros((entries, self.config.vocab_size)), [None] * entries, reset=True,
-                                         biased=variant[2])
-                _, self.counts = self._program(("choose", *variant, entries), choose, args)(*args)
-            for visible in self.visible_buckets:
-                args = self._decode_args(np.zeros(entries, np.int32), np.zeros(entries, np.int32),
-                                         np.zeros(entries, bool))
-                _, _, self.kv_cache, engine.state = self._program(("decode", visible, entries), self._decode[visible],
-                                                                  args)(*args)
-        args = self._mark_args(self.max_batch, np.zeros(self.config.vocab_size, bool))
-        self.seen = self._program(("mark_prompt",), self._mark_prompt, args)(*args)
+        first, rest = self._program_specs()
+        for spec in first if first_only else first + rest:
+            args = spec.args(False)
+            outputs = self._program(spec.key, spec.fn, args)(*args)
+            if spec.key[0] == "choose":
+                self.counts = outputs[1]
+            elif spec.key[0] == "mark_prompt":
+                self.seen = outputs
+            else:
+                self.kv_cache, engine.state = outputs[2:]
         engine.state = jax.tree.map(jax.device_put, saved, shardings)
         self.kv_cache = empty_kv_cache(self.config, self.max_batch, self.context, self.model.kv_dtype)
         self.counts = jnp.zeros_like(self.counts)
         self.seen = jnp.zeros_like(self.seen)
         self.ready = True
+
+    def _program_specs(self) -> tuple[list[ProgramSpec], list[ProgramSpec]]:
+        """Every program the engine may run, in two lists: those a one-row request with a prompt of at most one chunk
+        and a context of at most FIRST_VISIBLE tokens needs (and the prompt marking); then the rest, in the order
+        they are compiled behind the first requests: the same for more rows, fewest first, then the longer decodes
+        and the prefills of later chunks. Their arguments are padding entries (a clipped row: writes dropped; from
+        column 0, no valid token)."""
+
+        def prefill(entries, chunk, visible):
+            return ProgramSpec(("prefill", entries, chunk, visible), self._prefill[visible], lambda abstract: (
+                self._prefill_args(np.zeros((entries, chunk), np.int32), np.full(entries, self.max_batch),
+                                   np.zeros(entries), np.zeros(entries), abstract)))
+
+        def choose(entries, variant):
+            logits = jax.ShapeDtypeStruct((entries, self.config.vocab_size), jnp.float32)
+            return ProgramSpec(("choose", *variant, entries), self._choose[variant], lambda abstract: (
+                self._choose_args(logits if abstract else jnp.zeros(logits.shape), [None] * entries, reset=True,
+                                  biased=variant[2], abstract=abstract)))
+
+        def decode(entries, visible):
+            return ProgramSpec(("decode", visible, entries), self._decode[visible], lambda abstract: (
+                self._decode_args(np.zeros(entries, np.int32), np.zeros(entries, np.int32), np.zeros(entries, bool),
+                                  abstract)))
+
+        first, more, long = [], [], []
+        for entries in self.entry_buckets:  # the first is 1
+            (first if entries == 1 else more).extend(
+                [prefill(entries, chunk, chunk) for chunk in self.chunks]
+                + [choose(entries, variant) for variant in self._choose]
+                + [decode(entries, visible) for visible in self.visible_buckets if visible <= FIRST_VISIBLE])
+            long += [decode(entries, visible) for visible in self.visible_buckets if visible > FIRST_VISIBLE]
+            long += [prefill(entries, chunk, self.context) for chunk in self.chunks]
+        first.append(ProgramSpec(("mark_prompt",), self._mark_prompt, lambda abstract: self._mark_args(
+            self.max_batch, np.zeros(self.config.vocab_size, bool), abstract)))
+        return first, more + long
 
     @property
     def program_count(self) -> int:
@@ -278,12 +320,7 @@ class ServingEngine:
         return len(self.entry_buckets) * (2 * len(self.chunks) + len(self._choose) + len(self.visible_buckets)) + 1
 
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
-        program = self._programs.get(key)
-        if program is None:
-            # Compiled XLA:CPU programs hold hundreds of memory mappings each (jmoe.serve.mappings).
-            with self._mappings.compiling(max(1, self.program_count - len(self._programs))):
-                program = self._programs[key] = fn.lower(*args).compile()
-        return program
+        return self._programs.get(key, fn, args)
 
     # ---- the step loop (engine thread) ----------------------------------------------------------------
     def step(self) -> bool:
@@ -477,23 +514,33 @@ class ServingEngine:
             self._finish(request, reason, token, text, logprob, top)
 
     # ---- program arguments: NumPy arrays, which a compiled program takes in one transfer (cheaper than a
-    # jnp.asarray each, which dispatches one small program per array)
-    def _prefill_args(self, tokens, rows, start, valid) -> tuple:
-        return (self.model.params, self.model.engine.state, self.kv_cache, np.asarray(tokens, np.int32),
-                np.asarray(rows, np.int32), np.asarray(start, np.int32), np.asarray(valid, np.int32))
+    # jnp.asarray each, which dispatches one small program per array); `abstract`: the engine's own arrays as shapes
+    # (a program compiled behind the steps, which donate those arrays meanwhile)
+    def _engine_arrays(self, abstract: bool) -> tuple:
+        """(parameters, expert engine state, KV cache, penalty counts, prompt marks): live, or their shapes."""
+        if abstract:
+            return self._shapes
+        return self.model.params, self.model.engine.state, self.kv_cache, self.counts, self.seen
 
-    def _decode_args(self, tokens, positions, active) -> tuple:
-        return (self.model.params, self.model.engine.state, self.kv_cache, tokens, positions, active)
+    def _prefill_args(self, tokens, rows, start, valid, abstract: bool = False) -> tuple:
+        params, state, kv_cache, _, _ = self._engine_arrays(abstract)
+        return (params, state, kv_cache, np.asarray(tokens, np.int32), np.asarray(rows, np.int32),
+                np.asarray(start, np.int32), np.asarray(valid, np.int32))
 
-    def _choose_args(self, logits, requests: list[Request | None], reset: bool, biased: bool = False) -> tuple:
+    def _decode_args(self, tokens, positions, active, abstract: bool = False) -> tuple:
+        params, state, kv_cache, _, _ = self._engine_arrays(abstract)
+        return params, state, kv_cache, tokens, positions, active
+
+    def _choose_args(self, logits, requests: list[Request | None], reset: bool, biased: bool = False,
+                     abstract: bool = False) -> tuple:
         arrays, grammar_seconds = choice_arrays(requests, self.max_batch, self.config.vocab_size, self.eos, biased)
         constrained = sum(r is not None and r.matcher is not None for r in requests)
         if constrained and self.observer is not None and hasattr(self.observer, "grammar"):
             self.observer.grammar(grammar_seconds, constrained)
-        return (logits, self.counts, self.seen, arrays.rows, np.full(len(requests), reset), arrays.sampling,
+        _, _, _, counts, seen = self._engine_arrays(abstract)
+        return (logits, counts, seen, arrays.rows, np.full(len(requests), reset), arrays.sampling,
                 arrays.presence, arrays.frequency, arrays.repetition, arrays.min_p, arrays.seeds, arrays.indices,
                 arrays.bias)
 
-    def _mark_args(self, row: int, mask: np.ndarray) -> tuple:
-        return self.seen, np.int32(row), mask
-
+    def _mark_args(self, row: int, mask: np.ndarray, abstract: bool = False) -> tuple:
+        return self._engine_arrays(abstract)[4], np.int32(row), mask

@@ -2,7 +2,7 @@
 
 Endpoints: GET /v1/models and /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events with `stream: true`), GET /health (the process answers), GET /ready (the model is loaded and
-every program compiled), GET /metrics (Prometheus). With an API key, /v1/* need `Authorization: Bearer KEY`;
+the programs of small requests compiled; its body says how many of all, and about how long the rest take), GET /metrics (Prometheus). With an API key, /v1/* need `Authorization: Bearer KEY`;
 /health, /ready and /metrics stay open. Errors have OpenAI's shape (jmoe.serve.errors). A body field no schema
 defines is logged once per request and ignored, as vLLM does; with `strict_fields` it is a 400.
 
@@ -44,8 +44,10 @@ class ServerState:
     """The engine once loaded (`loaded`: a future of it), the metrics it reports to, and whether the server
     is shutting down."""
 
-    def __init__(self, make_engine: Callable[[Metrics], ServingEngine], model_name: str, strict_fields: bool = False):
+    def __init__(self, make_engine: Callable[[Metrics], ServingEngine], model_name: str, strict_fields: bool = False,
+                 compile_behind: bool = True):
         self.make_engine = make_engine
+        self.compile_behind = compile_behind
         self.model_name = model_name
         self.strict_fields = strict_fields
         self.metrics = Metrics()
@@ -69,7 +71,7 @@ class ServerState:
             self.metrics.engine = self.engine = engine
             if grammars is not None:
                 grammars.prepare()
-            engine.start()
+            engine.start(compile_behind=self.compile_behind)
         except BaseException as error:  # reported by /health, /ready and the command line
             self.loaded.set_exception(error)
             return
@@ -91,12 +93,13 @@ class ServerState:
 
 
 def create_app(make_engine: Callable[[Metrics], ServingEngine], model_name: str, api_key: str | None = None,
-               strict_fields: bool = False) -> FastAPI:
+               strict_fields: bool = False, compile_behind: bool = True) -> FastAPI:
     """The server's app. `make_engine(observer)` builds the (not yet started) ServingEngine with that observer;
-    it is called on a background thread when the app starts, then the engine is warmed up and started.
+    it is called on a background thread when the app starts, then the engine is warmed up and started: ready once
+    the programs of small requests are compiled, the rest compiled behind them (`compile_behind`; else all first).
     `model_name` is the only model /v1 requests may name; `api_key`, if given, is required on /v1;
     `strict_fields`: a body field no schema defines is a 400 instead of logged and ignored."""
-    state = ServerState(make_engine, model_name, strict_fields)
+    state = ServerState(make_engine, model_name, strict_fields, compile_behind)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -138,10 +141,13 @@ def _health_routes(state: ServerState) -> APIRouter:
 
     @router.get("/ready")
     def ready():
+        """200 once requests are taken; the body (503's too) says how far compiling is."""
+        compiling = {} if state.engine is None else state.engine.compile_status()
         if not state.ready:
-            reason = "shutting down" if state.draining else _failure(state) or "loading"
-            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
-        return {"status": "ready"}
+            reason = "shutting down" if state.draining else _failure(state) or (
+                "compiling" if compiling.get("compiled_programs") else "loading")
+            return JSONResponse({"status": "not ready", "reason": reason, **compiling}, status_code=503)
+        return {"status": "ready", **compiling}
 
     @router.get("/metrics")
     def metrics():
