@@ -2,7 +2,8 @@
 checkpoint, with a bounded load generator on 127.0.0.1.
 
   JAX_PLATFORMS=cpu python -m bench.serve [--cache 4] [--concurrency 1,2,4,8,16] [--requests 48] [--rounds 2]
-                                          [--constrained-share 0.5]   # that share of jmoe's requests JSON-constrained
+                                          [--constrained-share 0,0.5]   # those shares of jmoe's requests JSON-
+                                                                        # constrained, alternated on one server
   JAX_PLATFORMS=cpu python -m bench.serve --smoke   # toy sizes, both servers, no result file (the default model's
                                                     # first two layers, transformers' KV cache sized to the requests)
 
@@ -14,7 +15,8 @@ aggregate generated tokens/s, time to first token p50/p99, inter-token latency p
 expert-cache hit rate, host-to-device bytes per generated token (its /metrics) and the share of the decode bound
 (the bytes its decode steps had to read, at this machine's measured read bandwidth). Then a soak: --soak
 more requests at concurrency 8 through the last round's jmoe server, its resident memory after the first 50
-and at the end.
+and at the end. With several --constrained-share values, each jmoe server runs every level once per share, the
+shares alternating, so constrained and free loads meet the same server, compiled programs and machine.
 """
 
 from __future__ import annotations
@@ -290,23 +292,25 @@ def decode_bound(reads: DecodeReads, level: dict, before: dict, after: dict) -> 
 
 # ---- the run ---------------------------------------------------------------------------------------------
 
-def measure(engine: str, args, requests: list, log_dir: Path, reads: DecodeReads,
+def measure(engine: str, args, requests: dict[float, list], log_dir: Path, reads: DecodeReads,
             soak_requests: list | None = None) -> dict:
-    """Every concurrency level through one fresh server of `engine`; then, given `soak_requests`, those at 8
+    """Every concurrency level through one fresh server of `engine`, once per constrained share of `requests`
+    (share -> request list; the shares alternate within each level); then, given `soak_requests`, those at 8
     clients through the same server, with its resident memory after the first 50 (or a tenth) and at the end."""
     server = Server(engine, args, log_dir / f"{engine}_{time.monotonic_ns()}.log")
     try:
         ready = server.wait_ready(args.start_timeout)
         levels = {}
         for concurrency in args.concurrency:
-            before = server.metrics() if engine == "jmoe" else {}
-            level = run_level(server, requests, concurrency)
-            if engine == "jmoe":
-                after = server.metrics()
-                level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, after, level["tokens"])
-                level.update(step_times(level, before, after))
-                level["bound"] = decode_bound(reads, level, before, after)
-            levels[concurrency] = level
+            for share, share_requests in requests.items():
+                before = server.metrics() if engine == "jmoe" else {}
+                level = run_level(server, share_requests, concurrency)
+                if engine == "jmoe":
+                    after = server.metrics()
+                    level["hit_rate"], level["bytes_per_token"] = expert_traffic(before, after, level["tokens"])
+                    level.update(step_times(level, before, after))
+                    level["bound"] = decode_bound(reads, level, before, after)
+                levels[concurrency, share] = level
         soaked = None
         if soak_requests:
             first = max(1, min(50, len(soak_requests) // 10))
@@ -325,33 +329,39 @@ def fmt(value, spec: str) -> str:
 
 
 def report(args, runs: dict, soaked: dict | None, start_load: float, conditions: str, reads: DecodeReads) -> str:
-    median = lambda engine, c, key: statistics.median(r["levels"][c][key] for r in runs[engine])  # noqa: E731
+    median = lambda engine, level, key: statistics.median(r["levels"][level][key] for r in runs[engine])  # noqa: E731
+    shares = args.constrained_share
+    share_column = shares != [0.0]
     lines = [load_warning(start_load) + conditions, "",
              f"Model `{args.model}`, float32, greedy, streamed completions; jmoe `--cache {args.cache}` "
              f"`--max-batch {args.max_batch}`; {args.requests} requests per level (seed {args.seed}); medians of "
              f"{args.rounds} rounds, engines alternated."
-             + (f" A share of {args.constrained_share:g} of the requests (every request i with i * share crossing a "
-                f"whole number) answers in a JSON schema (response_format json_schema: an object of a code string "
-                f"and a list of note strings)." if args.constrained_share else ""), "",
-             "| engine | clients | tokens/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | "
-             "ITL p99 (ms) | hit rate | bytes/token | decode bound (tokens/s) | share of bound |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             + (f" A share of the requests (every request i with i * share crossing a whole number) answers in a JSON "
+                f"schema (response_format json_schema: an object of a code string and a list of note strings); "
+                f"shares {', '.join(f'{x:g}' for x in shares)} alternate on each server." if share_column else ""), "",
+             "| engine | clients | " + ("constrained | " if share_column else "") + "tokens/s | vs 1 client | "
+             "TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | hit rate | bytes/token | "
+             "decode bound (tokens/s) | share of bound |",
+             "|---|---|" + ("---|" if share_column else "") + "---|---|---|---|---|---|---|---|---|---|"]
     bounds = {}
     for engine in runs:
-        single = median(engine, args.concurrency[0], "tokens_per_s")
-        for c in args.concurrency:
-            hit = bytes_per = bound = share = None
-            if engine == "jmoe" and runs[engine][0]["levels"][c].get("hit_rate") is not None:
-                hit = median(engine, c, "hit_rate")
-                bytes_per = median(engine, c, "bytes_per_token")
-            if engine == "jmoe" and runs[engine][0]["levels"][c].get("bound") is not None:
-                bound = bounds[c] = median(engine, c, "bound")
-                share = median(engine, c, "tokens_per_s") / bound
-            lines.append(f"| {engine} | {c} | {median(engine, c, 'tokens_per_s'):.1f} | "
-                         f"{median(engine, c, 'tokens_per_s') / single:.2f}x | {1e3 * median(engine, c, 'ttft_p50'):.0f} | "
-                         f"{1e3 * median(engine, c, 'ttft_p99'):.0f} | {1e3 * median(engine, c, 'itl_p50'):.1f} | "
-                         f"{1e3 * median(engine, c, 'itl_p99'):.1f} | {fmt(hit, '.3f')} | {fmt(bytes_per, ',.0f')} | "
-                         f"{fmt(bound, ',.0f')} | {fmt(share, '.1%')} |")
+        for level in runs[engine][0]["levels"]:
+            c, share = level
+            single = median(engine, (args.concurrency[0], share), "tokens_per_s")
+            hit = bytes_per = bound = fraction = None
+            if engine == "jmoe" and runs[engine][0]["levels"][level].get("hit_rate") is not None:
+                hit = median(engine, level, "hit_rate")
+                bytes_per = median(engine, level, "bytes_per_token")
+            if engine == "jmoe" and runs[engine][0]["levels"][level].get("bound") is not None:
+                bound = bounds[level] = median(engine, level, "bound")
+                fraction = median(engine, level, "tokens_per_s") / bound
+            lines.append(f"| {engine} | {c} | " + (f"{share:g} | " if share_column else "")
+                         + f"{median(engine, level, 'tokens_per_s'):.1f} | "
+                         f"{median(engine, level, 'tokens_per_s') / single:.2f}x | "
+                         f"{1e3 * median(engine, level, 'ttft_p50'):.0f} | {1e3 * median(engine, level, 'ttft_p99'):.0f} | "
+                         f"{1e3 * median(engine, level, 'itl_p50'):.1f} | {1e3 * median(engine, level, 'itl_p99'):.1f} | "
+                         f"{fmt(hit, '.3f')} | {fmt(bytes_per, ',.0f')} | {fmt(bound, ',.0f')} | "
+                         f"{fmt(fraction, '.1%')} |")
     if bounds:
         first = args.concurrency[0]
         lines += ["", f"Decode bound: generated tokens over the time to read, once, what the level's decode steps "
@@ -361,23 +371,34 @@ def report(args, runs: dict, soaked: dict | None, start_load: float, conditions:
                       f"{reads.bandwidth_gbs:.1f} GB/s streaming read bandwidth "
                       f"(bench.helpers.common.read_bandwidth_gbs); prefill is left out. The bound's own ratio to "
                       f"{first} client{'' if first == 1 else 's'}: "
-                      + ", ".join(f"{bounds[c] / bounds[first]:.2f}x at {c}" for c in bounds) + "."]
+                      + ", ".join(f"{bounds[c, shares[0]] / bounds[first, shares[0]]:.2f}x at {c}"
+                                  for c in args.concurrency if (c, shares[0]) in bounds) + "."]
     if "jmoe" in runs:
         lines += ["", "Where jmoe's wall time went (its /metrics step sums; the rest: between steps, handing tokens to "
                       "the HTTP side, waiting for requests):", "",
-                  "| clients | decode steps | ms per decode step | rows per decode step | prefill steps | rest |",
-                  "|---|---|---|---|---|---|"]
-        for c in args.concurrency:
-            decode, prefill = median("jmoe", c, "decode_share"), median("jmoe", c, "prefill_share")
-            lines.append(f"| {c} | {decode:.0%} | {median('jmoe', c, 'decode_ms'):.2f} | "
-                         f"{median('jmoe', c, 'decode_rows'):.2f} | {prefill:.0%} | {1 - decode - prefill:.0%} |")
+                  "| clients | " + ("constrained | " if share_column else "") + "decode steps | ms per decode step | "
+                  "rows per decode step | prefill steps | rest |",
+                  "|---|" + ("---|" if share_column else "") + "---|---|---|---|---|"]
+        for level in runs["jmoe"][0]["levels"]:
+            decode, prefill = median("jmoe", level, "decode_share"), median("jmoe", level, "prefill_share")
+            lines.append(f"| {level[0]} | " + (f"{level[1]:g} | " if share_column else "")
+                         + f"{decode:.0%} | {median('jmoe', level, 'decode_ms'):.2f} | "
+                         f"{median('jmoe', level, 'decode_rows'):.2f} | {prefill:.0%} | {1 - decode - prefill:.0%} |")
+    if "jmoe" in runs and len(shares) > 1:
+        base = shares[0]
+        lines += ["", f"Constrained against share {base:g}, same server, medians over rounds (tokens/s; generated "
+                      f"tokens, which differ where a schema ends an answer before max_tokens):", "",
+                  "| clients | constrained | tokens/s ratio | tokens generated |", "|---|---|---|---|"]
+        lines += [f"| {c} | {share:g} | {median('jmoe', (c, share), 'tokens_per_s') / median('jmoe', (c, base), 'tokens_per_s'):.2f}x "
+                  f"| {median('jmoe', (c, share), 'tokens'):.0f} vs {median('jmoe', (c, base), 'tokens'):.0f} |"
+                  for c in args.concurrency for share in shares[1:]]
     readiness = "; ".join(f"{engine} " + ", ".join(f"{r['ready_s']:.1f}" for r in runs[engine]) + " s"
                           for engine in runs)
     lines += ["", f"Ready, from starting the server to its first answered completion (jmoe: every program compiled, "
                   f"with the compile cache as each round found it), round by round: {readiness}."]
     if len(runs) == 2:
         lines += ["", "| clients | jmoe / transformers tokens/s |", "|---|---|"]
-        lines += [f"| {c} | {median('jmoe', c, 'tokens_per_s') / median('transformers', c, 'tokens_per_s'):.2f}x |"
+        lines += [f"| {c} | {median('jmoe', (c, 0.0), 'tokens_per_s') / median('transformers', (c, 0.0), 'tokens_per_s'):.2f}x |"
                   for c in args.concurrency]
     if soaked:
         change = soaked["rss_last"] / soaked["rss_first"] - 1
@@ -404,15 +425,18 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench_serve"))
     parser.add_argument("--out", default="serve_cpu.md")
     parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")
-    parser.add_argument("--constrained-share", type=float, default=0.0,
-                        help="this share of the requests constrained to a JSON schema (jmoe only)")
+    parser.add_argument("--constrained-share", type=lambda s: [float(x) for x in s.split(",")], default=[0.0],
+                        help="shares of the requests constrained to a JSON schema, comma-separated (jmoe only; several "
+                             "alternate on each server)")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         parser.error(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
-    if not 0 <= args.constrained_share <= 1 or (args.constrained_share and args.engines != ["jmoe"]):
-        parser.error("--constrained-share must be in [0, 1], with --engines jmoe")
+    if not all(0 <= x <= 1 for x in args.constrained_share) or len(set(args.constrained_share)) < len(
+            args.constrained_share) or (args.constrained_share != [0.0] and args.engines != ["jmoe"]):
+        parser.error(f"--constrained-share must be distinct shares in [0, 1], with --engines jmoe; found "
+                     f"{args.constrained_share} with --engines {','.join(args.engines)}")
     with smoke_run(args):
         if args.smoke:
             args.max_batch, args.context, args.concurrency, args.requests, args.rounds, args.soak = 2, 64, [1, 2], 4, 1, 6
@@ -420,9 +444,9 @@ def main(argv=None) -> None:
         start_load = quiet_start_load("bench.serve", args.allow_load or args.smoke)
         args.workdir.mkdir(parents=True, exist_ok=True)
         prompt_range, output_range = ((8, 24), (4, 8)) if args.smoke else ((16, 192), (16, 128))
-        requests = workload(args.model, args.requests, args.seed, prompt_range, output_range)
-        share = args.constrained_share
-        requests = [(*r, int((i + 1) * share) > int(i * share)) for i, r in enumerate(requests)]
+        plain = workload(args.model, args.requests, args.seed, prompt_range, output_range)
+        requests = {share: [(*r, int((i + 1) * share) > int(i * share)) for i, r in enumerate(plain)]
+                    for share in args.constrained_share}
         reads = decode_reads(args.model, args.smoke)
         began = time.monotonic()
         runs = {engine: [] for engine in args.engines}
