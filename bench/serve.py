@@ -91,7 +91,8 @@ class Server:
         if engine == "jmoe":
             command = [sys.executable, "-m", "jmoe.serve", "--model", str(args.model), "--port", str(self.port),
                        "--max-batch", str(args.max_batch), "--context", str(args.context),
-                       "--served-model-name", self.model_name, "--no-compile-cache"]
+                       "--served-model-name", self.model_name, "--no-compile-cache",
+                       "--compile-all-first"]  # steady state: no program compiles behind the measured load
             if args.cache is not None:
                 command += ["--cache", str(args.cache)]
         else:
