@@ -3,7 +3,7 @@ cache) and warm (restarted with the cache the cold start left), answering once t
 (the default) against compiling every program first (`--compile-all-first`); and `python -m jmoe.generate`'s wall
 time for a few tokens, cold and warm.
 
-  JAX_PLATFORMS=cpu python -m bench.startup [--model DIR] [--rounds 2] [--max-batch 8] [--context 4096]
+  JAX_PLATFORMS=cpu python -m bench.startup [--model DIR] [--rounds 2] [--max-batch 8] [--context N]
   JAX_PLATFORMS=cpu python -m bench.startup --smoke   # the default model's first layers, a small context, one
                                                       # round, cold starts of the default server and generate
 
@@ -39,9 +39,8 @@ def start_server(args, variant: str, cache: Path, log: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "jmoe.serve", "--model", str(args.model), "--port", str(port),
-               "--max-batch", str(args.max_batch), "--context", str(args.context), "--compile-cache", str(cache),
-               "--served-model-name", "default",
-               *SERVER_VARIANTS[variant]]
+               "--max-batch", str(args.max_batch), "--compile-cache", str(cache), "--served-model-name", "default",
+               *(["--context", str(args.context)] if args.context else []), *SERVER_VARIANTS[variant]]
     began = time.monotonic()
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -66,8 +65,9 @@ def start_server(args, variant: str, cache: Path, log: Path) -> dict:
         return {"ready": ready, "first": time.monotonic() - began, "compiled": body.get("compiled_programs"),
                 "programs": body.get("programs")}
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def run_generate(args, cache: Path) -> float:
@@ -102,9 +102,10 @@ def measure_round(args, round_index: int) -> dict:
 def report(args, rounds: list[dict], start_load: float, conditions: str) -> str:
     median = lambda key, field: statistics.median(r[key][field] for r in rounds)  # noqa: E731
     lines = [load_warning(start_load) + conditions, "",
-             f"Model `{args.model}`, `--max-batch {args.max_batch} --context {args.context}`, the default offload "
-             f"settings; medians of {args.rounds} rounds. Cold: an empty compilation cache; warm: the same start again "
-             f"with the cache the cold one left.", "",
+             f"Model `{args.model}`, `--max-batch {args.max_batch}`"
+             + (f" `--context {args.context}`" if args.context else "") + ", otherwise the server's defaults "
+             f"(offload settings, context); medians of {args.rounds} rounds. Cold: an empty compilation cache; "
+             f"warm: the same start again with the cache the cold one left.", "",
              "| what | start | to /ready (s) | to first answer (s) | programs compiled at ready |", "|---|---|---|---|---|"]
     for key in rounds[0]:
         what, start = key
@@ -120,7 +121,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="(a smoke run: the default model's first "
                         "layers, bench.helpers.common.default_model)")
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--context", type=int, default=None, help="(default: the server's, 4096 or the model's "
+                        "max_position_embeddings if smaller)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=1200)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench_startup"))
