@@ -106,7 +106,8 @@ def report(args, rounds: list[dict], start_load: float, conditions: str) -> str:
              + (f" `--context {args.context}`" if args.context else "") + ", otherwise the server's defaults "
              f"(offload settings, context); medians of {args.rounds} rounds. Cold: an empty compilation cache; "
              f"warm: the same start again with the cache the cold one left.", "",
-             "| what | start | to /ready (s) | to first answer (s) | programs compiled at ready |", "|---|---|---|---|---|"]
+             "| what | start | to /ready (s) | to first answer (s) | programs compiled at ready |",
+             "|---|---|---|---|---|"]
     for key in rounds[0]:
         what, start = key
         ready = f"{median(key, 'ready'):.1f}" if "ready" in rounds[0][key] else "-"

@@ -52,9 +52,12 @@ MIN_VISIBLE = 64
 # from 5.9 to 7.5 ms at V = 151,936 on two CPU cores (0.31 to 0.36 ms at 4,096), and plain greedy steps run none.
 CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, True)) + ((True, True, True),
                                                                                         (False, True, True))
-# warm_up(first_only=True): the programs of one-row steps whose first prompt chunk fits a chunk bucket and whose
-# decode reads at most this many cache columns; the rest are compiled behind the first requests.
-FIRST_VISIBLE = 512
+# warm_up(first_only=True): the programs of a one-row greedy request whose prompt fits one chunk of at most FIRST_CHUNK
+# tokens and whose decode reads at most FIRST_VISIBLE cache columns; the rest are compiled behind the first requests,
+# the decodes reading at most SHORT_VISIBLE columns before the longer ones. The default model at max_batch 8 (85
+# programs), two Zen 3 cores: the 16 programs of one row, every chunk and choice, up to 512 columns, were ready 43 s
+# after a cold start and 12 s after a warm one.
+FIRST_CHUNK, FIRST_VISIBLE, SHORT_VISIBLE = 64, 256, 512
 
 
 class TokenEvent(NamedTuple):
@@ -166,7 +169,8 @@ class ServingEngine:
         self._choose = {variant: make_choose_fn(*variant) for variant in CHOOSE_VARIANTS}
         self._mark_prompt = make_mark_prompt_fn()
         self._programs = ProgramCache(self.program_count, MappingBudget(
-            f"lower max_batch or context (--max-batch {max_batch}, --context {context}: {self.program_count} programs)"))
+            f"lower max_batch or context (--max-batch {max_batch}, --context {context}: "
+            f"{self.program_count} programs)"))
         self._stop_compiling = threading.Event()
         self.kv_cache = empty_kv_cache(cfg, max_batch, context, model.kv_dtype)
         self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
@@ -252,8 +256,8 @@ class ServingEngine:
         """Compile, for every entry count (a power of two up to max_batch): the prefill programs for every chunk
         bucket (first chunks, which read only their own columns, and later ones, which read the context), the token
         choice (greedy or sampled, with or without logprobs) and the decode program for every visible length (a
-        decode step runs the fewest first rows that hold every generating request); with `first_only`, those of
-        one-row steps, first chunks and decodes reading at most FIRST_VISIBLE columns (`_program_specs`). Each
+        decode step runs the fewest first rows that hold every generating request); with `first_only`, those a short
+        one-row greedy request needs (`_program_specs`). Each
         program also runs once, on padding entries: on XLA:CPU a program's first run cost 30-90 ms more than its
         next (the default model at context 512), which the first requests would otherwise wait for (routed tokens
         instead of padding warmed no better, measured). Those runs go around the manager, so the expert cache's
@@ -279,11 +283,12 @@ class ServingEngine:
         self.ready = True
 
     def _program_specs(self) -> tuple[list[ProgramSpec], list[ProgramSpec]]:
-        """Every program the engine may run, in two lists: those a one-row request with a prompt of at most one chunk
-        and a context of at most FIRST_VISIBLE tokens needs (and the prompt marking); then the rest, in the order
-        they are compiled behind the first requests: the same for more rows, fewest first, then the longer decodes
-        and the prefills of later chunks. Their arguments are padding entries (a clipped row: writes dropped; from
-        column 0, no valid token)."""
+        """Every program the engine may run, in two lists: those a one-row greedy request with a prompt of at most
+        FIRST_CHUNK tokens and a context of at most FIRST_VISIBLE needs; then the rest, in the order they are
+        compiled behind the first requests: for one row, then more rows (fewest first), the token choices, the
+        first-chunk prefills and the decodes up to SHORT_VISIBLE columns (the prompt marking after one row's); then
+        the longer decodes and the prefills of later chunks. Their arguments are padding entries (a clipped row:
+        writes dropped; from column 0, no valid token)."""
 
         def prefill(entries, chunk, visible):
             return ProgramSpec(("prefill", entries, chunk, visible), self._prefill[visible], lambda abstract: (
@@ -301,17 +306,21 @@ class ServingEngine:
                 self._decode_args(np.zeros(entries, np.int32), np.zeros(entries, np.int32), np.zeros(entries, bool),
                                   abstract)))
 
-        first, more, long = [], [], []
+        first = ([prefill(1, chunk, chunk) for chunk in self.chunks if chunk <= FIRST_CHUNK]
+                 + [choose(1, variant) for variant in self._choose if variant[0]]
+                 + [decode(1, visible) for visible in self.visible_buckets if visible <= FIRST_VISIBLE])
+        short, long = [], []
         for entries in self.entry_buckets:  # the first is 1
-            (first if entries == 1 else more).extend(
-                [prefill(entries, chunk, chunk) for chunk in self.chunks]
-                + [choose(entries, variant) for variant in self._choose]
-                + [decode(entries, visible) for visible in self.visible_buckets if visible <= FIRST_VISIBLE])
-            long += [decode(entries, visible) for visible in self.visible_buckets if visible > FIRST_VISIBLE]
+            short += [choose(entries, variant) for variant in self._choose]
+            short += [prefill(entries, chunk, chunk) for chunk in self.chunks]
+            short += [decode(entries, visible) for visible in self.visible_buckets if visible <= SHORT_VISIBLE]
+            if entries == 1:
+                short.append(ProgramSpec(("mark_prompt",), self._mark_prompt, lambda abstract: self._mark_args(
+                    self.max_batch, np.zeros(self.config.vocab_size, bool), abstract)))
+            long += [decode(entries, visible) for visible in self.visible_buckets if visible > SHORT_VISIBLE]
             long += [prefill(entries, chunk, self.context) for chunk in self.chunks]
-        first.append(ProgramSpec(("mark_prompt",), self._mark_prompt, lambda abstract: self._mark_args(
-            self.max_batch, np.zeros(self.config.vocab_size, bool), abstract)))
-        return first, more + long
+        compiled_first = {spec.key for spec in first}
+        return first, [spec for spec in short if spec.key not in compiled_first] + long
 
     @property
     def program_count(self) -> int:
