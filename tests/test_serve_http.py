@@ -669,6 +669,18 @@ def test_chat_templates_render_as_transformers_does(tmp_path):
             assert ours.render(conversation) == expected
     with pytest.raises(RequestError, match="roles must alternate"):
         load_chat_template(strict).render([{"role": "assistant", "content": "first"}])
+    # vLLM's chat_template_kwargs and documents, as apply_chat_template passes its keyword arguments
+    (strict / "chat_template.jinja").write_text(
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+        "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}] {% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    documents = [{"title": "a", "text": "first"}, {"title": "b", "text": "second"}]
+    expected = AutoTokenizer.from_pretrained(strict).apply_chat_template(
+        CONVERSATIONS[0], tokenize=False, add_generation_prompt=True, documents=documents, enable_thinking=False)
+    assert load_chat_template(strict).render(CONVERSATIONS[0], None, documents, {"enable_thinking": False,
+                                                                                  "messages": []}) == expected
+    assert expected.startswith("/no_think [a: first] [b: second] ")
 
 
 @pytest.mark.quick

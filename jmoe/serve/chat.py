@@ -68,15 +68,18 @@ class ChatTemplate:
         """The text of the template a request with these tools renders through."""
         return self._sources["default" if tools is None else "tool_use"]
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, documents: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> str:
         """The prompt text of `messages` (dicts with role, content, ...), ending where the assistant's reply
-        begins; `tools` (OpenAI's tool definitions, or None) reach the template as transformers passes them. A
-        template that rejects the conversation (raise_exception) or fails on it (content null where it
-        concatenates strings, say) raises RequestError."""
+        begins; `tools` (OpenAI's tool definitions, or None), `documents` and `template_kwargs` (vLLM's
+        chat_template_kwargs, such as enable_thinking) reach the template as transformers' apply_chat_template
+        passes them (a kwarg never replaces the messages, tools, documents or special tokens). A template that
+        rejects the conversation (raise_exception) or fails on it (content null where it concatenates strings, say)
+        raises RequestError."""
         template = self._templates["default" if tools is None else "tool_use"]
         try:
-            return template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=True,
-                                   **self.special_tokens)
+            return template.render(**{**(template_kwargs or {}), "messages": messages, "tools": tools,
+                                      "documents": documents, "add_generation_prompt": True, **self.special_tokens})
         except Exception as e:  # the template is the checkpoint's code: whatever it raises, this input set it off
             raise RequestError("messages", f"the model's chat template cannot render this conversation "
                                            f"({type(e).__name__}: {e})") from e

@@ -116,7 +116,8 @@ def chat_generation(body: ChatBody, served: Served) -> Generation:
         except ConfigError as e:
             raise RequestError("chat_template", str(e)) from e
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, template.source(body.tools or None))
-    text = template.render([_message_dict(m, i) for i, m in enumerate(body.messages)], tools.tools)
+    text = template.render([_message_dict(m, i) for i, m in enumerate(body.messages)], tools.tools, body.documents,
+                           body.chat_template_kwargs)
     prompt = _truncated(body, served.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
