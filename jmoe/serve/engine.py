@@ -17,13 +17,11 @@ contexts need, and `start(compile_behind=True)` compiles the rest on a thread of
 
 from __future__ import annotations
 
-import queue
 import random
 import threading
 import time
-import uuid
 from collections import deque
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +30,12 @@ import numpy as np
 from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
 from jmoe.model import empty_kv_cache
-from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias, static_bias
+from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias
 from jmoe.serve.compiling import ProgramCache, ProgramSpec, shapes_of
 from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
 from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_mark_prompt_fn, make_prefill_fn
+from jmoe.serve.requests import Request, TokenEvent
 from jmoe.serve.text import StopText
 
 # Prompt tokens per prefill entry and step; shorter chunks are padded up to the next of these. 192 halves the most
@@ -58,78 +57,6 @@ CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, 
 # programs), two Zen 3 cores: the 16 programs of one row, every chunk and choice, up to 512 columns, were ready 43 s
 # after a cold start and 12 s after a warm one.
 FIRST_CHUNK, FIRST_VISIBLE, SHORT_VISIBLE = 64, 256, 512
-
-
-class TokenEvent(NamedTuple):
-    """One generated token of a request, or (token None) the end of a request that produced no new token."""
-
-    token: int | None
-    text: str  # text to send now (held back while a stop string may still match; the stop itself never)
-    logprob: float | None  # the token's log-probability under the model, when the request asked for logprobs
-    top_logprobs: tuple[tuple[int, float], ...] | None  # (token id, log-probability), most likely first
-    finish_reason: str | None  # None while generating; then "stop", "length", "cancelled" or "error"
-
-
-class Request:
-    """A submitted request: read its tokens with `events()` (or the `on_event` callback given to submit)."""
-
-    def __init__(self, prompt: list[int], params: RequestParams, seed: int,
-                 on_event: Callable[[TokenEvent], None] | None, stop_text: StopText, vocab_size: int):
-        self.id = uuid.uuid4().hex
-        self.prompt = prompt
-        self.params = params
-        self.seed = seed
-        # The bias every step of the request adds (logit_bias, allowed_token_ids), None when it has none.
-        self.static_bias = static_bias(params, vocab_size)
-        # A grammar's matcher (jmoe.serve.grammar.Matcher), advanced with every token, asked for each step's mask.
-        self.matcher = None if params.constraint is None else params.constraint.matcher()
-        self.grammar_seconds = 0.0  # host time spent on the grammar's masks
-        self.tokens: list[int] = []  # generated so far
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.submitted = time.monotonic()
-        self.first_token_at: float | None = None
-        self.token_times: list[float] = []
-        self._text = stop_text
-        self._on_event = on_event
-        self._queue: queue.Queue[TokenEvent] = queue.Queue()
-        self._cancelled = threading.Event()
-        self.row: int | None = None
-        self.prefilled = 0  # prompt tokens already in the row's cache
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def cancel(self) -> None:
-        """Stop generating: the row is freed at the next step and the last event says "cancelled"."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
-        """Events as they come, until the one with a finish_reason (queue.Empty after `timeout` seconds of
-        silence)."""
-        while True:
-            event = self._queue.get(timeout=timeout)
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    def _emit(self, event: TokenEvent) -> None:
-        self._queue.put(event)
-        if self._on_event is not None:
-            self._on_event(event)
 
 
 class ServingEngine:
