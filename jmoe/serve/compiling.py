@@ -44,9 +44,6 @@ class ProgramCache:
     def __len__(self) -> int:
         return len(self._programs)
 
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._programs
-
     def get(self, key: tuple, fn: Callable, args: tuple) -> jax.stages.Compiled:
         """The program for `key`, compiled from `fn` at `args` (arrays or shape structs) if nobody has yet."""
         program = self._programs.get(key)
