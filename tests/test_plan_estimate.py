@@ -82,6 +82,15 @@ def test_estimate_by_hand():
                                                         100 / (4e7 / 0.85e10 + fast_host)))
     low, high = speed.as_dict()["decode_tokens_per_s"]
     assert low < high
+    # the prompt in chunks of 40 tokens, as the server cuts it: 3 steps, each streaming the experts and costing
+    # the host work once, over the one program's device time
+    chunked = est.estimate(fake_programs(), SPEEDS, caches=[None, 4], num_experts=8, top_k=2, expert_bytes=10**7,
+                           expert_array_bytes=3 * 10**8, least_bytes=10**8, host_param_bytes=0, batch=1, rows=1,
+                           context=100, hit_rate=0.5, hit_rate_source="given", notes=[], prefill_chunk=40)
+    assert chunked.prefill_tokens_per_s == pytest.approx(
+        (100 / (1.66e9 / 0.6e12 + 3 * (8e7 / 0.25e10 + slow_host)), 100 / (3 * (4e7 / 0.85e10 + fast_host))))
+    assert (chunked.inputs["prefill_chunks"], chunked.inputs["prefill_chunk_tokens"]) == (3, 40)
+    assert speed.inputs["prefill_chunks"] == 1 and "in 3 chunks of 40 tokens" in chunked.assumptions[-1]
     # every access a hit: no copies; fast HBM = 1e8 least + 4 routed x 1e7 = 1.4e8 B at 0.9e12 B/s
     assert speed_at(1.0).decode_tokens_per_s == pytest.approx((1 / (6.4e8 / 0.6e12 + slow_host),
                                                                1 / (1.4e8 / 0.9e12 + fast_host)))
@@ -141,6 +150,39 @@ def test_plan_estimate_from_a_trace_reaches_as_dict_report_and_cli(small_mixtral
     main([str(small_mixtral_dir), "--target", "h100", "--cache", "2", "--hit-rate", "0.5", "--host-link-gbs", "25"])
     out = capsys.readouterr().out
     assert "hit rate 0.500 (given)" in out and "25 GB/s as given" in out
+
+
+@pytest.fixture(scope="module")
+def mixtral_8x7b(tmp_path_factory):
+    """Mixtral-8x7B's published shape in bf16: config.json and a header-only safetensors file, no weights."""
+    from bench.plan import MODELS, write_header_only_checkpoint
+
+    return write_header_only_checkpoint(tmp_path_factory.mktemp("mixtral-8x7b"), MODELS["mixtral-8x7b"])
+
+
+def test_a_long_prompt_streams_the_experts_once_a_chunk_of_the_servers_length(mixtral_8x7b, no_compile_but_costs):
+    """Mixtral-8x7B at cache 4 of 8 on an H100 streams 45.1 GB a prefill chunk, 0.9 s at 0.8 of PCIe 5.0 x16:
+    27.8k tokens' compute at 0.8 of the bf16 peak, so a 4096-token prompt is one chunk and streams them once, not
+    16 times (256-token chunks). A link 16 times as fast makes 2048-token chunks (jmoe.offload.prefill_chunks)."""
+    def prefill(context, **options):
+        plan = jmoe.plan(mixtral_8x7b, cache=4, target="h100", context=context, **options)
+        inputs = plan.estimate.inputs
+        return inputs["prefill_chunks"], inputs["prefill_chunk_tokens"], plan
+
+    chunks, chunk, plan = prefill(4096)
+    assert (chunks, chunk) == (1, 4096)
+    assert plan.estimate.inputs["prefill_stream_bytes_per_chunk"] == 32 * 4 * plan.placement.expert_bytes
+    report = plan.report()
+    assert "  prefill, 4096-token prompt: 1 chunk of 4096 tokens, experts streamed once, 45.1 GB" in report
+    assert "prefill chunks of 4096 tokens (jmoe.offload.prefill_chunks)" in report
+    assert prefill(1024)[:2] == (1, 1024) and prefill(32768)[:2] == (1, 32768)
+    assert prefill(4096, host_link_gbs=16)[:2] == (1, 4096)  # a slower link: a longer chunk, still the context
+    chunks, chunk, fast_link = prefill(32768, host_link_gbs=16 * 63)
+    assert (chunks, chunk) == (16, 2048)
+    assert "32768-token prompt: 16 chunks of 2048 tokens, experts streamed 16 times, 721.6 GB" in fast_link.report()
+    # every weight on the device: nothing streams, and the prompt is cut into the server's own 256-token chunks
+    resident = jmoe.plan(mixtral_8x7b, target="h100", context=4096)
+    assert "prefill, 4096-token prompt: 16 chunks of 256 tokens, nothing streamed" in resident.report()
 
 
 def test_plan_estimate_inputs_are_checked(small_mixtral_dir, no_compile_but_costs):

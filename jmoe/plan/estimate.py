@@ -15,10 +15,12 @@ A step's time is its device time plus the host-to-device copies of the experts i
 - copies: experts missed per step x bytes per expert / the host link (PCIe) at an achieved fraction. Misses
   come from a hit rate (given; replayed from a routing trace with the plan's policy and caches; or, without
   either, uniform routing: cache / experts); a batch of B rows needs E (1 - (1 - k/E)^B) distinct experts
-  per layer under independent uniform routing. Prefill streams every offloaded expert once.
+  per layer under independent uniform routing. Prefill runs as the serving engine runs a long prompt: in chunks of
+  the length jmoe.offload.prefill_chunks chooses from the placement, the link and the target's peak (256 tokens
+  where nothing streams), each chunk a step that streams every offloaded expert once.
 - disk (the disk tier, host_budget_gb): a step's needed experts that no host row holds are read from the
   checkpoint files: missed as the copies are, at the host rows' hit rate, at a disk's GB/s (given, or assumed).
-  Prefill reads every offloaded expert outside the rows once.
+  Prefill reads every offloaded expert outside the rows once a chunk.
 - host: the work between steps (routing back to the host, the cache manager, the generation loop): a time per
   step plus one per offloaded layer, as measured on the lent H100's host.
 High = the fast ends with copies hidden behind compute (max); low = the slow ends with none hidden (sum); the host
@@ -166,7 +168,7 @@ def disk_reads(host_rows: int, offloaded_layers: int, num_experts: int, top_k: f
 
 def prefill_copy_bytes(offloaded_caches: list[int], num_experts: int, expert_bytes: int,
                        host_param_bytes: int = 0) -> tuple[float, float]:
-    """[slow, fast] bytes a prompt streams: every offloaded expert once (fast: those the cache already holds
+    """[slow, fast] bytes a prefill chunk streams: every offloaded expert once (fast: those the cache already holds
     are not copied), plus the host-kept non-expert parameters."""
     slow = len(offloaded_caches) * num_experts * expert_bytes
     fast = sum(num_experts - cache for cache in offloaded_caches) * expert_bytes
@@ -214,7 +216,7 @@ def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds,
 def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], num_experts: int, top_k: float,
              expert_bytes: int, expert_array_bytes: int, least_bytes: int, host_param_bytes: int, batch: int,
              rows: int, context: int, hit_rate: float, hit_rate_source: str, notes: list[str],
-             devices: int = 1, disk: DiskReads | None = None) -> Estimate | None:
+             devices: int = 1, disk: DiskReads | None = None, prefill_chunk: int | None = None) -> Estimate | None:
     """The speed estimate from the compiled "decode" and "prefill" programs; None when either has no cost
     analysis. expert_array_bytes: every expert array (resident, host, slots); least_bytes: what a step reads
     besides experts (non-expert device weights + KV cache). Batch 1 takes the batch's decode program's device
@@ -222,7 +224,9 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     one row's copies. Under expert parallelism over `devices` GPUs everything is one device's: its programs, its
     share of the experts (num_experts = E / N, top_k = k / N: the routed experts a device holds on average), its
     own host link; the programs' collectives add to the device time. `disk`: the disk tier's reads, whose time
-    adds to every step's."""
+    adds to every step's. `prefill_chunk`: prompt tokens per prefill step of a row (None: the whole prompt in one);
+    each chunk streams the offloaded experts, reads the disk and costs the host work once, while the device time is
+    the whole prompt program's."""
     needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
     if any(p is None or not p.cost_analysis for p in needed.values()):
         return None
@@ -242,7 +246,7 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
         return own[0] + between[0], own[1] + between[1]
 
     def disk_seconds(tokens):
-        """A decode step's disk reads; prefill (tokens None) reads every expert outside the host rows once."""
+        """A decode step's disk reads; a prefill chunk's (tokens None) every expert outside the host rows once."""
         if disk is None:
             return 0.0
         read = (len(offloaded) * (num_experts - disk.host_rows) if tokens is None
@@ -253,14 +257,17 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
         copied = decode_copy_bytes(offloaded, num_experts, top_k, expert_bytes, hit_rate, tokens, host_param_bytes)
         return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds), host, disk_seconds(tokens))
 
+    chunk = context if prefill_chunk is None else prefill_chunk
+    chunks = -(-context // chunk)
     slow_bytes, fast_bytes = prefill_copy_bytes(offloaded, num_experts, expert_bytes, host_param_bytes)
     prefill = tokens_per_s(rows * context, device(needed["prefill"], rows * context),
-                           (link_seconds(slow_bytes, speeds)[0], link_seconds(fast_bytes, speeds)[1]), host,
-                           disk_seconds(None))
+                           (link_seconds(chunks * slow_bytes, speeds)[0], link_seconds(chunks * fast_bytes, speeds)[1]),
+                           (chunks * host[0], chunks * host[1]), chunks * disk_seconds(None))
     inputs = {"memory_bytes_per_s": speeds.memory_bytes_per_s, "peak_flops": speeds.peak_flops,
               "host_link_bytes_per_s": speeds.host_link_bytes_per_s, "hit_rate": hit_rate,
               "expert_bytes": expert_bytes, "expert_array_bytes": expert_array_bytes, "least_bytes": least_bytes,
-              "offloaded_layers": len(offloaded),
+              "offloaded_layers": len(offloaded), "prefill_chunk_tokens": chunk, "prefill_chunks": chunks,
+              "prefill_stream_bytes_per_chunk": fast_bytes,
               **{f"{name} {key}": value for name, program in needed.items()
                  for key, value in program.cost_analysis.items()},
               **{f"{name} kernels": program.kernels for name, program in needed.items()}}
@@ -274,7 +281,8 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
                    "experts; fast: non-expert device weights + KV cache + routed experts, each read once",
                    "misses are copied (miss mode fetch); a batch's rows route independently and uniformly; "
                    "high = copies hidden behind compute, low = none hidden",
-                   f"prefill: one prompt of {context} tokens per row streams every offloaded expert once"]
+                   f"prefill: a prompt of {context} tokens per row in {chunks} chunk{'s' * (chunks > 1)} of {chunk} "
+                   f"tokens, as the server cuts it; each chunk a step that streams every offloaded expert once"]
     if devices > 1:
         link = (f"{speeds.interconnect_bytes_per_s / 1e9:g} GB/s between GPUs" if speeds.interconnect_bytes_per_s
                 else "the host link's GB/s between GPUs (the target names no interconnect)")
@@ -286,8 +294,8 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
         inputs.update(host_hit_rate=disk.host_hit_rate, disk_bytes_per_s=disk.disk_bytes_per_s)
         assumptions.append(f"disk tier: {disk.bytes_per_token / 1e6:,.3f} MB a decoded token (host hit rate "
                            f"{disk.host_hit_rate:.3f}) at {disk.disk_bytes_per_s / 1e9:g} GB/s ({disk.disk_source}), "
-                           f"{disk.seconds_per_token * 1e3:,.3f} ms added to every token's step, none hidden; prefill "
-                           f"reads every offloaded expert outside the host rows once")
+                           f"{disk.seconds_per_token * 1e3:,.3f} ms added to every token's step, none hidden; each "
+                           f"prefill chunk reads every offloaded expert outside the host rows once")
     if rows > 1:
         assumptions.append(f"batch 1: the device time of the {rows}-row decode program (a lower estimate)")
     return Estimate(decode_rate(needed["decode"], batch), decode_rate(needed["decode"], 1), prefill, hit_rate,

@@ -18,10 +18,12 @@ from jmoe.errors import InputError, InsufficientMemoryError
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.expert_parallel import device_placement
 from jmoe.offload.placement import Placement
+from jmoe.offload.prefill_chunks import (COMPUTE_FRACTION, LINK_FRACTION, SMALL_CHUNK, host_param_bytes,
+                                         prefill_chunk_for)
 from jmoe.memory import PINNED_HOST
 from jmoe.plan.budget import DEFAULT_CONTEXT, MemoryNeeds, check_fit, gib, memory_needs, on_one_host
 from jmoe.plan.depth import REDUCE_FROM_LAYERS
-from jmoe.plan.estimate import DiskReads, Estimate, disk_reads, estimate, speeds_of
+from jmoe.plan.estimate import DeviceSpeeds, DiskReads, Estimate, disk_reads, estimate, speeds_of
 from jmoe.plan.headers import CheckpointHeaders, read_headers
 from jmoe.plan.hit_rate import fraction, host_hit_rate as plan_host_hit_rate, hit_rate as plan_hit_rate
 from jmoe.plan.programs import Program, compile_programs
@@ -202,21 +204,38 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
     if target is not None:
         speeds, assumptions = speeds_of(target, headers.dtype, host_link_gbs)
         groups = placement.group_totals().items()
-        host_params = sum(nbytes for (group, kind), (_, nbytes) in groups if kind == PINNED_HOST and group != "experts")
         expert_arrays = sum(nbytes for (group, _), (_, nbytes) in groups if group == "experts") + placement.slot_bytes
         resident_experts = sum(nbytes for (group, kind), (_, nbytes) in groups
                                if group == "experts" and kind != PINNED_HOST)
+        chunk, how = server_prefill_chunk(placement, headers, context, speeds, devices)
+        assumptions.append(how)
         speed = estimate(programs, speeds, caches=caches, num_experts=cfg.num_experts // devices,
                          top_k=cfg.num_experts_per_tok / devices,
                          expert_bytes=placement.expert_bytes, expert_array_bytes=expert_arrays,
                          least_bytes=needs.device_weight_bytes - resident_experts + needs.kv_bytes,
-                         host_param_bytes=host_params, batch=batch, rows=rows, context=context, hit_rate=hit[0],
-                         hit_rate_source=hit[1], notes=assumptions, devices=devices, disk=disk)
+                         host_param_bytes=host_param_bytes(placement), batch=batch, rows=rows, context=context,
+                         hit_rate=hit[0], hit_rate_source=hit[1], notes=assumptions, devices=devices, disk=disk,
+                         prefill_chunk=chunk)
     if speed is None:
         notes.append("no speed estimate: it needs a target and the programs compiled for it, with their cost "
                      "analysis")
     return Plan(headers, options, placement, batch, rows, context, target, needs, available, not reasons,
                 tuple(reasons), tuple(placement.notes) + tuple(notes), programs, speed, devices, disk)
+
+
+def server_prefill_chunk(placement: Placement, headers: CheckpointHeaders, context: int, speeds: DeviceSpeeds,
+                         devices: int) -> tuple[int, str]:
+    """Prompt tokens per prefill step as the server cuts a long prompt on the target, and how it chose them (for
+    the estimate's assumptions)."""
+    chunk = prefill_chunk_for(placement, headers.config, headers.abstract, platform="gpu", context=context,
+                              link_bytes_per_s=speeds.host_link_bytes_per_s, peak_flops=speeds.peak_flops,
+                              devices=devices)
+    if chunk is None:
+        small = min(SMALL_CHUNK, context)
+        return small, f"prefill chunks of {small} tokens, the server's own: nothing streams"
+    return chunk, (f"prefill chunks of {chunk} tokens (jmoe.offload.prefill_chunks: the shortest power of two, at "
+                   f"least {SMALL_CHUNK} tokens, whose compute at {COMPUTE_FRACTION:g} of the peak lasts as long as "
+                   f"streaming the experts no slot holds at {LINK_FRACTION:g} of the host link, capped at the context)")
 
 
 def moe_layer_caches(placement: Placement, num_moe_layers: int) -> list[int | None]:

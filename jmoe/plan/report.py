@@ -68,8 +68,21 @@ def format_estimate(plan) -> list[str]:
     if plan.batch > 1:
         lines.append(f"  decode, batch {plan.batch:<12}{span(speed.decode_tokens_per_s)}")
     lines.append(f"  prefill, {plan.context}-token prompt{'':<2}{span(speed.prefill_tokens_per_s)}")
+    lines.append(f"  prefill, {plan.context}-token prompt: {prefill_streaming(speed.inputs)}")
     lines += [f"  assumes: {line}" for line in speed.assumptions]
     return lines
+
+
+def prefill_streaming(inputs: dict) -> str:
+    """'1 chunk of 4096 tokens, experts streamed once, 45.1 GB': how the server cuts the prompt and what streams."""
+    chunks, chunk = inputs["prefill_chunks"], inputs["prefill_chunk_tokens"]
+    cut = f"{chunks} chunk{'s' * (chunks > 1)} of {chunk} tokens"
+    streamed = chunks * inputs["prefill_stream_bytes_per_chunk"]
+    if not streamed:
+        return f"{cut}, nothing streamed"
+    what = "experts" if inputs["offloaded_layers"] else "host-kept weights"
+    times = "once" if chunks == 1 else f"{chunks} times"
+    return f"{cut}, {what} streamed {times}, {streamed / 1e9:,.1f} GB"
 
 
 def format_disk(plan) -> list[str]:
