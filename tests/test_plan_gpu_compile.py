@@ -72,6 +72,45 @@ def host_copies_every_step(hlo_text: str) -> int:
     return len(re.findall(r"\{[^}]*:S\(5\)\}[^=]*\) fusion-start\(", entry))
 
 
+HOST_SLICE = re.compile(r"\{[^}]*:S\(5\)\}[^=]*\), (\w+)\[([\d,]*)\]\S*, u32\[\]\) fusion-start\(")
+
+
+def host_slices_by_loop(hlo_text: str) -> dict[str, list[int]]:
+    """{while loop: the bytes of each slice of a host-memory (S(5)) array its body starts}: one trip's copies."""
+    bodies = dict(re.findall(r"%(\S+) = .* while\(.*\bbody=%([^,\s]+)", hlo_text))
+    computations = dict(re.findall(r"\n%(\S+) \(.*?\n(.*?)\n}", hlo_text, re.S))
+    return {loop: [{"f32": 4, "bf16": 2}[dtype] * int(np.prod([int(n) for n in dims.split(",")]))
+                   for dtype, dims in HOST_SLICE.findall(computations[body])] for loop, body in bodies.items()}
+
+
+def host_reads(hlo_text: str) -> list[str]:
+    """Every instruction that takes a host-memory array, but for parameters, tuples and loops that pass it on."""
+    uses = re.findall(r"S\(5\)\}[^=\n]*\) ([a-z-]+)\(", hlo_text)
+    return [use for use in uses if use not in ("parameter", "tuple", "get-tuple-element", "while")]
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_h100_prefill_streams_each_missing_expert_once_per_chunk(tokens, hf_checkpoints):
+    """Issue #57: a prefill chunk of an offloaded layer copies each expert it needs and no slot holds from host memory
+    once, whatever the chunk's length. Compiled for an H100 (cache 2 of 8, 4 scratch slots: each layer streams its
+    experts in two groups of 4, jmoe.offload.slots.stream_and_compute): host memory is read by nothing but one loop
+    per group and layer, each trip copying one expert (its gate_up and down); a group's loop runs once per missing
+    expert of that group (its trip count, clip(misses - first, 0, 4), is data the HLO does not show), so a program
+    copies the missing experts once: at most the 6 of 8 no slot holds, the same for 16 tokens or 64."""
+    plan = jmoe.plan(hf_checkpoints[QUICK_CASE][0], target="h100", compile=False, cache=2, scratch_rows=1,
+                     backend="xla", context=tokens)
+    cfg, placement = plan.config, plan.placement
+    assert placement.scratch == 4 and placement.caches == (2, 2)
+    (prefill,) = compile_programs(cfg, plan.headers.dtype, plan.options, "xla", 1, tokens, plan.target.config_text,
+                                  programs=("prefill",)).values()
+    assert prefill.error is None, prefill.error
+    streaming = [trip for trip in host_slices_by_loop(prefill.hlo_text).values() if trip]
+    groups = -(-cfg.num_experts // placement.scratch)
+    assert len(streaming) == len(placement.offloaded_layers) * groups == prefill.control_flow.data_dependent_loops
+    assert all(sum(trip) == placement.expert_bytes and len(trip) == 2 for trip in streaming)
+    assert host_reads(prefill.hlo_text) == ["fusion-start"] * sum(map(len, streaming))  # no other host read
+
+
 def routing_trace(cfg, tokens: int = 64) -> np.ndarray:
     """int [tokens, MoE layers, k]: random distinct experts per step, a trace to fit the history predictor on."""
     rng = np.random.default_rng(0)
