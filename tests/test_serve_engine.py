@@ -20,6 +20,7 @@ from jmoe.serve import QueueFullError, RequestError, RequestParams, ServingEngin
 from jmoe.serve.engine import CHOOSE_VARIANTS
 from jmoe.errors import InsufficientMemoryError
 from jmoe.serve import mappings
+from jmoe.serve.program_set import program_specs
 
 # One pytest-xdist worker runs this module (--dist loadgroup): its module fixtures are expensive, and each
 # worker that ran some of its tests would build them again.
@@ -82,6 +83,19 @@ def test_greedy_tokens_equal_generate_alone_and_with_neighbours_joining_and_leav
     assert all(r.finish_reason == "length" for r in requests)
     if cache is not None:
         assert sum(s["hits"] + s["misses"] for s in model.stats()) > 0
+    # Prefix reuse: a conversation's second turn continues in the row its first left; a request sharing a running
+    # row's prefix copies it into the free row (evicting what that row held); a third waits for a row.
+    first = [(ids * 8)[:20] for ids in prompt_ids[:2]]
+    turn1 = [engine.submit(p, greedy(6)) for p in first]
+    run_until_done(engine, turn1)
+    second = [r.prompt + r.tokens + prompt_ids[2] for r in turn1]
+    branch = second[0] + prompt_ids[3]
+    expected = model.generate([second[0], branch, second[1]], max_new_tokens=6)
+    turn2 = [engine.submit(second[0], greedy(6))]
+    run_until_done(engine, turn2, joins={2: lambda: [engine.submit(branch, greedy(6)),
+                                                     engine.submit(second[1], greedy(6))]})
+    assert [tokens_of(r) for r in turn2] == expected
+    assert turn2[0].cached_tokens == 20 + 6 - 1 and turn2[1].cached_tokens >= len(second[0])
 
 
 def test_a_padded_last_chunk_reaching_past_the_context_writes_only_its_real_tokens(model, prompt_ids):
@@ -142,13 +156,17 @@ def test_other_families_serve_their_generate_tokens(family, hf_checkpoints):
 
 
 def test_engine_serves_offload_options_exactly(prompt_ids):
-    """Host miss mode with router prefetch and int8 experts: the batch's tokens equal generate's."""
+    """Host miss mode with router prefetch and int8 experts: the batch's tokens equal generate's (here without prefix
+    reuse: a prompt sent again is prefilled again)."""
     model = jmoe.load(DEFAULT, cache=4, miss_mode="host", prefetch=2, expert_dtype="int8", progress=False)
     expected = [model.generate(ids, max_new_tokens=8)[0] for ids in prompt_ids[:3]]
-    engine = ServingEngine(model, max_batch=4, context=64)
+    engine = ServingEngine(model, max_batch=4, context=64, prefix_reuse=False)
     requests = [engine.submit(ids, greedy(8)) for ids in prompt_ids[:3]]
     run_until_done(engine, requests)
-    assert [tokens_of(r) for r in requests] == expected
+    again = engine.submit(prompt_ids[0], greedy(8))
+    run_until_done(engine, [again])
+    assert [tokens_of(r) for r in [*requests, again]] == [*expected, expected[0]]
+    assert again.cached_tokens == 0 and again.row == 0
 
 
 @pytest.fixture(scope="module")
@@ -456,12 +474,12 @@ def test_background_thread_serves_while_the_rest_compiles_behind_and_drains_on_s
     long_prompt = (prompt_ids[1] * 20)[:40]  # three chunks of 16
     prompts = [*prompt_ids[:3], long_prompt]
     expected = [model.generate(ids, max_new_tokens=6)[0] for ids in prompts]
-    first, rest = ServingEngine(model, max_batch=2, context=64)._program_specs()
+    first, rest = program_specs(ServingEngine(model, max_batch=2, context=64))
     greedy_choices, sampled_choices = ([("choose", *v, 1) for v in CHOOSE_VARIANTS if v[0] == g] for g in (True, False))
     assert [spec.key for spec in first + rest] == [
         ("prefill", 1, 16, 16), *greedy_choices, ("decode", 64, 1), *sampled_choices, ("mark_prompt",),
-        *(("choose", *variant, 2) for variant in CHOOSE_VARIANTS), ("prefill", 2, 16, 16), ("decode", 64, 2),
-        ("prefill", 1, 16, 64), ("prefill", 2, 16, 64)]
+        ("copy_row",), ("prefill", 1, 16, 64), *(("choose", *variant, 2) for variant in CHOOSE_VARIANTS),
+        ("prefill", 2, 16, 16), ("decode", 64, 2), ("prefill", 2, 16, 64)]
     assert len(first) == 5
     engine = ServingEngine(model, max_batch=1, context=64)  # its programs: those of the first row above
     with caplog.at_level(logging.INFO, logger="jmoe.serve"):
@@ -476,10 +494,10 @@ def test_background_thread_serves_while_the_rest_compiles_behind_and_drains_on_s
         engine.stop(drain=True, timeout=300)
         assert [tokens_of(r) for r in requests] == expected
         assert tokens_of(late) == model.generate(prompt_ids[3], max_new_tokens=6)[0]
-    assert engine.compile_status() == {"compiled_programs": 10, "programs": 10, "compile_seconds_left": 0}
+    assert engine.compile_status() == {"compiled_programs": 11, "programs": 11, "compile_seconds_left": 0}
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled ")]
     assert len(compiled) == engine.program_count  # none twice
-    assert re.fullmatch(r"compiled 1 of 10 programs \(prefill 1 16 16\), about \d+ s left", compiled[0])
+    assert re.fullmatch(r"compiled 1 of 11 programs \(prefill 1 16 16\), about \d+ s left", compiled[0])
     with pytest.raises(QueueFullError, match="shutting down"):
         engine.submit(prompt_ids[0], greedy(2))
 
@@ -513,7 +531,7 @@ def test_warm_up_stops_with_an_error_before_its_programs_pass_the_memory_mapping
     assert real() is not None  # Linux: /proc has the counts
     monkeypatch.setattr(mappings, "held_and_limit", lambda: (real()[0], real()[0] + 1000))
     engine = ServingEngine(model, max_batch=1, context=64)
-    with pytest.raises(InsufficientMemoryError, match=r"vm\.max_map_count.*--max-batch 1, --context 64: 10 programs"):
+    with pytest.raises(InsufficientMemoryError, match=r"vm\.max_map_count.*--max-batch 1, --context 64: 11 programs"):
         engine.warm_up()
     assert engine.compiled_programs == 1
     assert engine._programs.budget.per_program > 100  # the first program's own mappings, measured

@@ -172,6 +172,22 @@ def test_greedy_completion_equals_generate(server, reference):
     assert by_ids.choices[0].text == out.choices[0].text
 
 
+def test_a_conversations_next_turn_reuses_its_prefix_and_answers_as_a_fresh_prefill(server, reference):
+    """Turn 2 resends turn 1's prompt and answer: the row that answered still holds their keys and values, so only
+    the rest is prefilled (usage.prompt_tokens_details.cached_tokens, the metrics), and the answer is generate's."""
+    turn1 = reference.tokenizer.encode(PROMPTS[1] * 3)
+    answer1 = reference.generate(turn1, 8)[0]
+    assert server.complete(turn1, max_tokens=8).choices[0].text == reference.tokenizer.decode(answer1)
+    turn2 = turn1 + answer1 + reference.tokenizer.encode(PROMPTS[2])
+    reused, computed = (server.metric(f"jmoe:prompt_tokens_{kind}_total") for kind in ("reused", "computed"))
+    answer2 = server.complete(turn2, max_tokens=12)
+    assert answer2.choices[0].text == reference.tokenizer.decode(reference.generate(turn2, 12)[0])
+    cached = answer2.usage.prompt_tokens_details.cached_tokens
+    assert cached == len(turn1) + len(answer1) - 1  # the last generated token was never fed back
+    assert server.metric("jmoe:prompt_tokens_reused_total") - reused == cached
+    assert server.metric("jmoe:prompt_tokens_computed_total") - computed == len(turn2) - cached
+
+
 def test_streamed_completion_equals_whole(server):
     whole = server.complete(PROMPTS[1], max_tokens=20)
     chunks = list(server.complete(PROMPTS[1], max_tokens=20, stream=True, stream_options={"include_usage": True}))

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile every program before answering (default: answer once the programs of small requests "
                         "are compiled and compile the rest behind them; a request that needs one not yet compiled "
                         "waits for it)")
+    p.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                   help="prefill every prompt from its first token (default: a prompt skips the longest prefix whose "
+                        "keys and values a batch row still holds, e.g. the conversation so far)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
     add_offload_args(p)
@@ -54,7 +57,7 @@ def make_engine_factory(args: argparse.Namespace, model_dir: Path):
 
         model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache)
         return ServingEngine(model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
-                             observer=observer)
+                             observer=observer, prefix_reuse=args.prefix_reuse)
     return make_engine
 
 

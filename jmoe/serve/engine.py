@@ -31,10 +31,12 @@ from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
 from jmoe.model import empty_kv_cache
 from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias
-from jmoe.serve.compiling import ProgramCache, ProgramSpec, shapes_of
+from jmoe.serve.compiling import ProgramCache, shapes_of
 from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
-from jmoe.serve.programs import make_choose_fn, make_decode_fn, make_mark_prompt_fn, make_prefill_fn
+from jmoe.serve.prefixes import RowPrefixes
+from jmoe.serve.program_set import program_specs
+from jmoe.serve.programs import make_choose_fn, make_copy_row_fn, make_decode_fn, make_mark_prompt_fn, make_prefill_fn
 from jmoe.serve.requests import Request, TokenEvent
 from jmoe.serve.text import StopText
 
@@ -51,12 +53,6 @@ MIN_VISIBLE = 64
 # from 5.9 to 7.5 ms at V = 151,936 on two CPU cores (0.31 to 0.36 ms at 4,096), and plain greedy steps run none.
 CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, True)) + ((True, True, True),
                                                                                         (False, True, True))
-# warm_up(first_only=True): the programs of a one-row greedy request whose prompt fits one chunk of at most FIRST_CHUNK
-# tokens and whose decode reads at most FIRST_VISIBLE cache columns; the rest are compiled behind the first requests,
-# the decodes reading at most SHORT_VISIBLE columns before the longer ones. The default model at max_batch 8 (85
-# programs), two Zen 3 cores: the 16 programs of one row, every chunk and choice, up to 512 columns, were ready 43 s
-# after a cold start and 12 s after a warm one.
-FIRST_CHUNK, FIRST_VISIBLE, SHORT_VISIBLE = 64, 256, 512
 
 
 class ServingEngine:
@@ -64,13 +60,14 @@ class ServingEngine:
 
     max_batch: rows decoded together; max_queue: requests that may wait for a row (submit raises
     QueueFullError beyond it); context: cache columns per row (prompt + generated tokens), at most the
-    model's max_position_embeddings; observer: optional object with `step(kind, seconds, rows, routing)` (routing:
+    model's max_position_embeddings; prefix_reuse: a request skips prefilling the longest prefix of its prompt
+    that a row holds (jmoe.serve.prefixes); observer: optional object with `step(kind, seconds, rows, routing)` (routing:
     the step's expert ids, NumPy int [L_moe, entries, T, k], -1 = none) and `finished(request)` methods, called on
     the engine's thread (metrics, logs).
     """
 
     def __init__(self, model: Model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
-                 observer=None):
+                 observer=None, prefix_reuse: bool = True):
         cfg = model.config
         if not isinstance(max_batch, int) or max_batch < 1:
             raise RequestError("max_batch", f"max_batch must be a whole number >= 1, found {max_batch!r}")
@@ -91,10 +88,12 @@ class ServingEngine:
         self.visible_buckets = tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context)
                                              for i in range(context.bit_length() + 1)}))
         # A step of first chunks reads only its own columns; a step that continues a long prompt reads them all.
-        self._prefill = {v: make_prefill_fn(model.graphdef, model.engine, v) for v in (*self.chunks, context)}
-        self._decode = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
-        self._choose = {variant: make_choose_fn(*variant) for variant in CHOOSE_VARIANTS}
-        self._mark_prompt = make_mark_prompt_fn()
+        self.prefill_programs = {v: make_prefill_fn(model.graphdef, model.engine, v) for v in (*self.chunks, context)}
+        self.decode_programs = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
+        self.choose_programs = {variant: make_choose_fn(*variant) for variant in CHOOSE_VARIANTS}
+        self.mark_prompt_program = make_mark_prompt_fn()
+        self.copy_row_program = make_copy_row_fn()
+        self.prefixes = RowPrefixes(max_batch) if prefix_reuse else None
         self._programs = ProgramCache(self.program_count, MappingBudget(
             f"lower max_batch or context (--max-batch {max_batch}, --context {context}: "
             f"{self.program_count} programs)"))
@@ -102,7 +101,7 @@ class ServingEngine:
         self.kv_cache = empty_kv_cache(cfg, max_batch, context, model.kv_dtype)
         self.counts = jnp.zeros((max_batch, cfg.vocab_size), jnp.int32)
         self.seen = jnp.zeros((max_batch, cfg.vocab_size), bool)  # prompt tokens, for repetition penalties
-        self._shapes = shapes_of(self._engine_arrays(abstract=False))  # the same for the engine's lifetime
+        self._shapes = shapes_of(self.engine_arrays(abstract=False))  # the same for the engine's lifetime
         self._rows: list[Request | None] = [None] * max_batch
         self._waiting: deque[Request] = deque()
         self._lock = threading.Condition()
@@ -157,7 +156,7 @@ class ServingEngine:
         if warm_up:
             self.warm_up(first_only=compile_behind)
         if compile_behind:
-            self._programs.compile_behind(sum(self._program_specs(), []), self._stop_compiling)
+            self._programs.compile_behind(sum(program_specs(self), []), self._stop_compiling)
         self._thread = threading.Thread(target=self._loop, name="jmoe-serving", daemon=True)
         self._thread.start()
 
@@ -184,7 +183,7 @@ class ServingEngine:
         bucket (first chunks, which read only their own columns, and later ones, which read the context), the token
         choice (greedy or sampled, with or without logprobs) and the decode program for every visible length (a
         decode step runs the fewest first rows that hold every generating request); with `first_only`, those a short
-        one-row greedy request needs (`_program_specs`). Each
+        one-row greedy request needs (`jmoe.serve.program_set`). Each
         program also runs once, on padding entries: on XLA:CPU a program's first run cost 30-90 ms more than its
         next (the default model at context 512), which the first requests would otherwise wait for (routed tokens
         instead of padding warmed no better, measured). Those runs go around the manager, so the expert cache's
@@ -193,7 +192,7 @@ class ServingEngine:
         engine = self.model.engine
         saved = jax.device_get(engine.state)
         shardings = jax.tree.map(lambda a: a.sharding, engine.state)
-        first, rest = self._program_specs()
+        first, rest = program_specs(self)
         for spec in first if first_only else first + rest:
             args = spec.args(False)
             outputs = self._program(spec.key, spec.fn, args)(*args)
@@ -201,59 +200,25 @@ class ServingEngine:
                 self.counts = outputs[1]
             elif spec.key[0] == "mark_prompt":
                 self.seen = outputs
+            elif spec.key[0] == "copy_row":
+                self.kv_cache = outputs
             else:
                 self.kv_cache, engine.state = outputs[2:]
         engine.state = jax.tree.map(jax.device_put, saved, shardings)
         self.kv_cache = empty_kv_cache(self.config, self.max_batch, self.context, self.model.kv_dtype)
         self.counts = jnp.zeros_like(self.counts)
         self.seen = jnp.zeros_like(self.seen)
+        if self.prefixes is not None:
+            self.prefixes.forget_all()
         self.ready = True
-
-    def _program_specs(self) -> tuple[list[ProgramSpec], list[ProgramSpec]]:
-        """Every program the engine may run, in two lists: those a one-row greedy request with a prompt of at most
-        FIRST_CHUNK tokens and a context of at most FIRST_VISIBLE needs; then the rest, in the order they are
-        compiled behind the first requests: for one row, then more rows (fewest first), the token choices, the
-        first-chunk prefills and the decodes up to SHORT_VISIBLE columns (the prompt marking after one row's); then
-        the longer decodes and the prefills of later chunks. Their arguments are padding entries (a clipped row:
-        writes dropped; from column 0, no valid token)."""
-
-        def prefill(entries, chunk, visible):
-            return ProgramSpec(("prefill", entries, chunk, visible), self._prefill[visible], lambda abstract: (
-                self._prefill_args(np.zeros((entries, chunk), np.int32), np.full(entries, self.max_batch),
-                                   np.zeros(entries), np.zeros(entries), abstract)))
-
-        def choose(entries, variant):
-            logits = jax.ShapeDtypeStruct((entries, self.config.vocab_size), jnp.float32)
-            return ProgramSpec(("choose", *variant, entries), self._choose[variant], lambda abstract: (
-                self._choose_args(logits if abstract else jnp.zeros(logits.shape), [None] * entries, reset=True,
-                                  biased=variant[2], abstract=abstract)))
-
-        def decode(entries, visible):
-            return ProgramSpec(("decode", visible, entries), self._decode[visible], lambda abstract: (
-                self._decode_args(np.zeros(entries, np.int32), np.zeros(entries, np.int32), np.zeros(entries, bool),
-                                  abstract)))
-
-        first = ([prefill(1, chunk, chunk) for chunk in self.chunks if chunk <= FIRST_CHUNK]
-                 + [choose(1, variant) for variant in self._choose if variant[0]]
-                 + [decode(1, visible) for visible in self.visible_buckets if visible <= FIRST_VISIBLE])
-        short, long = [], []
-        for entries in self.entry_buckets:  # the first is 1
-            short += [choose(entries, variant) for variant in self._choose]
-            short += [prefill(entries, chunk, chunk) for chunk in self.chunks]
-            short += [decode(entries, visible) for visible in self.visible_buckets if visible <= SHORT_VISIBLE]
-            if entries == 1:
-                short.append(ProgramSpec(("mark_prompt",), self._mark_prompt, lambda abstract: self._mark_args(
-                    self.max_batch, np.zeros(self.config.vocab_size, bool), abstract)))
-            long += [decode(entries, visible) for visible in self.visible_buckets if visible > SHORT_VISIBLE]
-            long += [prefill(entries, chunk, self.context) for chunk in self.chunks]
-        compiled_first = {spec.key for spec in first}
-        return first, [spec for spec in short if spec.key not in compiled_first] + long
 
     @property
     def program_count(self) -> int:
         """The programs warm_up compiles: per entry bucket, prefill (each chunk bucket, first or later chunks), token
-        choice (each variant) and decode (each visible bucket); and the one that marks a prompt's tokens."""
-        return len(self.entry_buckets) * (2 * len(self.chunks) + len(self._choose) + len(self.visible_buckets)) + 1
+        choice (each variant) and decode (each visible bucket); the one that marks a prompt's tokens and, with prefix
+        reuse, the one that copies a row."""
+        per_entries = 2 * len(self.chunks) + len(self.choose_programs) + len(self.visible_buckets)
+        return len(self.entry_buckets) * per_entries + 1 + (self.prefixes is not None)
 
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
         return self._programs.get(key, fn, args)
@@ -265,11 +230,14 @@ class ServingEngine:
         nothing to do. The background thread calls it in a loop; call it yourself only when not started."""
         with self._lock:
             self._release_cancelled()
-            admitted = self._admit()
+            admitted, copies = self._admit()
+        for source, destination in copies:  # in order: a later copy may read what an earlier one wrote
+            args = (self.kv_cache, np.int32(source), np.int32(destination))
+            self.kv_cache = self._program(("copy_row",), self.copy_row_program, args)(*args)
         for request in admitted:
             if request.params.repetition_penalty != 1.0:  # its penalty reads the prompt's tokens
-                args = self._mark_args(request.row, np.isin(np.arange(self.config.vocab_size), request.prompt))
-                self.seen = self._program(("mark_prompt",), self._mark_prompt, args)(*args)
+                args = self.mark_args(request.row, np.isin(np.arange(self.config.vocab_size), request.prompt))
+                self.seen = self._program(("mark_prompt",), self.mark_prompt_program, args)(*args)
         prefilling = [r for r in self._rows if r is not None and r.prefilled < len(r.prompt)]
         for batch in self._prefill_batches(prefilling):
             self._prefill_step(batch)
@@ -307,15 +275,23 @@ class ServingEngine:
             if request.cancelled:
                 self._finish(request, "cancelled")
 
-    def _admit(self) -> list[Request]:
-        admitted = []
-        for row, occupant in enumerate(self._rows):
-            if occupant is None and self._waiting:
-                request = self._waiting.popleft()
-                request.row = row
-                self._rows[row] = request
-                admitted.append(request)
-        return admitted
+    def _admit(self) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Waiting requests into free rows, first come first served: the lowest free row, or with prefix reuse the
+        row chosen for the prefix it holds. Returns them and the row copies to make before the next step."""
+        admitted, copies = [], []
+        free = [row for row, occupant in enumerate(self._rows) if occupant is None]
+        while free and self._waiting:
+            request = self._waiting.popleft()
+            if self.prefixes is None:
+                request.row = free[0]
+            else:
+                request.row, request.prefilled, moves = self.prefixes.admit(request.prompt, free, self._rows)
+                request.cached_tokens = request.prefilled
+                copies += moves
+            free.remove(request.row)
+            self._rows[request.row] = request
+            admitted.append(request)
+        return admitted, copies
 
     def _finish(self, request: Request, reason: str, token: int | None = None, text: str = "",
                 logprob: float | None = None, top=None) -> None:
@@ -326,6 +302,8 @@ class ServingEngine:
         request.finish_reason = reason
         if request.row is not None and self._rows[request.row] is request:
             self._rows[request.row] = None
+            if self.prefixes is not None and reason != "error":
+                self.prefixes.release(request.row, request)
         if reason != "error":
             text += request._text.delta(request.tokens, final=True)
         request._emit(TokenEvent(token, text, logprob, top, reason))
@@ -364,9 +342,9 @@ class ServingEngine:
         # was half of a short prompt's prefill at context 1024.
         visible = chunk if not start.any() else self.context
         began = time.perf_counter()
-        args = self._prefill_args(tokens, rows, start, valid)
+        args = self.prefill_args(tokens, rows, start, valid)
         (logits, finite), routing, self.kv_cache, state = self._program(
-            ("prefill", entries, chunk, visible), self._prefill[visible], args)(*args)
+            ("prefill", entries, chunk, visible), self.prefill_programs[visible], args)(*args)
         for request, n in zip(batch, valid):
             request.prefilled += int(n)
         # The first token of every entry whose prompt is complete, in the step's one device-to-host read.
@@ -385,16 +363,17 @@ class ServingEngine:
         entries = next(b for b in self.entry_buckets if b > generating[-1])
         rows = [self._rows[i] if i in generating else None for i in range(entries)]
         tokens = np.array([r.tokens[-1] if r else 0 for r in rows], np.int32)
-        # A row's next write goes to its column; inactive rows write where their next real write will land.
-        positions = np.array([(len(r.prompt) + len(r.tokens) - 1) if r else (o.prefilled if o else 0)
-                              for r, o in zip(rows, self._rows)], np.int32)
+        # A row's next write goes to its column; inactive rows write where their next real write will land, or past
+        # the prefix a free row holds.
+        positions = np.array([(len(r.prompt) + len(r.tokens) - 1) if r else self._spare_column(i)
+                              for i, r in enumerate(rows)], np.int32)
         active = np.array([r is not None for r in rows])
         furthest = int(positions[active].max()) + 1
         visible = next(v for v in self.visible_buckets if v >= furthest)
         began = time.perf_counter()
-        args = self._decode_args(tokens, positions, active)
+        args = self.decode_args(tokens, positions, active)
         (logits, argmax, finite), routing, self.kv_cache, state = self._program(
-            ("decode", visible, entries), self._decode[visible], args)(*args)
+            ("decode", visible, entries), self.decode_programs[visible], args)(*args)
         if all(r is None or (r.params.plain_greedy and not r.matcher) for r in rows):
             # Every token is its row's argmax: no choice program (0.2-0.5 ms a step, a tenth of it). The rows' penalty
             # counts are left behind, which only a request with penalties reads, and it resets them when it starts.
@@ -408,6 +387,13 @@ class ServingEngine:
             if request is not None:
                 self._accept(request, chosen, i)
 
+    def _spare_column(self, row: int) -> int:
+        """The column a decode step may write in `row`, which generates nothing in it."""
+        occupant = self._rows[row]
+        if occupant is not None:
+            return occupant.prefilled
+        return 0 if self.prefixes is None else self.prefixes.spare_column(row)
+
     def _observe(self, kind: str, began: float, rows: int, routing) -> None:
         if self.observer is not None:
             self.observer.step(kind, time.perf_counter() - began, rows, routing)
@@ -419,8 +405,8 @@ class ServingEngine:
         biased = any(r is not None and has_bias(r) for r in requests)
         variant = (greedy, True, True) if biased else \
             (greedy, any(r is not None and r.params.logprobs is not None for r in requests), False)
-        args = self._choose_args(logits, requests, reset, biased)
-        choice, self.counts = self._program(("choose", *variant, len(requests)), self._choose[variant], args)(*args)
+        args = self.choose_args(logits, requests, reset, biased)
+        choice, self.counts = self._program(("choose", *variant, len(requests)), self.choose_programs[variant], args)(*args)
         return choice
 
     def _accept(self, request: Request, chosen, entry: int) -> None:
@@ -452,31 +438,31 @@ class ServingEngine:
     # ---- program arguments: NumPy arrays, which a compiled program takes in one transfer (cheaper than a
     # jnp.asarray each, which dispatches one small program per array); `abstract`: the engine's own arrays as shapes
     # (a program compiled behind the steps, which donate those arrays meanwhile)
-    def _engine_arrays(self, abstract: bool) -> tuple:
+    def engine_arrays(self, abstract: bool) -> tuple:
         """(parameters, expert engine state, KV cache, penalty counts, prompt marks): live, or their shapes."""
         if abstract:
             return self._shapes
         return self.model.params, self.model.engine.state, self.kv_cache, self.counts, self.seen
 
-    def _prefill_args(self, tokens, rows, start, valid, abstract: bool = False) -> tuple:
-        params, state, kv_cache, _, _ = self._engine_arrays(abstract)
+    def prefill_args(self, tokens, rows, start, valid, abstract: bool = False) -> tuple:
+        params, state, kv_cache, _, _ = self.engine_arrays(abstract)
         return (params, state, kv_cache, np.asarray(tokens, np.int32), np.asarray(rows, np.int32),
                 np.asarray(start, np.int32), np.asarray(valid, np.int32))
 
-    def _decode_args(self, tokens, positions, active, abstract: bool = False) -> tuple:
-        params, state, kv_cache, _, _ = self._engine_arrays(abstract)
+    def decode_args(self, tokens, positions, active, abstract: bool = False) -> tuple:
+        params, state, kv_cache, _, _ = self.engine_arrays(abstract)
         return params, state, kv_cache, tokens, positions, active
 
-    def _choose_args(self, logits, requests: list[Request | None], reset: bool, biased: bool = False,
+    def choose_args(self, logits, requests: list[Request | None], reset: bool, biased: bool = False,
                      abstract: bool = False) -> tuple:
         arrays, grammar_seconds = choice_arrays(requests, self.max_batch, self.config.vocab_size, self.eos, biased)
         constrained = sum(r is not None and r.matcher is not None for r in requests)
         if constrained and self.observer is not None and hasattr(self.observer, "grammar"):
             self.observer.grammar(grammar_seconds, constrained)
-        _, _, _, counts, seen = self._engine_arrays(abstract)
+        _, _, _, counts, seen = self.engine_arrays(abstract)
         return (logits, counts, seen, arrays.rows, np.full(len(requests), reset), arrays.sampling,
                 arrays.presence, arrays.frequency, arrays.repetition, arrays.min_p, arrays.seeds, arrays.indices,
                 arrays.bias)
 
-    def _mark_args(self, row: int, mask: np.ndarray, abstract: bool = False) -> tuple:
-        return self._engine_arrays(abstract)[4], np.int32(row), mask
+    def mark_args(self, row: int, mask: np.ndarray, abstract: bool = False) -> tuple:
+        return self.engine_arrays(abstract)[4], np.int32(row), mask

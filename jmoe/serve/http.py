@@ -217,7 +217,7 @@ async def _generate(state: ServerState, body, http_request: HttpRequest, prepare
     failed = [r.error for r in requests if r.finish_reason == "error"]
     if failed:
         raise ApiError(500, f"generation failed: {type(failed[0]).__name__}: {failed[0]}", "server_error")
-    return reply.body(choices, usage(generation.prompt_tokens, requests), generation.echo)
+    return reply.body(choices, usage(generation, requests), generation.echo)
 
 
 def _check_unknown_fields(state: ServerState, body, path: str) -> None:
@@ -303,7 +303,7 @@ async def _stream(reply: Reply, generation: Generation, requests: list[Request],
             if chunk is not None:
                 yield _sse(chunk)
         if usage_field:
-            yield _sse(reply.usage_chunk(usage(generation.prompt_tokens, requests)))
+            yield _sse(reply.usage_chunk(usage(generation, requests)))
         yield "data: [DONE]\n\n"
     finally:
         _end(requests, watcher)
@@ -311,7 +311,7 @@ async def _stream(reply: Reply, generation: Generation, requests: list[Request],
 
 def _so_far(generation: Generation, requests: list[Request]) -> dict | None:
     """The usage so far, for vLLM's continuous_usage_stats (None without it)."""
-    return usage(generation.prompt_tokens, requests) if generation.continuous_usage else None
+    return usage(generation, requests) if generation.continuous_usage else None
 
 
 def _sse(payload: dict) -> str:

@@ -29,6 +29,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("jmoe:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.reused_prompt_tokens = Counter("jmoe:prompt_tokens_reused", "Prompt tokens of finished requests whose "
+                                            "keys and values a row already held (prefix reuse)", registry=r)
+        self.computed_prompt_tokens = Counter("jmoe:prompt_tokens_computed", "Prompt tokens of finished requests "
+                                              "that were prefilled", registry=r)
         self.generated_tokens = Counter("jmoe:generation_tokens", "Tokens generated for finished requests",
                                         registry=r)
         self.finished_requests = Counter("jmoe:requests_finished", "Finished requests by finish reason",
@@ -64,6 +68,8 @@ class Metrics:
 
     def finished(self, request) -> None:
         self.prompt_tokens.inc(request.prompt_tokens)
+        self.reused_prompt_tokens.inc(request.cached_tokens)
+        self.computed_prompt_tokens.inc(request.prefilled - request.cached_tokens)
         self.generated_tokens.inc(request.completion_tokens)
         self.finished_requests.labels(request.finish_reason).inc()
         ttft = None if request.first_token_at is None else request.first_token_at - request.submitted
@@ -77,8 +83,9 @@ class Metrics:
         if constraint is not None:
             self.constrained_requests.labels(constraint.kind).inc()
             grammar = f", constrained ({constraint.kind}): grammar {request.grammar_seconds * 1000:.1f} ms"
-        logger.info("request %s finished (%s): prompt %d tokens, completion %d tokens, ttft %s, total %.3f s%s",
-                    request.id, request.finish_reason, request.prompt_tokens, request.completion_tokens,
+        logger.info("request %s finished (%s): prompt %d tokens (%d reused), completion %d tokens, ttft %s, total "
+                    "%.3f s%s", request.id, request.finish_reason, request.prompt_tokens, request.cached_tokens,
+                    request.completion_tokens,
                     "-" if ttft is None else f"{ttft:.3f} s", end - request.submitted, grammar)
 
     def exposition(self) -> bytes:

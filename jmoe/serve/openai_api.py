@@ -61,6 +61,7 @@ class Generation(NamedTuple):
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     echo: list[str] | None = None  # text each choice starts with (completions' echo: its prompt)
     tools: ToolPlan | None = None  # chat's tools: how the reply is read for calls
+    per_prompt: int = 1  # choices of each prompt (n), which follow each other in `choices`
 
 
 def completion_generation(body: CompletionBody, served: Served) -> Generation:
@@ -168,7 +169,7 @@ def _generation(body: GenerationBody, prompts: list[list[int]], served: Served, 
     options = body.stream_options
     include_usage = bool(options is not None and options.include_usage)
     continuous = include_usage and bool(options.continuous_usage_stats)
-    return Generation(choices, sum(map(len, prompts)), bool(body.stream), include_usage, continuous)
+    return Generation(choices, sum(map(len, prompts)), bool(body.stream), include_usage, continuous, per_prompt=n)
 
 
 def _tool_constraint(tools: ToolPlan, served: Served):
@@ -381,9 +382,13 @@ class Choice:
         self.finish_reason = event.finish_reason
 
 
-def usage(prompt_tokens: int, requests: list[Request]) -> dict:
+def usage(generation: Generation, requests: list[Request]) -> dict:
+    """OpenAI's usage: each prompt counted once, its cached tokens those its first choice reused (prefix reuse)."""
     completion = sum(r.completion_tokens for r in requests)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    prompt = generation.prompt_tokens
+    cached = sum(r.cached_tokens for r in requests[::generation.per_prompt])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Reply:

@@ -141,3 +141,14 @@ def _sample_one(logits, seed, index, sampling: SamplingArrays, min_p):
     floor = jnp.max(logits) + params.temperature[0] * jnp.log(min_p)
     logits = jnp.where(logits < floor, -jnp.inf, logits)
     return sample(logits[None], key, params)[0]
+
+
+def make_copy_row_fn():
+    """(kv cache, source int32, destination int32) -> the cache with row `destination` a copy of row `source`, every
+    column (prefix reuse, jmoe.serve.prefixes: the columns past the prefix are never read before they are written)."""
+
+    def copy_row(kv_cache, source, destination):
+        return jax.tree.map(lambda c: jax.lax.dynamic_update_index_in_dim(
+            c, jax.lax.dynamic_index_in_dim(c, source, keepdims=False), destination, axis=0), kv_cache)
+
+    return jax.jit(copy_row, donate_argnums=(0,))

@@ -50,6 +50,7 @@ class Request:
         self._cancelled = threading.Event()
         self.row: int | None = None
         self.prefilled = 0  # prompt tokens already in the row's cache
+        self.cached_tokens = 0  # of those, the prefix reused from what a row held (jmoe.serve.prefixes)
 
     @property
     def prompt_tokens(self) -> int:
