@@ -122,6 +122,22 @@ class StepLog:
         pass
 
 
+def test_a_chunk_as_long_as_the_context_takes_only_first_pieces(model, prompt_ids):
+    """prefill_chunk = context = 64 (chunks of 16, 32, 64): a 50-token prompt is one first chunk of 64; the next
+    request shares its first 10 tokens, so its other 40 continue the row in chunks of 32 and 16, never in the 64 one,
+    whose program reads none of the row's columns. Tokens equal generate's."""
+    log = StepLog()
+    engine = ServingEngine(model, max_batch=1, context=64, prefill_chunk=64, observer=log)
+    first = (prompt_ids[1] * 30)[:50]
+    branch = first[:10] + (prompt_ids[3] * 20)[:40]
+    expected = model.generate([first, branch], max_new_tokens=6)
+    requests = [engine.submit(p, greedy(6)) for p in (first, branch)]
+    run_until_done(engine, requests)  # one row: the second waits for it
+    assert [tokens_of(r) for r in requests] == expected
+    assert [r.cached_tokens for r in requests] == [0, 10]
+    assert [tokens for kind, _, tokens in log.steps if kind == "prefill"] == [64, 32, 16]
+
+
 def test_a_round_prefills_one_step_per_chunk_bucket_smallest_first(model, prompt_ids):
     """A short and a 100-token prompt arrive together (context 128: chunks of 16 and 64): the round prefills the short
     one alone in a 16-token step, so its first token does not wait for the long one, then the long one's first 64

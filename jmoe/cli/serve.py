@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile every program before answering (default: answer once the programs of small requests "
                         "are compiled and compile the rest behind them; a request that needs one not yet compiled "
                         "waits for it)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the most prompt tokens one prefill step takes per request (default: 256, or where an "
+                        "offloaded model's experts stream from host memory per chunk, as on a GPU, long enough to hide "
+                        "that stream, up to the context)")
     p.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                    help="prefill every prompt from its first token (default: a prompt skips the longest prefix whose "
                         "keys and values a batch row still holds, e.g. the conversation so far)")
@@ -57,7 +61,8 @@ def make_engine_factory(args: argparse.Namespace, model_dir: Path):
 
         model = load_for_cli(model_dir, options, backend=args.backend, compile_cache=args.compile_cache)
         return ServingEngine(model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
-                             observer=observer, prefix_reuse=args.prefix_reuse)
+                             observer=observer, prefix_reuse=args.prefix_reuse,
+                             prefill_chunk=args.prefill_chunk)
     return make_engine
 
 

@@ -22,7 +22,7 @@ from jmoe.config import ModelConfig
 from jmoe.memory import PINNED_HOST
 from jmoe.offload.placement import Placement
 
-# The serving engine's longest chunk (jmoe/serve/engine.py CHUNK_BUCKETS): a prompt is cut into pieces this long
+# The serving engine's longest chunk (jmoe/serve/chunks.py CHUNK_BUCKETS): a prompt is cut into pieces this long
 # where nothing streams, and a streaming chunk is never shorter.
 SMALL_CHUNK = 256
 # Achieved shares of the nominal rates. The link: in-program copies of whole experts reached 49.5 of PCIe 5.0

@@ -31,6 +31,7 @@ from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
 from jmoe.model import empty_kv_cache
 from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias
+from jmoe.serve.chunks import chunk_buckets, chunk_for, streaming_chunk
 from jmoe.serve.compiling import ProgramCache, shapes_of
 from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
@@ -40,11 +41,6 @@ from jmoe.serve.programs import make_choose_fn, make_copy_row_fn, make_decode_fn
 from jmoe.serve.requests import Request, TokenEvent
 from jmoe.serve.text import StopText
 
-# Prompt tokens per prefill entry and step; shorter chunks are padded up to the next of these. 192 halves the most
-# a 129-256-token prompt pads. The bench's burst of eight 88-191-token prompts, in-process at cache 4, two processes
-# each, alternated: the last first token 110.6 and 120.9 -> 85.5 and 108.4 ms; a lone 157-191-token prompt's first
-# token 21.9 and 23.6 -> 16.4 and 19.2 ms. It costs 10 more programs at max_batch 16.
-CHUNK_BUCKETS = (16, 64, 128, 192, 256)
 # The fewest cache columns a decode step's attention reads (then powers of two up to the context).
 MIN_VISIBLE = 64
 # The token-choice program's static variants (greedy, logprobs, biased): a step with a biased row runs one with
@@ -60,14 +56,15 @@ class ServingEngine:
 
     max_batch: rows decoded together; max_queue: requests that may wait for a row (submit raises
     QueueFullError beyond it); context: cache columns per row (prompt + generated tokens), at most the
-    model's max_position_embeddings; prefix_reuse: a request skips prefilling the longest prefix of its prompt
+    model's max_position_embeddings; prefill_chunk: the longest prefill chunk (default: jmoe.serve.chunks'
+    choice, 256 tokens unless the model's experts stream per chunk); prefix_reuse: a request skips prefilling the longest prefix of its prompt
     that a row holds (jmoe.serve.prefixes); observer: optional object with `step(kind, seconds, rows, routing)` (routing:
     the step's expert ids, NumPy int [L_moe, entries, T, k], -1 = none) and `finished(request)` methods, called on
     the engine's thread (metrics, logs).
     """
 
     def __init__(self, model: Model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
-                 observer=None, prefix_reuse: bool = True):
+                 observer=None, prefix_reuse: bool = True, prefill_chunk: int | None = None):
         cfg = model.config
         if not isinstance(max_batch, int) or max_batch < 1:
             raise RequestError("max_batch", f"max_batch must be a whole number >= 1, found {max_batch!r}")
@@ -77,13 +74,17 @@ class ServingEngine:
         if not isinstance(context, int) or not 2 <= context <= cfg.max_position_embeddings:
             raise RequestError("context", f"context must be a whole number in [2, {cfg.max_position_embeddings}] "
                                           f"(the model's max_position_embeddings), found {context!r}")
+        if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and 1 <= prefill_chunk <= context):
+            raise RequestError("prefill_chunk", f"prefill_chunk must be a whole number in [1, {context}] (the "
+                                                f"context), found {prefill_chunk!r}")
         self.model, self.config = model, cfg
         self.max_batch, self.max_queue, self.context = max_batch, max_queue, context
         self.observer = observer
         self.eos = frozenset(cfg.eos_token_ids)
-        # Prefill chunks stay shorter than the context, so only a step of first chunks (every entry from column
-        # 0, visible = chunk) takes attention's prompt-from-column-0 path.
-        self.chunks = tuple(c for c in CHUNK_BUCKETS if c < context) or (context // 2,)
+        # Only a step of first chunks (every entry from column 0, visible = chunk) takes attention's
+        # prompt-from-column-0 path; a chunk as long as the context is only ever a first one (chunks.chunk_for).
+        longest = streaming_chunk(model, context) if prefill_chunk is None else prefill_chunk
+        self.chunks = chunk_buckets(context, longest)
         self.entry_buckets = tuple(sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)}))
         self.visible_buckets = tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context)
                                              for i in range(context.bit_length() + 1)}))
@@ -217,7 +218,8 @@ class ServingEngine:
         """The programs warm_up compiles: per entry bucket, prefill (each chunk bucket, first or later chunks), token
         choice (each variant) and decode (each visible bucket); the one that marks a prompt's tokens and, with prefix
         reuse, the one that copies a row."""
-        per_entries = 2 * len(self.chunks) + len(self.choose_programs) + len(self.visible_buckets)
+        prefills = len(self.chunks) + sum(c < self.context for c in self.chunks)  # first and later chunks
+        per_entries = prefills + len(self.choose_programs) + len(self.visible_buckets)
         return len(self.entry_buckets) * per_entries + 1 + (self.prefixes is not None)
 
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
@@ -313,8 +315,7 @@ class ServingEngine:
     def _chunk_for(self, request: Request) -> int:
         """The chunk bucket of `request`'s next piece: the smallest that holds the rest of its prompt, else the largest
         (so a prompt's pieces start at the same columns whatever it shares a step with)."""
-        remaining = len(request.prompt) - request.prefilled
-        return next((c for c in self.chunks if c >= remaining), self.chunks[-1])
+        return chunk_for(self.chunks, len(request.prompt) - request.prefilled, request.prefilled > 0, self.context)
 
     def _prefill_batches(self, prefilling: list[Request]) -> list[list[Request]]:
         """A round's prefill steps: every unfinished prompt's next piece, one step per chunk bucket, the smallest first.
