@@ -22,13 +22,8 @@ shares alternating, so constrained and free loads meet the same server, compiled
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -43,6 +38,7 @@ from bench.compare_cpu import load_average, load_warning, quiet_start_load
 from bench.decode import WeightReads, weight_reads
 from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, default_model, read_bandwidth_gbs, smoke_run,
                                   write_result)
+from bench.helpers.servers import Server, complete, jmoe_command, metric_delta, transformers_command
 
 ENGINES = ("jmoe", "transformers")
 # --constrained-share: those requests answer in this schema (response_format json_schema), through the grammar engine.
@@ -75,116 +71,17 @@ def workload(model_dir: Path, count: int, seed: int, prompt_range=(16, 192), out
 
 # ---- the servers -----------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One server process on 127.0.0.1, started in its own session and always stopped (its whole group)."""
-
-    def __init__(self, engine: str, args, log_path: Path):
-        self.engine, self.port = engine, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model_name = "default" if engine == "jmoe" else str(args.model)
-        if engine == "jmoe":
-            command = [sys.executable, "-m", "jmoe.serve", "--model", str(args.model), "--port", str(self.port),
-                       "--max-batch", str(args.max_batch), "--context", str(args.context),
-                       "--served-model-name", self.model_name, "--no-compile-cache",
-                       "--compile-all-first"]  # steady state: no program compiles behind the measured load
-            if args.cache is not None:
-                command += ["--cache", str(args.cache)]
-        else:
-            command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
-                       "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", str(args.model)]
-            if args.smoke:  # a paged KV cache for the smoke's few short requests: sized from the machine's memory,
-                # its tensors took ~15 s of CPU to allocate and reset, half of a smoke run's
-                command += ["--cb-num-blocks", str(SMOKE_KV_PAGES), "--cb-max-batch-tokens",
-                            str(args.max_batch * args.context)]
-        self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
-
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until the server answers a first completion (jmoe: /ready, then one request)."""
-        began = time.monotonic()
-        path = "/ready" if self.engine == "jmoe" else "/health"
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + path, timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - began > timeout:
-                raise RuntimeError(f"{self.engine} server not ready after {timeout} s; see {self.log.name}")
-            time.sleep(0.5)
-        # transformers serve loads and compiles on its first request: take that out of the measurements
-        with httpx.Client() as client:
-            complete(client, self, "def f(x):", 4, timeout=timeout)
-        return time.monotonic() - began
-
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
-
-    def metrics(self) -> dict[str, float]:
-        """jmoe's /metrics summed by metric name (labels dropped), and each labelled series under its full name."""
-        totals: dict[str, float] = {}
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                series, value = line.rsplit(" ", 1)
-                name = series.split("{")[0]
-                totals[name] = totals.get(name, 0.0) + float(value)
-                if series != name:
-                    totals[series] = float(value)
-        return totals
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
-
-
-def complete(client: httpx.Client, server: Server, prompt: str, max_tokens: int, timeout: float = 300,
-             constrained: bool = False) -> dict:
-    """One streamed greedy completion through `client` (its kept-alive connection, as an OpenAI client holds one:
-    a new httpx client costs ~20 ms of this process's time, which eight threads starting at once would add to
-    each other's TTFT): time to first token, the times between token chunks, and the tokens generated (the usage
-    chunk's count where the server sends one, else the chunks that carried a token). `constrained`: the answer
-    follows CONSTRAINED_FORMAT."""
-    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if constrained:
-        body["response_format"] = CONSTRAINED_FORMAT
-    began = time.monotonic()
-    arrivals, usage = [], None
-    with client.stream("POST", server.url + "/v1/completions", json=body, timeout=timeout) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{server.engine}: HTTP {response.status_code}: {response.read()[:300]!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            usage = chunk.get("usage") or usage
-            choice = (chunk.get("choices") or [None])[0]
-            # A chunk carries a token unless it is only the finish of a stream whose last token came before.
-            if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
-                arrivals.append(time.monotonic())
-    if not arrivals:
-        raise RuntimeError(f"{server.engine}: a completion produced no token")
-    tokens = usage["completion_tokens"] if usage else len(arrivals)
-    return {"ttft": arrivals[0] - began, "gaps": list(np.diff(arrivals)), "tokens": tokens,
-            "prompt_tokens": usage["prompt_tokens"] if usage else None}
+def start_server(engine: str, args, log_path: Path) -> Server:
+    """A fresh server of `engine` on the benchmark's checkpoint: jmoe with every program compiled first (steady
+    state: no program compiles behind the measured load), transformers with its continuous batching."""
+    name = "default" if engine == "jmoe" else str(args.model)
+    if engine == "jmoe":
+        command = lambda port: jmoe_command(port, args.model, name, args.max_batch, args.context,  # noqa: E731
+                                            args.cache, ("--no-compile-cache", "--compile-all-first"))
+    else:  # a smoke run's few short requests: a page of the KV cache each and to spare
+        command = lambda port: transformers_command(  # noqa: E731
+            port, args.model, *((SMOKE_KV_PAGES, args.max_batch * args.context) if args.smoke else ()))
+    return Server(engine, command, log_path, name)
 
 
 def run_level(server: Server, requests: list, concurrency: int) -> dict:
@@ -202,7 +99,8 @@ def run_level(server: Server, requests: list, concurrency: int) -> dict:
                     return
                 prompt, max_tokens, *constrained = pending.pop()
             try:
-                outcome = complete(http, server, prompt, max_tokens, constrained=bool(constrained and constrained[0]))
+                extra = {"response_format": CONSTRAINED_FORMAT} if constrained and constrained[0] else None
+                outcome = complete(http, server, prompt, max_tokens, extra_body=extra)
             except Exception as error:  # reported after the level: a failed request invalidates it
                 errors.append(error)
                 return
@@ -232,11 +130,6 @@ def run_level(server: Server, requests: list, concurrency: int) -> dict:
             "ttft_p50": np.percentile(ttft, 50), "ttft_p99": np.percentile(ttft, 99),
             "itl_p50": np.percentile(gaps, 50) if gaps else float("nan"),
             "itl_p99": np.percentile(gaps, 99) if gaps else float("nan")}
-
-
-def metric_delta(before: dict, after: dict, series: str) -> float:
-    """A counter's growth between two jmoe /metrics readings (0 for one neither has)."""
-    return after.get(series, 0.0) - before.get(series, 0.0)
 
 
 def expert_traffic(before: dict, after: dict, tokens: int) -> tuple[float | None, float | None]:
@@ -298,7 +191,7 @@ def measure(engine: str, args, requests: dict[float, list], log_dir: Path, reads
     """Every concurrency level through one fresh server of `engine`, once per constrained share of `requests`
     (share -> request list; the shares alternate within each level); then, given `soak_requests`, those at 8
     clients through the same server, with its resident memory after the first 50 (or a tenth) and at the end."""
-    server = Server(engine, args, log_dir / f"{engine}_{time.monotonic_ns()}.log")
+    server = start_server(engine, args, log_dir / f"{engine}_{time.monotonic_ns()}.log")
     try:
         ready = server.wait_ready(args.start_timeout)
         levels = {}

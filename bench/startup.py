@@ -34,7 +34,7 @@ from bench.compare_cpu import load_average, load_warning, quiet_start_load
 from bench.decode import COMPARE_MODELS
 from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, default_model, smoke_run, smoke_spec,
                                   write_random_checkpoint, write_result)
-from bench.serve import free_port
+from bench.helpers.servers import free_port
 
 SERVER_VARIANTS = {"ready-first": [], "all-first": ["--compile-all-first"]}
 
