@@ -5,7 +5,7 @@ per computed prompt token; and how a decoding row fares while another request's 
   JAX_PLATFORMS=cpu python -m bench.conversation [--cache 4] [--context 2048] [--conversations 4] [--turns 3]
                                                  [--system-tokens 1500] [--rounds 2]
                                                  [--engines jmoe,jmoe-no-reuse,transformers]
-  JAX_PLATFORMS=cpu python -m bench.conversation --smoke   # toy sizes (2 conversations of 2 turns, one round,
+  JAX_PLATFORMS=cpu python -m bench.conversation --smoke   # toy sizes (2 conversations of 2 turns, one round, jmoe only,
                                                            # context 64), jmoe answering once its first programs exist
 
 The model is bench.decode's random 215M Mixtral (8 layers, 16 experts, top-2, vocabulary 8192), written once into
@@ -55,8 +55,10 @@ KV_PAGE = 256  # transformers serve's tokens per KV cache page
 DECODER_PROMPT = 16  # tokens of the prompt of the request that decodes through the long prefill
 DECODING_BEFORE = 4  # tokens that request has generated before the long prompt is sent
 WARM_PROMPT = list(range(100, 108))  # each server's first completion, before anything is measured
+# A smoke run leaves transformers serve out (10-13 s of the test suite's time): bench.serve's smoke starts it, and
+# tests/test_bench_conversation.py checks that it reads this bench's tokenizer as jmoe does.
 SMOKE = dict(conversations=2, turns=2, system_tokens=24, user_tokens=(4, 8), reply_tokens=4, long_prompt=40,
-             context=64, max_batch=2, rounds=1)
+             context=64, max_batch=2, rounds=1, engines=["jmoe", "jmoe-no-reuse"])
 
 
 # ---- the workload ----------------------------------------------------------------------------------------
