@@ -122,6 +122,22 @@ class StepLog:
         pass
 
 
+def test_requests_sharing_a_prefix_that_a_row_is_prefilling_wait_for_it_and_copy_it(model, prompt_ids):
+    """Two requests sent at once with the same 40-token prefix (agents with one system prompt): the second waits
+    while the first prefills it, then copies it from the first's row, so it is prefilled once. Tokens equal
+    generate's."""
+    shared = (prompt_ids[1] * 20)[:40]
+    prompts = [shared + prompt_ids[0], shared + prompt_ids[2]]
+    expected = model.generate(prompts, max_new_tokens=6)
+    log = StepLog()
+    engine = ServingEngine(model, max_batch=2, context=64, observer=log)
+    requests = [engine.submit(p, greedy(6)) for p in prompts]
+    run_until_done(engine, requests)
+    assert [tokens_of(r) for r in requests] == expected
+    assert requests[0].cached_tokens == 0 and requests[1].cached_tokens >= len(shared)
+    assert sum(rows * tokens for kind, rows, tokens in log.steps if kind == "prefill") < 2 * len(shared)
+
+
 def test_a_chunk_as_long_as_the_context_takes_only_first_pieces(model, prompt_ids):
     """prefill_chunk = context = 64 (chunks of 16, 32, 64): a 50-token prompt is one first chunk of 64; the next
     request shares its first 10 tokens, so its other 40 continue the row in chunks of 32 and 16, never in the 64 one,

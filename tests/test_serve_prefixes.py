@@ -64,3 +64,13 @@ def test_the_least_recently_used_prefix_is_the_one_overwritten():
     # Now row 1 is the lowest free row; its prefix is newer than row 2's, so it moves over row 2's.
     assert prefixes.admit([8] * 40, [1, 2], [running([9] * 40, 40), None, None]) == (1, 0, ((1, 2),))
     assert prefixes.held[2] == [3] * MIN_COPIED
+
+
+def test_a_request_waits_for_a_row_still_prefilling_a_longer_prefix_of_it():
+    prefixes = RowPrefixes(2)
+    prefilling = running(SYSTEM + [1], MIN_COPIED)  # half of the shared prompt written so far
+    assert prefixes.should_wait(SYSTEM + [2], [prefilling, None])
+    assert not prefixes.should_wait([5] * 40, [prefilling, None])  # nothing to share
+    assert not prefixes.should_wait(SYSTEM + [2], [running(SYSTEM + [1], len(SYSTEM) + 1), None])  # copy it now
+    released(prefixes, 1, SYSTEM + [1], [3])
+    assert not prefixes.should_wait(SYSTEM + [2], [prefilling, None])  # a free row holds all it would get

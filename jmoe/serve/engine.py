@@ -279,11 +279,16 @@ class ServingEngine:
 
     def _admit(self) -> tuple[list[Request], list[tuple[int, int]]]:
         """Waiting requests into free rows, first come first served: the lowest free row, or with prefix reuse the
-        row chosen for the prefix it holds. Returns them and the row copies to make before the next step."""
+        row chosen for the prefix it holds (a request whose prefix a row is still prefilling waits for it). Returns
+        them and the row copies to make before the next step."""
         admitted, copies = [], []
         free = [row for row, occupant in enumerate(self._rows) if occupant is None]
-        while free and self._waiting:
-            request = self._waiting.popleft()
+        for request in list(self._waiting):
+            if not free:
+                break
+            if self.prefixes is not None and self.prefixes.should_wait(request.prompt, self._rows):
+                continue
+            self._waiting.remove(request)
             if self.prefixes is None:
                 request.row = free[0]
             else:

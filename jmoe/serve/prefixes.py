@@ -66,6 +66,16 @@ class RowPrefixes:
         self.held[row] = written_tokens(request)
         self._touch(row)
 
+    def should_wait(self, prompt: list[int], occupants: list) -> bool:
+        """Whether a request with `prompt` should wait for a row still prefilling a longer prefix of it than any row
+        holds now (agents sending one long system prompt at once: the first computes it, the others copy it)."""
+        usable = len(prompt) - 1
+        now = max(min(common_prefix(prompt, held if o is None else written_tokens(o)), usable)
+                  for o, held in zip(occupants, self.held))
+        coming = max((min(common_prefix(prompt, o.prompt), usable) for o in occupants
+                      if o is not None and o.prefilled < len(o.prompt)), default=0)
+        return coming >= MIN_COPIED and coming > now
+
     def admit(self, prompt: list[int], free: list[int], occupants: list) -> Admission:
         """The row (one of `free`, in any order) for a request with `prompt`, given every row's occupant (None =
         free); the caller makes the copies, then sets the row's occupant."""
