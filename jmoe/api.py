@@ -50,8 +50,9 @@ class Model:
     """A loaded MoE language model with its expert engine and (optionally) its tokenizer."""
 
     def __init__(self, module: MoETransformer, config: ModelConfig, engine, tokenizer: TextTokenizer | None = None,
-                 source: Path | None = None):
+                 source: Path | None = None, progress: bool = False):
         self.config = config
+        self.progress = progress  # say on stderr what is compiled, and how long it took
         self.engine = engine
         self.tokenizer = tokenizer
         self.source = source
@@ -153,9 +154,17 @@ class Model:
         key = (greedy, jax.tree.structure(inputs), tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
         program = self._programs.get(key)
         if program is None:
+            tokens, kv_cache = args[2], args[3]
+            what = (f"the {'prompt' if tokens.shape[1] > 1 else 'decode'} step ({tokens.shape[0]} x {tokens.shape[1]} "
+                    f"tokens, {jax.tree.leaves(kv_cache)[0].shape[1]} cache columns, {self.config.num_layers} layers)")
+            if self.progress:
+                print(f"compiling {what} ...", file=sys.stderr, flush=True)
             start = time.perf_counter()
             program = self._programs[key] = self._step_fns[greedy].lower(*args).compile()
-            self.compile_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            if self.progress:
+                print(f"compiled {what} in {seconds:.1f} s", file=sys.stderr, flush=True)
         return program
 
     def generate(self, prompt_ids, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
@@ -335,7 +344,7 @@ def load_with_options(path: str | Path, options: OffloadOptions, *, dtype: str |
 
         engine.tier_reader = open_expert_reader(model_dir, config, dtype=dtype,
                                                 direct=direct_tier_reads(config, placement, options, progress))
-    return Model(module, config, engine, load_tokenizer(model_dir), model_dir)
+    return Model(module, config, engine, load_tokenizer(model_dir), model_dir, progress)
 
 
 def direct_tier_reads(config: ModelConfig, placement: Placement, options: OffloadOptions, progress: bool) -> bool:

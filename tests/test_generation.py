@@ -1,6 +1,7 @@
 """Loading variants, sampling, stopping, streaming and the command line."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -123,14 +124,21 @@ def test_one_program_per_mode_for_all_sampling_parameters_and_bucketed_batches(m
 
 
 @pytest.mark.quick
-def test_generation_reports_compilation_apart_from_decoding(model):
+def test_generation_reports_compilation_apart_from_decoding_and_says_what_it_compiles(model, capsys):
     from jmoe.decode.sampling import SamplingParams
 
-    fresh = jmoe.Model(model.module(), model.config, type(model.engine)(model.config, model.placement_plan))
+    fresh = jmoe.Model(model.module(), model.config, type(model.engine)(model.config, model.placement_plan),
+                       progress=True)
     first = fresh.generate_detailed([[3, 1, 4]], 6, SamplingParams())
     again = fresh.generate_detailed([[3, 1, 4]], 6, SamplingParams())
     assert first.compile_seconds > 0 and again.compile_seconds == 0
     assert first.decode_steps == again.decode_steps == 5
+    layers = model.config.num_layers
+    assert re.fullmatch(rf"compiling the prompt step \(1 x 16 tokens, (\d+) cache columns, {layers} layers\) \.\.\.\n"
+                        rf"compiled the prompt step \(1 x 16 tokens, \1 cache columns, {layers} layers\) in [\d.]+ s\n"
+                        rf"compiling the decode step \(1 x 1 tokens, \1 cache columns, {layers} layers\) \.\.\.\n"
+                        rf"compiled the decode step \(1 x 1 tokens, \1 cache columns, {layers} layers\) in [\d.]+ s\n",
+                        capsys.readouterr().err)
 
 
 def test_persistent_compile_cache_serves_a_second_process(tmp_path):
