@@ -174,7 +174,7 @@ def test_a_long_prompt_streams_the_experts_once_a_chunk_of_the_servers_length(mi
     assert plan.estimate.inputs["prefill_stream_bytes_per_chunk"] == 32 * 4 * plan.placement.expert_bytes
     report = plan.report()
     assert "  prefill, 4096-token prompt: 1 chunk of 4096 tokens, experts streamed once, 45.1 GB" in report
-    assert "prefill chunks of 4096 tokens (jmoe.offload.prefill_chunks)" in report
+    assert "prefill chunks of 4096 tokens (jmoe.offload.prefill_chunks: the shortest power of two" in report
     assert prefill(1024)[:2] == (1, 1024) and prefill(32768)[:2] == (1, 32768)
     assert prefill(4096, host_link_gbs=16)[:2] == (1, 4096)  # a slower link: a longer chunk, still the context
     chunks, chunk, fast_link = prefill(32768, host_link_gbs=16 * 63)
