@@ -55,10 +55,12 @@ KV_PAGE = 256  # transformers serve's tokens per KV cache page
 DECODER_PROMPT = 16  # tokens of the prompt of the request that decodes through the long prefill
 DECODING_BEFORE = 4  # tokens that request has generated before the long prompt is sent
 WARM_PROMPT = list(range(100, 108))  # each server's first completion, before anything is measured
-# A smoke run leaves transformers serve out (10-13 s of the test suite's time): bench.serve's smoke starts it, and
-# tests/test_bench_conversation.py checks that it reads this bench's tokenizer as jmoe does.
+# A smoke run starts one server, jmoe's with reuse (each server is 10-15 s of the test suite's time): bench.serve's
+# smoke starts transformers serve, tests/test_bench_conversation.py checks that it reads this bench's tokenizer as
+# jmoe does, and tests/test_serve_engine.py serves without reuse; the report compares the replies with the first
+# engine's when jmoe-no-reuse is not run.
 SMOKE = dict(conversations=2, turns=2, system_tokens=24, user_tokens=(4, 8), reply_tokens=4, long_prompt=40,
-             context=64, max_batch=2, rounds=1, engines=["jmoe", "jmoe-no-reuse"])
+             context=64, max_batch=2, rounds=1, engines=["jmoe"])
 
 
 # ---- the workload ----------------------------------------------------------------------------------------
