@@ -5,8 +5,9 @@ per computed prompt token; and how a decoding row fares while another request's 
   JAX_PLATFORMS=cpu python -m bench.conversation [--cache 4] [--context 2048] [--conversations 4] [--turns 3]
                                                  [--system-tokens 1500] [--rounds 2]
                                                  [--engines jmoe,jmoe-no-reuse,transformers]
-  JAX_PLATFORMS=cpu python -m bench.conversation --smoke   # toy sizes (2 conversations of 2 turns, one round, jmoe only,
-                                                           # context 64), jmoe answering once its first programs exist
+  JAX_PLATFORMS=cpu python -m bench.conversation --smoke   # toy sizes (2 conversations of 2 turns, one round,
+                                                           # context 64, jmoe with reuse only), answering once its
+                                                           # first programs exist
 
 The model is bench.decode's random 215M Mixtral (8 layers, 16 experts, top-2, vocabulary 8192), written once into
 --workdir with a tokenizer of one character per token id (U+4E00 on): the random model's replies are any ids, which

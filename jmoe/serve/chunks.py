@@ -46,9 +46,14 @@ def streaming_chunk(model, context: int) -> int | None:
                              platform=platform, context=context, devices=devices)
 
 
+def later_chunks(buckets: tuple[int, ...], context: int) -> tuple[int, ...]:
+    """The chunks a piece that continues a prompt (columns before it written) may take: none as long as the context,
+    whose program is the one that reads none of the row's columns (jmoe.serve.programs.make_prefill_fn)."""
+    return tuple(c for c in buckets if c < context)
+
+
 def chunk_for(buckets: tuple[int, ...], remaining: int, continues: bool, context: int) -> int:
     """The chunk of a prompt's next piece, `remaining` tokens left: the smallest bucket that holds them, else the
-    largest. A piece that continues a prompt (`continues`: columns before it written) takes no chunk as long as the
-    context, whose program is the one that reads none of the row's columns (jmoe.serve.programs.make_prefill_fn)."""
-    usable = [c for c in buckets if c < context] if continues else buckets
+    largest; a piece that `continues` a prompt chooses among `later_chunks`."""
+    usable = later_chunks(buckets, context) if continues else buckets
     return next((c for c in usable if c >= remaining), usable[-1])

@@ -31,7 +31,7 @@ from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
 from jmoe.model import empty_kv_cache
 from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias
-from jmoe.serve.chunks import chunk_buckets, chunk_for, streaming_chunk
+from jmoe.serve.chunks import chunk_buckets, chunk_for, later_chunks, streaming_chunk
 from jmoe.serve.compiling import ProgramCache, shapes_of
 from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
@@ -57,8 +57,9 @@ class ServingEngine:
     max_batch: rows decoded together; max_queue: requests that may wait for a row (submit raises
     QueueFullError beyond it); context: cache columns per row (prompt + generated tokens), at most the
     model's max_position_embeddings; prefill_chunk: the longest prefill chunk (default: jmoe.serve.chunks'
-    choice, 256 tokens unless the model's experts stream per chunk); prefix_reuse: a request skips prefilling the longest prefix of its prompt
-    that a row holds (jmoe.serve.prefixes); observer: optional object with `step(kind, seconds, rows, routing)` (routing:
+    choice, 256 tokens unless the model's experts stream per chunk); prefix_reuse: a request skips prefilling the
+    longest prefix of its prompt that a row holds (jmoe.serve.prefixes); observer: optional object with
+    `step(kind, seconds, rows, routing)` (routing:
     the step's expert ids, NumPy int [L_moe, entries, T, k], -1 = none) and `finished(request)` methods, called on
     the engine's thread (metrics, logs).
     """
@@ -85,6 +86,7 @@ class ServingEngine:
         # prompt-from-column-0 path; a chunk as long as the context is only ever a first one (chunks.chunk_for).
         longest = streaming_chunk(model, context) if prefill_chunk is None else prefill_chunk
         self.chunks = chunk_buckets(context, longest)
+        self.later_chunks = later_chunks(self.chunks, context)
         self.entry_buckets = tuple(sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)}))
         self.visible_buckets = tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context)
                                              for i in range(context.bit_length() + 1)}))
@@ -218,7 +220,7 @@ class ServingEngine:
         """The programs warm_up compiles: per entry bucket, prefill (each chunk bucket, first or later chunks), token
         choice (each variant) and decode (each visible bucket); the one that marks a prompt's tokens and, with prefix
         reuse, the one that copies a row."""
-        prefills = len(self.chunks) + sum(c < self.context for c in self.chunks)  # first and later chunks
+        prefills = len(self.chunks) + len(self.later_chunks)
         per_entries = prefills + len(self.choose_programs) + len(self.visible_buckets)
         return len(self.entry_buckets) * per_entries + 1 + (self.prefixes is not None)
 
@@ -412,7 +414,8 @@ class ServingEngine:
         variant = (greedy, True, True) if biased else \
             (greedy, any(r is not None and r.params.logprobs is not None for r in requests), False)
         args = self.choose_args(logits, requests, reset, biased)
-        choice, self.counts = self._program(("choose", *variant, len(requests)), self.choose_programs[variant], args)(*args)
+        program = self._program(("choose", *variant, len(requests)), self.choose_programs[variant], args)
+        choice, self.counts = program(*args)
         return choice
 
     def _accept(self, request: Request, chosen, entry: int) -> None:
@@ -460,7 +463,7 @@ class ServingEngine:
         return params, state, kv_cache, tokens, positions, active
 
     def choose_args(self, logits, requests: list[Request | None], reset: bool, biased: bool = False,
-                     abstract: bool = False) -> tuple:
+                    abstract: bool = False) -> tuple:
         arrays, grammar_seconds = choice_arrays(requests, self.max_batch, self.config.vocab_size, self.eos, biased)
         constrained = sum(r is not None and r.matcher is not None for r in requests)
         if constrained and self.observer is not None and hasattr(self.observer, "grammar"):

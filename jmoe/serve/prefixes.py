@@ -7,8 +7,8 @@ that request ends (its prompt and every generated token but the last, never fed 
 written columns never change while it runs: n choices of one prompt, agents sending one system prompt at once).
 A request goes into the free row that holds its longest prefix, if that is worth having (MIN_COPIED tokens);
 otherwise into the lowest free row (decode steps run the fewest first rows that hold every generating request), a
-running row's prefix copied there, what that row held first moved to the free row least worth keeping. A reused prefix always leaves the
-prompt's last token to compute, whose logits choose the first generated token.
+running row's prefix copied there, what that row held first moved to the free row least worth keeping. A reused
+prefix always leaves the prompt's last token to compute, whose logits choose the first generated token.
 """
 
 from __future__ import annotations
@@ -70,8 +70,7 @@ class RowPrefixes:
         """Whether a request with `prompt` should wait for a row still prefilling a longer prefix of it than any row
         holds now (agents sending one long system prompt at once: the first computes it, the others copy it)."""
         usable = len(prompt) - 1
-        now = max(min(common_prefix(prompt, held if o is None else written_tokens(o)), usable)
-                  for o, held in zip(occupants, self.held))
+        now = max(min(common_prefix(prompt, tokens), usable) for tokens in self._contents(occupants))
         coming = max((min(common_prefix(prompt, o.prompt), usable) for o in occupants
                       if o is not None and o.prefilled < len(o.prompt)), default=0)
         return coming >= MIN_COPIED and coming > now
@@ -80,7 +79,7 @@ class RowPrefixes:
         """The row (one of `free`, in any order) for a request with `prompt`, given every row's occupant (None =
         free); the caller makes the copies, then sets the row's occupant."""
         free = sorted(free)
-        held = [self.held[r] if occupant is None else written_tokens(occupant) for r, occupant in enumerate(occupants)]
+        held = self._contents(occupants)
         usable = len(prompt) - 1  # the last prompt token is always computed
         matches = [min(common_prefix(prompt, tokens), usable) for tokens in held]
         # The longest match; a free row before a running one (no copy), then the lowest row.
@@ -92,6 +91,11 @@ class RowPrefixes:
         if matches[best] >= MIN_COPIED:  # a running row's
             return self._take(lowest, prompt, matches[best], (*copies, (best, lowest)))
         return self._take(lowest, prompt, matches[lowest], copies)
+
+    def _contents(self, occupants: list) -> list[list[int]]:
+        """What every row holds: a free row what it kept, an occupied one what its occupant has written."""
+        return [held if occupant is None else written_tokens(occupant)
+                for held, occupant in zip(self.held, occupants)]
 
     def _move_out(self, row: int, others: list[int]) -> tuple[tuple[int, int], ...]:
         """Before free `row` is overwritten, the copy that keeps what it holds in the free row of `others` least

@@ -57,9 +57,9 @@ def program_specs(engine) -> tuple[list[ProgramSpec], list[ProgramSpec]]:
             if engine.prefixes is not None:
                 short.append(ProgramSpec(("copy_row",), engine.copy_row_program, lambda abstract: (
                     engine.engine_arrays(abstract)[2], np.int32(0), np.int32(0))))
-                short += [prefill(entries, chunk, engine.context) for chunk in engine.chunks if chunk < engine.context]
+                short += [prefill(entries, chunk, engine.context) for chunk in engine.later_chunks]
         long += [decode(entries, visible) for visible in engine.visible_buckets if visible > SHORT_VISIBLE]
         if entries > 1 or engine.prefixes is None:
-            long += [prefill(entries, chunk, engine.context) for chunk in engine.chunks if chunk < engine.context]
+            long += [prefill(entries, chunk, engine.context) for chunk in engine.later_chunks]
     compiled_first = {spec.key for spec in first}
     return first, [spec for spec in short if spec.key not in compiled_first] + long
