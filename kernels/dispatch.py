@@ -11,7 +11,7 @@ from jmoe.kernels.float_bits import float_leaves, is_float_bits, plain
 from jmoe.kernels.pallas_grouped import moe_ffn_pallas
 from jmoe.kernels.quantized import QuantizedTensor, is_quantized
 from jmoe.kernels.reference import moe_ffn_reference
-from jmoe.kernels.target import platform_dependent
+from jmoe.kernels.target import platform_dependent, target_compute_capability
 from jmoe.kernels.triton_grouped import moe_ffn_triton
 from jmoe.kernels.xla import moe_ffn_gather, moe_ffn_pairs, moe_ffn_ragged, moe_ffn_tiled
 
@@ -181,10 +181,23 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=N
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")
-    options = {"per_expert": per_expert} if backend in PER_EXPERT_BACKENDS else {}
-    y = _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation=activation,
-                        **options)  # f32
+    y = _traced_once_per_shape(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down,
+                               per_expert if backend in PER_EXPERT_BACKENDS else None, backend=backend,
+                               activation=activation, target=target_compute_capability())  # f32
     return y.astype(out_dtype or x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "activation", "target"))
+def _traced_once_per_shape(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, per_expert, *, backend,
+                           activation, target):
+    """The backend's kernel, jitted: a step calls it in every MoE layer with the same shapes, and JAX traces and
+    lowers a jitted function once per shapes and program (its calls share one function, which XLA inlines), where
+    it traced and lowered the kernel once per layer. `target` (the GPU compiled for, jmoe.kernels.target) is in the
+    key because the kernel's trace depends on it."""
+    del target
+    options = {"per_expert": per_expert} if backend in PER_EXPERT_BACKENDS else {}
+    return _IMPLS[backend](x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation=activation,
+                           **options)
 
 
 class ExpertWeights(NamedTuple):

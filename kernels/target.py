@@ -21,14 +21,15 @@ _COMPUTE_CAPABILITY: contextvars.ContextVar[int | None] = contextvars.ContextVar
 @contextlib.contextmanager
 def compiling_for_gpu(compute_capability: int):
     """Within this block, programs are traced for a GPU of this compute capability (e.g. 90 for an H100)."""
-    # A trace made before, with no GPU target, holds only the CPU branches of `platform_dependent`, and JAX would
-    # reuse it for the same function and shapes (its trace cache does not see this setting): trace afresh.
+    # A trace holds only the branches of `platform_dependent` for the platform it was made for, and JAX would reuse it
+    # for the same function and shapes (its trace cache does not see this setting): trace afresh on entry and on exit.
     jax.clear_caches()
     token = _COMPUTE_CAPABILITY.set(int(compute_capability))
     try:
         yield
     finally:
         _COMPUTE_CAPABILITY.reset(token)
+        jax.clear_caches()
 
 
 def target_compute_capability() -> int | None:
@@ -43,10 +44,13 @@ def gpu_available() -> bool:
 
 def platform_dependent(*args, cpu=None, cuda=None, default):
     """`jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default)` (None: no such branch), tracing only
-    what can run. lax.platform_dependent traces every branch; where JAX runs on the CPU and no GPU target is being
-    compiled for, a program can only be lowered for the CPU, so only its branch (`cpu`, else `default`) is traced.
-    The GPU grouped GEMM's branch was half of tracing a CPU decode program (0.68 of 1.34 s, the default model)."""
-    if jax.default_backend() == "cpu" and target_compute_capability() is None:
-        return (default if cpu is None else cpu)(*args)
+    what can run. lax.platform_dependent traces every branch; where JAX runs on the CPU, a program can only be
+    lowered for the CPU (its branch, `cpu`, else `default`, is traced) or, within `compiling_for_gpu`, for the
+    compile-only CUDA target (`cuda`, else `default`). The GPU grouped GEMM's branch was half of tracing a CPU decode
+    program (0.68 of 1.34 s, the default model); the interpreted one's, a third of tracing an H100 plan's programs."""
+    if jax.default_backend() == "cpu":
+        if target_compute_capability() is None:
+            return (default if cpu is None else cpu)(*args)
+        return (default if cuda is None else cuda)(*args)
     branches = {name: branch for name, branch in (("cpu", cpu), ("cuda", cuda)) if branch is not None}
     return jax.lax.platform_dependent(*args, **branches, default=default)

@@ -264,7 +264,7 @@ def test_triton_launch_grid_covers_all_rows():
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks what is traced where there is no GPU")
-def test_without_a_gpu_only_the_cpu_branch_is_traced_and_a_gpu_target_traces_every_branch():
+def test_without_a_gpu_only_the_branch_of_the_platform_lowered_for_is_traced():
     traced = []
 
     def branch(name):
@@ -277,7 +277,11 @@ def test_without_a_gpu_only_the_cpu_branch_is_traced_and_a_gpu_target_traces_eve
     traced.clear()
     with compiling_for_gpu(90):  # what jmoe.plan's compile worker does for an H100 target
         jax.jit(program).lower(1.0)
-    assert sorted(traced) == ["cpu", "cuda", "default"]
+    assert traced == ["cuda"]
+    traced.clear()
+    with compiling_for_gpu(90):  # no CUDA branch: the default one
+        jax.jit(lambda x: platform_dependent(x, cpu=branch("cpu"), default=branch("default"))).lower(1.0)
+    assert traced == ["default"]
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the error raised where there is no GPU")
