@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import shutil  # noqa: E402
 
 from hf_models import FAMILY_CASES, BuiltOnFirstUse, write_checkpoint  # noqa: E402
+from jmoe.cli.common import DEFAULT_MODEL_DIR  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -67,4 +68,15 @@ def small_mixtral_copy(small_mixtral_dir, tmp_path):
     """A fresh copy of small_mixtral_dir that a test may change."""
     directory = tmp_path / "m"
     shutil.copytree(small_mixtral_dir, directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def default_two_layers(tmp_path_factory):
+    """The shipped default model's first two decoder layers (its widths, routers, tokenizer and chat template): for
+    tests whose check holds at any depth, at half the compile time of its four."""
+    from bench.helpers.common import write_first_layers
+
+    directory = tmp_path_factory.mktemp("default") / "two_layers"
+    write_first_layers(DEFAULT_MODEL_DIR, directory, 2)
     return directory

@@ -26,14 +26,14 @@ from jmoe.serve.program_set import program_specs
 # worker that ran some of its tests would build them again.
 pytestmark = pytest.mark.xdist_group("serve_engine")
 
-DEFAULT = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
+DEFAULT = Path(__file__).resolve().parents[1] / "checkpoints" / "default"  # its tokenizer
 PROMPTS = ["def f(x):", "class Parser:\n    def __init__(self", "import os\n", "for i in range(10):\n    ",
            "x = [", "# a comment about"]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return jmoe.load(DEFAULT, progress=False)
+def model(default_two_layers):
+    return jmoe.load(default_two_layers, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,9 @@ def greedy(n: int) -> RequestParams:
 
 
 @pytest.mark.parametrize("cache", [None, 0, 4])
-def test_greedy_tokens_equal_generate_alone_and_with_neighbours_joining_and_leaving(cache, prompt_ids):
-    model = jmoe.load(DEFAULT, cache=cache, progress=False)
+def test_greedy_tokens_equal_generate_alone_and_with_neighbours_joining_and_leaving(cache, prompt_ids,
+                                                                                    default_two_layers):
+    model = jmoe.load(default_two_layers, cache=cache, progress=False)
     lengths = [12, 5, 9, 3, 12, 7]
     expected = model.generate(prompt_ids, max_new_tokens=12)  # one batch: rows stop at EOS or 12 tokens
     expected = [tokens[:n] for tokens, n in zip(expected, lengths)]
@@ -187,10 +188,10 @@ def test_other_families_serve_their_generate_tokens(family, hf_checkpoints):
     assert all(len(r.tokens) == n for r, n in zip(requests, (9, 4, 7)))
 
 
-def test_engine_serves_offload_options_exactly(prompt_ids):
+def test_engine_serves_offload_options_exactly(prompt_ids, default_two_layers):
     """Host miss mode with router prefetch and int8 experts: the batch's tokens equal generate's (here without prefix
     reuse: a prompt sent again is prefilled again)."""
-    model = jmoe.load(DEFAULT, cache=4, miss_mode="host", prefetch=2, expert_dtype="int8", progress=False)
+    model = jmoe.load(default_two_layers, cache=4, miss_mode="host", prefetch=2, expert_dtype="int8", progress=False)
     expected = [model.generate(ids, max_new_tokens=8)[0] for ids in prompt_ids[:3]]
     engine = ServingEngine(model, max_batch=4, context=64, prefix_reuse=False)
     requests = [engine.submit(ids, greedy(8)) for ids in prompt_ids[:3]]
@@ -534,11 +535,11 @@ def test_background_thread_serves_while_the_rest_compiles_behind_and_drains_on_s
         engine.submit(prompt_ids[0], greedy(2))
 
 
-def test_warm_up_runs_every_program_but_leaves_the_expert_cache_as_it_was(prompt_ids):
+def test_warm_up_runs_every_program_but_leaves_the_expert_cache_as_it_was(prompt_ids, default_two_layers):
     """warm_up runs each program once on padding entries (router prefetch copies into slots even then);
     the slots, tables and counts the manager knows come back exactly, its statistics see no warm-up step, and
     the first request's tokens are generate's."""
-    model = jmoe.load(DEFAULT, cache=4, prefetch=1, progress=False)
+    model = jmoe.load(default_two_layers, cache=4, prefetch=1, progress=False)
     expected = model.generate(prompt_ids[0], max_new_tokens=6)[0]  # fills the cache
     before, stats = jax.device_get(model.engine.state), model.stats()
     engine = ServingEngine(model, max_batch=1, context=64)  # the fewest programs: the restore is the same
