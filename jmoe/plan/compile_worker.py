@@ -122,7 +122,8 @@ def main(argv: list[str]) -> int:
     from jmoe.plan.targets import compute_capability
 
     (capability,) = {compute_capability(job.target_config) for job, _ in jobs}
-    with ThreadPoolExecutor(max_workers=len(jobs)) as compiles, compiling_for_gpu(capability):
+    # The pool inside: its compiles end before compiling_for_gpu clears JAX's caches on the way out.
+    with compiling_for_gpu(capability), ThreadPoolExecutor(max_workers=len(jobs)) as compiles:
         running = []
         for job, out_dir in jobs:
             start = time.perf_counter()
