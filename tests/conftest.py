@@ -20,7 +20,6 @@ import pytest  # noqa: E402
 import shutil  # noqa: E402
 
 from hf_models import FAMILY_CASES, BuiltOnFirstUse, write_checkpoint  # noqa: E402
-from jmoe.cli.common import DEFAULT_MODEL_DIR  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +74,8 @@ def small_mixtral_copy(small_mixtral_dir, tmp_path):
 def default_two_layers(tmp_path_factory):
     """The shipped default model's first two decoder layers (its widths, routers, tokenizer and chat template): for
     tests whose check holds at any depth, at half the compile time of its four."""
-    from bench.helpers.common import write_first_layers
+    from bench.helpers.common import DEFAULT_MODEL, write_first_layers
 
     directory = tmp_path_factory.mktemp("default") / "two_layers"
-    write_first_layers(DEFAULT_MODEL_DIR, directory, 2)
+    write_first_layers(DEFAULT_MODEL, directory, 2)
     return directory
