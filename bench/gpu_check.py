@@ -28,10 +28,11 @@ It builds its own random-weight checkpoints under --workdir (bench.gpu.models) a
 packages: a missing one (jax-triton) is reported as a check not run. Exit status 0 when no check failed.
 --small (and --smoke) use one kernel shape, two of the families (bench.gpu.numerics.SMALL_FAMILIES), models of
 smoke size (bench.helpers.common.SMOKE_SIZES) and two caches per speed model, and run every kernel and family check
-whatever the budget. A smoke run also leaves out, as --exclude does, the items SMOKE_EXCLUDED names (recorded as not
-run): it keeps two offload settings (one with the disk tier) and the second speed model resident only, the items left
-out sharing their code paths; its 90 s budget is a bound a quiet machine does not reach. tests/test_gpu_check.py
-runs the smoke run and reads its report.
+whatever the budget; they compile one program per expert format for all its kernel backends, and write their models'
+configs without transformers (bench.gpu.models.model_config). A smoke run also leaves out, as --exclude does, the
+items SMOKE_EXCLUDED names (recorded as not run): it keeps two offload settings (one with the disk tier) and the second
+speed model resident only, the items left out sharing their code paths; its 90 s budget is a bound a quiet machine
+does not reach. tests/test_gpu_check.py runs the smoke run and reads its report.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def section_functions(args) -> dict:
     return {"environment": environment,
             "kernels": lambda args, budget, log: numerics.kernels(args.small, budget, log),
             "families": lambda args, budget, log: numerics.families(args.workdir, args.small, budget, log),
-            "offload": lambda args, budget, log: numerics.offload(args.workdir, budget, log),
+            "offload": lambda args, budget, log: numerics.offload(args.workdir, args.small, budget, log),
             "bandwidth": bandwidth, "decode": decode}
 
 

@@ -46,6 +46,21 @@ def test_small_families_match_the_cpu_reference(smoke_report):
     assert [c["name"] for c in checks] == list(SMALL_FAMILIES) and all(c["passed"] for c in checks), checks
 
 
+def test_small_configs_parse_as_transformers_complete_ones():
+    """A small run writes its models' configs without transformers (bench.gpu.models.model_config): jmoe must read them
+    as it reads the complete configs a full run writes."""
+    from bench.gpu.models import FAMILY_CASES, hf_config, model_config, speed_models
+    from bench.gpu.numerics import SMALL_FAMILIES
+    from jmoe.config import parse_config
+
+    cases = [(family, FAMILY_CASES[family]) for family in SMALL_FAMILIES]
+    cases += [(spec["model_type"], {k: v for k, v in spec.items() if k != "model_type"})
+              for spec in speed_models(small=True).values()]
+    for model_type, overrides in cases:
+        complete = parse_config(hf_config(model_type, **overrides))
+        assert parse_config(model_config(model_type, True, **overrides)) == complete, model_type
+
+
 def test_sections_past_the_budget_are_recorded_as_not_run(capsys):
     from bench.gpu_check import main
 

@@ -1,7 +1,7 @@
 """The models bench.gpu_check builds for itself: random weights from jmoe.random_model, written as Hugging Face
 safetensors checkpoints through jmoe's own name table, so they load with `jmoe.load` (and its offload engine)
 on a machine with no PyTorch and no network: a lent GPU's image has transformers (for complete configs) and
-safetensors, nothing more is needed."""
+safetensors, nothing more is needed. A small run writes configs without transformers (model_config)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from bench.helpers.common import smoke_spec
 # experts, dense layers, MLA, grouped routers, sinks and biases).
 FAMILY_CASES = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=64),
+                    intermediate_size=64, rope_theta=1e6),
     "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2),
@@ -28,7 +28,8 @@ FAMILY_CASES = {
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=32,
                         n_shared_experts=1, intermediate_size=64, first_k_dense_replace=1, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
-                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5),
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+                        num_nextn_predict_layers=1),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
                      intermediate_size=64, first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, use_qk_norm=True, attention_bias=True),
@@ -42,13 +43,13 @@ BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, max_position_em
 SPEED_MODELS = {
     "mixtral": dict(model_type="mixtral", hidden_size=2048, intermediate_size=7168, num_hidden_layers=4,
                     num_attention_heads=16, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-                    vocab_size=32000, max_position_embeddings=4096),
+                    vocab_size=32000, max_position_embeddings=4096, rope_theta=1e6),
     "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=10944,
                         moe_intermediate_size=1408, num_hidden_layers=3, first_k_dense_replace=0,
                         n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1, n_shared_experts=2,
                         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=32000,
-                        max_position_embeddings=4096),
+                        max_position_embeddings=4096, num_nextn_predict_layers=1),
 }
 STORAGE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -58,6 +59,14 @@ def hf_config(model_type: str, **overrides) -> dict:
     from transformers import AutoConfig
 
     return AutoConfig.for_model(model_type, **{**BASE, **overrides}).to_dict()
+
+
+def model_config(model_type: str, small: bool, **overrides) -> dict:
+    """hf_config's config.json, or when `small` only the keys given: jmoe reads the keys it leaves out as
+    transformers fills them for the small runs' models (the cases name the keys where the defaults differ: rope_theta,
+    num_nextn_predict_layers; tests/test_gpu_check.py compares the parsed configs), and a smoke run does not import
+    transformers, with PyTorch 5 s of its CPU time."""
+    return {**BASE, **overrides, "model_type": model_type} if small else hf_config(model_type, **overrides)
 
 
 def speed_models(small: bool) -> dict[str, dict]:

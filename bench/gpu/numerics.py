@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu.models import FAMILY_CASES, hf_config, write_checkpoint
+from bench.gpu.models import FAMILY_CASES, model_config, write_checkpoint
 from bench.gpu.results import OUT_OF_TIME, Budget, SectionResult
 
 # Kernel shapes: (tokens, top-k, experts, d, f): one decode token and a prefill chunk. d and f are multiples of
@@ -79,26 +79,37 @@ def kernels(small: bool, budget: Budget, log) -> SectionResult:
     for fmt in (None, *FORMATS):
         for shape_name, shape in _shapes(small).items():
             inputs = kernel_inputs(shape, fmt)
-            expected = None
-            for backend in BACKENDS:
-                if backend == "reference":
-                    continue
-                name = f"{backend} / {fmt or 'bf16'} / {shape_name}"
-
-                def run(backend=backend, inputs=inputs):
-                    nonlocal expected
-                    if expected is None:
-                        expected = jitted["reference"](*inputs)
-                    error = relative_error(jitted[backend](*inputs), expected)
+            names = {b: f"{b} / {fmt or 'bf16'} / {shape_name}" for b in BACKENDS if b != "reference"}
+            skipped = {b: reason for b in names if (reason := _not_applicable(b, fmt))}
+            together = ["reference", *(b for b in names if b not in skipped and budget.not_running(names[b]) is None)]
+            outputs = _outputs_together(jitted, together, inputs, log) if small else {}  # backend -> its output
+            for backend, name in names.items():
+                def run(backend=backend, inputs=inputs, outputs=outputs):
+                    for b in ("reference", backend):
+                        if b not in outputs:
+                            outputs[b] = jitted[b](*inputs)
+                    error = relative_error(outputs[backend], outputs["reference"])
                     return error <= KERNEL_TOLERANCE, f"relative error {error:.2e}"
 
-                not_applicable = _not_applicable(backend, fmt)
-                if not_applicable:
-                    result.check(name, None, not_applicable)
+                if backend in skipped:
+                    result.check(name, None, skipped[backend])
                 else:
                     result.attempt(name, budget, run)
         log(f"kernels: {fmt or 'bf16'} done")
     return result
+
+
+def _outputs_together(jitted: dict, backends: list[str], inputs, log) -> dict:
+    """{backend: output} of `backends` computed by one program (a small run's: one compile a format, not one a
+    backend, on 2 CPU cores about 11 -> 9 s); {} if it fails, so that each backend then runs alone and a
+    failure is recorded as its own."""
+    import jax
+
+    try:
+        return jax.jit(lambda *args: {b: jitted[b](*args) for b in backends})(*inputs)
+    except Exception as error:  # each check below runs its backend alone and records what fails
+        log(f"kernels: one program of every backend failed ({type(error).__name__}); each runs alone")
+        return {}
 
 
 def _shapes(small: bool) -> dict:
@@ -128,14 +139,26 @@ SMALL_FAMILIES = ("mixtral", "deepseek_v3")
 
 
 def family_directories(workdir: Path, small: bool) -> dict[str, Path]:
-    return {family: workdir / "families" / family for family in FAMILY_CASES if not small or family in SMALL_FAMILIES}
+    # A small run's configs are written without transformers (model_config): kept apart in a reused workdir.
+    families = workdir / ("families_small" if small else "families")
+    return {family: families / family for family in FAMILY_CASES if not small or family in SMALL_FAMILIES}
 
 
-def family_checkpoint(directory: Path) -> Path:
-    """The checkpoint of FAMILY_CASES[directory.name] in `directory`, written once (its config asks transformers)."""
+def family_checkpoint(directory: Path, small: bool) -> Path:
+    """The checkpoint of FAMILY_CASES[directory.name] in `directory`, written once."""
     if (directory / "config.json").is_file():
         return directory
-    return write_checkpoint(directory, hf_config(directory.name, **FAMILY_CASES[directory.name]), "float32", seed=1)
+    config = model_config(directory.name, small, **FAMILY_CASES[directory.name])
+    return write_checkpoint(directory, config, "float32", seed=1)
+
+
+@functools.cache
+def resident_model(directory: Path):
+    """jmoe.load(directory) with every expert resident, loaded once: the families section's device model of a family
+    is the offload section's reference (its programs compiled once; the family models are a few MB)."""
+    import jmoe
+
+    return jmoe.load(directory, progress=False)
 
 
 def cpu_logits(directories: dict[str, Path], out: Path) -> None:
@@ -147,14 +170,12 @@ def cpu_logits(directories: dict[str, Path], out: Path) -> None:
 
 
 def families(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
-    import jmoe
-
     result = SectionResult()
     result.notes.append(f"float32 random checkpoints, one per family; {len(PROMPT)}-token prompt; pass = max "
                         f"|device - CPU| <= {FAMILY_TOLERANCE} x max(1, max |CPU logit|) (TF32 dots on a GPU) "
                         f"and the same argmax at every position but near ties (the CPU's top two logits within "
                         f"{ARGMAX_TIE} x max(1, max |CPU logit|): either is right)")
-    directories = {family: family_checkpoint(d) for family, d in family_directories(workdir, small).items()}
+    directories = {family: family_checkpoint(d, small) for family, d in family_directories(workdir, small).items()}
     if small:  # two tiny models, and the CPU reference computes them whatever the time: compare them too
         budget = budget.unbounded()
     out = workdir / "cpu_logits.npz"
@@ -166,7 +187,7 @@ def families(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     for family, directory in directories.items():
         if budget.out_of_time():
             break
-        device[family] = np.asarray(jmoe.load(directory, progress=False).logits([PROMPT]))
+        device[family] = np.asarray(resident_model(directory).logits([PROMPT]))
     returncode = child.wait()
     if returncode != 0:
         result.check("CPU reference", False, f"the CPU reference process exited with status {returncode}")
@@ -200,12 +221,12 @@ def offload_settings(num_experts: int, layer_expert_bytes: int) -> list[tuple[st
                                                                     offload_num_in_group=1))]
 
 
-def offload(workdir: Path, budget: Budget, log) -> SectionResult:
+def offload(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     import jmoe
 
     family = "mixtral"
-    directory = family_checkpoint(workdir / "families" / family)
-    resident = jmoe.load(directory, progress=False)
+    directory = family_checkpoint(family_directories(workdir, small)[family], small)
+    resident = resident_model(directory)
     num_experts = resident.config.num_experts
     tokens = resident.generate(PROMPT, NEW_TOKENS)
     logits = np.asarray(resident.logits([PROMPT]))
