@@ -51,6 +51,9 @@ def smoke_run(args: argparse.Namespace):
     # In the environment, so that child processes (bench/compare_cpu.py's workers, servers) run the same way.
     saved = {key: os.environ.get(key) for key in ("XLA_FLAGS", "OMP_NUM_THREADS")}
     os.environ.update(smoke_environment(saved["XLA_FLAGS"]))
+    from jmoe.collector import freeze_loaded
+
+    freeze_loaded()  # what the benchmark imported, out of the garbage collector's walks (jmoe.collector)
     with tempfile.TemporaryDirectory(prefix="jmoe_smoke_") as directory:
         args.workdir = Path(directory)
         _results_dir = args.workdir / "results"

@@ -137,15 +137,19 @@ def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: Distribu
                  **load_kwargs):
     """jmoe.load_with_options for a command line: first, before JAX's GPU backend starts, the pinned-host pool
     limit is raised to what the placement needs (XLA reads it once, at start) and the process joins its
-    distributed run, if any; then the model is loaded."""
+    distributed run, if any; then the model is loaded, and what is loaded frozen out of the garbage collector's walks
+    (jmoe.collector)."""
     from jmoe.api import load_with_options
+    from jmoe.collector import freeze_loaded
     from jmoe.plan.planner import raise_pinned_pool_for
 
     setting = raise_pinned_pool_for(model_dir, options)
     if setting and load_kwargs.get("progress", True):
         print(f"set {setting} for the pinned experts", file=sys.stderr)
     initialize(distributed or DistributedOptions())
-    return load_with_options(model_dir, options, **load_kwargs)
+    model = load_with_options(model_dir, options, **load_kwargs)
+    freeze_loaded()  # the command compiles and runs next: jmoe.collector says why
+    return model
 
 
 def run_cli(main: Callable[[], int]) -> int:

@@ -27,6 +27,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jmoe.collector import freeze_loaded
+from jmoe.decode.steps import abstract_step_inputs, make_step_fn
+from jmoe.kernels.target import compiling_for_gpu
+from jmoe.memory import PINNED_HOST
+from jmoe.model.params import abstract_model, flat_params, nest_params
+from jmoe.offload.engine import make_engine
+from jmoe.offload.expert_parallel import EXPERT_AXIS, ExpertParallelEngine, device_placement, param_spec
+from jmoe.plan.targets import compute_capability
+
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
                  "generated_code_size_in_bytes", "peak_memory_in_bytes", "host_argument_size_in_bytes",
                  "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes")
@@ -34,17 +48,6 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_i
 
 def lowered_step(job):
     """The job's step traced and lowered for its compile-only topology (within compiling_for_gpu)."""
-    import jax
-    from flax import nnx
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jmoe.decode.steps import abstract_step_inputs, make_step_fn
-    from jmoe.memory import PINNED_HOST
-    from jmoe.model.params import abstract_model, flat_params, nest_params
-    from jmoe.offload.engine import make_engine
-    from jmoe.offload.expert_parallel import EXPERT_AXIS, ExpertParallelEngine, device_placement, param_spec
-
     # One host's N GPUs (slices x hosts x devices), on the expert axis the expert-parallel engine splits over.
     topology = topologies.get_topology_desc(platform="cuda", target_config=job.target_config,
                                             topology=f"1x1x{job.devices}")
@@ -98,7 +101,6 @@ def cost_analysis(compiled) -> dict | None:
     A compile-only executable answers `compiled.cost_analysis()` with None (jax 0.10), so the optimized HLO
     module is handed to XLA's own HloCostAnalysis through the CPU client, which needs no GPU; it counts what
     the module's instructions read and write, a while loop's body once."""
-    import jax
     from jax._src.lib import xla_client
 
     found = compiled.cost_analysis()
@@ -115,12 +117,8 @@ def cost_analysis(compiled) -> dict | None:
 def main(argv: list[str]) -> int:
     with open(argv[0], "rb") as f:
         jobs = pickle.load(f)
-    import jax
-
     jax.config.update("jax_platforms", "cpu")  # before any backend starts: see the module docstring
-    from jmoe.kernels.target import compiling_for_gpu
-    from jmoe.plan.targets import compute_capability
-
+    freeze_loaded()  # tracing and lowering next: jmoe.collector says why
     (capability,) = {compute_capability(job.target_config) for job, _ in jobs}
     # The pool inside: its compiles end before compiling_for_gpu clears JAX's caches on the way out.
     with compiling_for_gpu(capability), ThreadPoolExecutor(max_workers=len(jobs)) as compiles:
