@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 import jmoe
+from jmoe.collector import freeze_loaded
 
 PROMPTS = [[3, 5, 7, 9, 11, 2], [4, 1, 8]]  # two rows of different lengths: a padded prompt, then decode
 LOGIT_TOKENS = [[3, 5, 7, 9, 11, 2, 6], [1, 1, 4, 9, 2, 3, 8]]
@@ -59,6 +60,7 @@ def collectives(model) -> list[dict]:
 
 
 def main(cases: list[dict]) -> None:
+    freeze_loaded()  # JAX and jmoe, out of the garbage collector's walks while the cases compile
     runs = []
     for case in cases:
         references = {}  # expert storage -> the one-device model's (every expert resident) tokens and logits
