@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers from the bottom up: a module may import its own layer or lower ones, never higher ones.
 LAYERS = {
     "jmoe.errors": 0, "jmoe.memory": 0, "jmoe.jsonfile": 0, "jmoe.arguments": 0, "jmoe.compile_cache": 0,
-    "jmoe.kernels": 0, "jmoe.distributed": 0,
+    "jmoe.collector": 0, "jmoe.kernels": 0, "jmoe.distributed": 0,
     "jmoe.config": 1, "jmoe.config_values": 1, "jmoe.config_rope": 1,
     "jmoe.model": 2,
     "jmoe.checkpoint": 3, "jmoe.offload": 3, "jmoe.decode": 3,
