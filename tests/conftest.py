@@ -24,7 +24,7 @@ from hf_models import FAMILY_CASES, BuiltOnFirstUse, write_checkpoint  # noqa: E
 
 def pytest_collection_finish(session):
     """Every test module imported (JAX, jmoe, PyTorch, transformers): frozen out of the garbage collector's walks
-    (jmoe.collector); test_offload.py took 5% less CPU time."""
+    (jmoe.collector); in test_offload.py the collector's time went from 8.7 to 3.7 s of 161 s."""
     from jmoe.collector import freeze_loaded
 
     freeze_loaded()
