@@ -12,8 +12,8 @@ import pytest
 import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.offload.slots import (LayerSlots, Scratch, empty_slots, fetch_and_compute, rows_as_slots,
-                               slot_ids_of, stream_and_compute)
+from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slots, fetch_and_compute, needed_experts,
+                               rows_as_slots, slot_ids_of, stream_and_compute)
 from jmoe.plan.hlo import control_flow, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
@@ -223,3 +223,39 @@ def test_set_policy_releases_the_old_slot_buffers_before_allocating(hf_checkpoin
     assert live_at_allocation and live_at_allocation[0] == 0
     assert model.generate([[1, 2, 3]], max_new_tokens=2) == jmoe.load(
         hf_checkpoints["olmoe_e8k4_clip"][0], progress=False).generate([[1, 2, 3]], max_new_tokens=2)
+
+
+@pytest.mark.quick
+def test_table_updates_match_a_reference_without_scatters():
+    """Admitting experts into cache slots and marking the needed experts are comparisons and selects (on a GPU a
+    scatter is a kernel of its own; these fuse): the tables come out as a plain NumPy update of them says, for
+    random caches with empty slots, evictions and writes that are dropped (-1)."""
+    rng = np.random.default_rng(0)
+    num_experts, num_cache, admitted = 16, 6, 4
+    jitted = jax.jit(admitted_tables)
+    for _ in range(20):
+        expert_in_slot = np.full(num_cache, -1, np.int32)
+        filled = rng.choice(num_cache, rng.integers(0, num_cache + 1), replace=False)
+        expert_in_slot[filled] = rng.choice(num_experts, len(filled), replace=False)
+        slot_of_expert = np.full(num_experts, -1, np.int32)
+        slot_of_expert[expert_in_slot[filled]] = filled
+        uncached = np.flatnonzero(slot_of_expert < 0)
+        experts = rng.choice(uncached, admitted, replace=False).astype(np.int32)
+        destinations = rng.choice(num_cache, admitted, replace=False).astype(np.int32)
+        destinations[rng.random(admitted) < 0.3] = -1
+        want_slot_of, want_in_slot = slot_of_expert.copy(), expert_in_slot.copy()
+        for expert, slot in zip(experts, destinations):
+            if slot >= 0:
+                if want_in_slot[slot] >= 0:
+                    want_slot_of[want_in_slot[slot]] = -1
+                want_slot_of[expert], want_in_slot[slot] = slot, expert
+        slots = LayerSlots(jnp.zeros((num_cache, 1)), jnp.asarray(slot_of_expert), jnp.asarray(expert_in_slot))
+        got, evicted = jitted(slots, jnp.asarray(experts), jnp.asarray(destinations))
+        np.testing.assert_array_equal(got.slot_of_expert, want_slot_of)
+        np.testing.assert_array_equal(got.expert_in_slot, want_in_slot)
+        assert evicted == sum(expert_in_slot[slot] >= 0 for slot in destinations if slot >= 0)
+    ids = jnp.asarray([[3, -1], [15, 3]], jnp.int32)
+    np.testing.assert_array_equal(needed_experts(ids, num_experts), np.isin(np.arange(num_experts), [3, 15]))
+    for lowered in (jitted.lower(slots, jnp.asarray(experts), jnp.asarray(destinations)),
+                    jax.jit(needed_experts, static_argnums=1).lower(ids, num_experts)):
+        assert "scatter" not in lowered.as_text()

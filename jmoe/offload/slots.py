@@ -79,8 +79,14 @@ def copy_loop(buffers: ExpertWeights, host: ExpertWeights, experts, count) -> Ex
 
 
 def needed_experts(ids: jax.Array, num_experts: int) -> jax.Array:
-    """bool [E]: experts some token routes to (ids -1 ignored)."""
-    return jnp.zeros((num_experts + 1,), bool).at[jnp.where(ids >= 0, ids, num_experts)].set(True)[:num_experts]
+    """bool [E]: experts some token routes to (ids -1 ignored). A comparison against every expert id and a
+    reduction, which XLA fuses with what reads the result: on a GPU one kernel fewer per layer than a scatter."""
+    return one_hot_any(ids.reshape(-1), num_experts)
+
+
+def one_hot_any(values, size: int, where=True) -> jax.Array:
+    """bool [size]: i is among `values` (at the entries where `where` holds; values outside [0, size) match none)."""
+    return jnp.any((values[:, None] == jnp.arange(size, dtype=values.dtype)) & jnp.asarray(where)[..., None], axis=0)
 
 
 def count_hits(slot_of_expert, ids) -> jax.Array:
@@ -120,10 +126,20 @@ def admitted_tables(slots: LayerSlots, experts, destinations) -> tuple[LayerSlot
     num_experts, num_cache = slots.slot_of_expert.shape[0], slots.expert_in_slot.shape[0]
     cached = destinations >= 0
     evicted = jnp.where(cached, slots.expert_in_slot[jnp.clip(destinations, 0, num_cache - 1)], -1)
-    slot_of_expert = slots.slot_of_expert.at[jnp.where(evicted >= 0, evicted, num_experts)].set(-1, mode="drop")
-    slot_of_expert = slot_of_expert.at[jnp.where(cached, experts, num_experts)].set(destinations, mode="drop")
-    expert_in_slot = slots.expert_in_slot.at[jnp.where(cached, destinations, num_cache)].set(experts, mode="drop")
+    # The tables' updates as comparisons against every id and selects (the experts and the destinations are
+    # distinct): elementwise work that XLA fuses, where scatters would be a kernel each on a GPU.
+    slot_of_expert = jnp.where(one_hot_any(evicted, num_experts), -1, slots.slot_of_expert)
+    admitted_to = index_of_match(experts, destinations, num_experts, cached)  # -1: not admitted
+    slot_of_expert = jnp.where(admitted_to >= 0, admitted_to, slot_of_expert)
+    admitted = index_of_match(destinations, experts, num_cache, cached)
+    expert_in_slot = jnp.where(admitted >= 0, admitted, slots.expert_in_slot)
     return LayerSlots(slots.buffers, slot_of_expert, expert_in_slot), jnp.sum(evicted >= 0, dtype=jnp.int32)
+
+
+def index_of_match(keys, values, size: int, where) -> jax.Array:
+    """int [size]: at i, values[j] for the one j (where `where` holds) with keys[j] == i; -1 where none does."""
+    match = (keys[:, None] == jnp.arange(size, dtype=keys.dtype)) & where[:, None]
+    return jnp.max(jnp.where(match, values[:, None], -1), axis=0)
 
 
 def ordered_after(indices, value):
