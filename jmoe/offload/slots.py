@@ -81,12 +81,13 @@ def copy_loop(buffers: ExpertWeights, host: ExpertWeights, experts, count) -> Ex
 def needed_experts(ids: jax.Array, num_experts: int) -> jax.Array:
     """bool [E]: experts some token routes to (ids -1 ignored). A comparison against every expert id and a
     reduction, which XLA fuses with what reads the result: on a GPU one kernel fewer per layer than a scatter."""
-    return one_hot_any(ids.reshape(-1), num_experts)
+    return jnp.any(id_matches(ids.reshape(-1), num_experts), axis=0)
 
 
-def one_hot_any(values, size: int, where=True) -> jax.Array:
-    """bool [size]: i is among `values` (at the entries where `where` holds; values outside [0, size) match none)."""
-    return jnp.any((values[:, None] == jnp.arange(size, dtype=values.dtype)) & jnp.asarray(where)[..., None], axis=0)
+def id_matches(ids, size: int, where=None) -> jax.Array:
+    """bool [n, size]: ids[j] == i (and where[j], when given); ids outside [0, size), such as -1, match none."""
+    matches = ids[:, None] == jnp.arange(size, dtype=ids.dtype)
+    return matches if where is None else matches & where[:, None]
 
 
 def count_hits(slot_of_expert, ids) -> jax.Array:
@@ -128,7 +129,7 @@ def admitted_tables(slots: LayerSlots, experts, destinations) -> tuple[LayerSlot
     evicted = jnp.where(cached, slots.expert_in_slot[jnp.clip(destinations, 0, num_cache - 1)], -1)
     # The tables' updates as comparisons against every id and selects (the experts and the destinations are
     # distinct): elementwise work that XLA fuses, where scatters would be a kernel each on a GPU.
-    slot_of_expert = jnp.where(one_hot_any(evicted, num_experts), -1, slots.slot_of_expert)
+    slot_of_expert = jnp.where(jnp.any(id_matches(evicted, num_experts), axis=0), -1, slots.slot_of_expert)
     admitted_to = index_of_match(experts, destinations, num_experts, cached)  # -1: not admitted
     slot_of_expert = jnp.where(admitted_to >= 0, admitted_to, slot_of_expert)
     admitted = index_of_match(destinations, experts, num_cache, cached)
@@ -138,8 +139,7 @@ def admitted_tables(slots: LayerSlots, experts, destinations) -> tuple[LayerSlot
 
 def index_of_match(keys, values, size: int, where) -> jax.Array:
     """int [size]: at i, values[j] for the one j (where `where` holds) with keys[j] == i; -1 where none does."""
-    match = (keys[:, None] == jnp.arange(size, dtype=keys.dtype)) & where[:, None]
-    return jnp.max(jnp.where(match, values[:, None], -1), axis=0)
+    return jnp.max(jnp.where(id_matches(keys, size, where), values[:, None], -1), axis=0)
 
 
 def ordered_after(indices, value):
