@@ -77,3 +77,20 @@ def test_a_reduction_is_used_only_when_the_shallow_placements_match():
     for options in (OffloadOptions(tuple([4] * 19 + [2])),  # a cache per layer, sized for 20 layers
                     OffloadOptions(device_budget_gb=0.12)):  # a budget spread over all layers' experts
         assert depth.plan_reduction(cfg, placement_of(options)) is None
+
+
+@pytest.mark.quick
+def test_the_abstract_model_has_the_initialised_models_parameters():
+    """abstract_params traces the initialisation with one key for every draw (jmoe.model.params._SameKey): the same
+    paths, shapes and dtypes as a model really initialised, with a dense first layer among MoE layers."""
+    from flax import nnx
+
+    from jmoe.model.params import flat_params
+    from jmoe.model.transformer import MoETransformer
+
+    cfg = parse_config({**DEFAULT, "num_hidden_layers": 3, "mlp_only_layers": [0]})
+    real = flat_params(nnx.to_pure_dict(nnx.state(MoETransformer(cfg, rngs=nnx.Rngs(0)))))
+    abstract = abstract_params(cfg, None)
+    assert {path: (leaf.shape, leaf.dtype) for path, leaf in abstract.items()} == {
+        path: (leaf.shape, leaf.dtype) for path, leaf in real.items()}
+    assert ("layers", 0, "mlp", "w_gate_up") in abstract and ("layers", 1, "mlp", "experts", "w_gate_up") in abstract

@@ -43,9 +43,22 @@ def _hashable(cfg: ModelConfig) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _traced_abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    # Tracing the initialisation (every random draw) costs 50-200 ms for a tiny model and grows with depth; one load
-    # asks for the abstract model four or five times (headers, placement, loading), a plan and a conversion again.
-    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    # Tracing the initialisation costs ~20 ms a layer; one load asks for the abstract model four or five times
+    # (headers, placement, loading), a plan and a conversion again.
+    key = jax.random.key(0)
+    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=_SameKey(key), dtype=dtype)))
+
+
+class _SameKey:
+    """Stands in for nnx.Rngs where only shapes matter: every draw gets one key made outside the trace. nnx.Rngs
+    counts its draws in a Variable, and every count set inside a trace asks the tracer for its sharding, whose error
+    message walks the whole trace so far: quadratic in depth, 2.1 s of a 32-layer model's 2.4 s."""
+
+    def __init__(self, key: jax.Array):
+        self._key = key
+
+    def params(self) -> jax.Array:
+        return self._key
 
 
 def flat_params(pure: dict, prefix: tuple = ()) -> dict[ParamPath, object]:
