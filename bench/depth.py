@@ -1,0 +1,153 @@
+"""What a model's depth costs at start-up, and what running its layers under `lax.scan` would change (issue #55).
+
+  python -m bench.depth [--rounds 2] [--parts generate,h100,scan]
+  python -m bench.depth --smoke   # every part at toy sizes and depths, no result file
+
+1. generate (CPU): `python -m jmoe.generate --max-new-tokens 1` from an empty compilation cache, wall seconds to its
+   first token and the compile seconds it reports; random checkpoints written by transformers: the shipped
+   model's width at 4 and 32 layers, and a DeepSeek-V3-shaped model of small width (MLA, grouped router, three
+   dense layers first) at 8 and 61 layers. Each start is its own process, the depths alternate, medians of --rounds.
+2. h100: jmoe.plan for an H100 with every layer compiled (no extrapolation) of header-only DeepSeek-V3 checkpoints
+   at 8 / 32 / 61 layers (cache 16, context 1024): each program's compile seconds, as the plan measures them (decode
+   and prefill compile side by side on their own threads).
+3. scan: a stand-in layer (a dense product, a router, jmoe.kernels.moe_ffn on its experts) repeated L times, the
+   loop unrolled over per-layer arrays against `lax.scan` over stacked ones: the CPU step time (a dense-only
+   layer, the product XLA:CPU runs from a slice of a stacked weight), and for an H100 (compile-only) the compile
+   seconds and temporaries of three forms: unrolled, scanned over slices of the stacked experts, and scanned with
+   the expert ids offset into every layer's stack (`ids + l * E` over [L * E, ...]), which slices nothing.
+
+Writes bench/results/depth.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.compare_cpu import load_average, load_warning, quiet_start_load
+from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint,
+                                  write_result)
+
+PARTS = ("generate", "h100", "scan")
+# A DeepSeek-V3-shaped model at the shipped model's width, with its vocabulary so that its tokenizer applies.
+DEEPSEEK_SMALL = dict(
+    model_type="deepseek_v3", vocab_size=4096, hidden_size=192, intermediate_size=384, moe_intermediate_size=192,
+    first_k_dense_replace=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=96,
+    kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=1024,
+    rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def default_width(smoke: bool) -> dict:
+    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    config = {key: value for key, value in config.items() if key not in ("architectures", "dtype")}
+    return smoke_spec(config) if smoke else config
+
+
+def tokenized_checkpoint(directory: Path, spec: dict, layers: int) -> Path:
+    """A random checkpoint of `spec` at `layers` decoder layers, with the shipped model's tokenizer."""
+    spec = {**spec, "num_hidden_layers": layers}
+    directory = write_random_checkpoint(directory, spec.pop("model_type"), **spec)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (DEFAULT_MODEL / name).is_file():
+            shutil.copy(DEFAULT_MODEL / name, directory / name)
+    return directory
+
+
+def first_token(model: Path, workdir: Path) -> dict:
+    """One cold `python -m jmoe.generate` for one token: wall seconds and generate's own timing."""
+    cache = Path(tempfile.mkdtemp(prefix="cache_", dir=workdir))
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "jmoe.generate", "--model", str(model), "--max-new-tokens", "1",
+                           "--json", "--compile-cache", str(cache)], check=True, capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    wall = time.monotonic() - began
+    shutil.rmtree(cache)
+    return {"wall": wall, "compile": json.loads(done.stdout)["timing"]["compile_seconds"]}
+
+
+def generate_part(args) -> list[str]:
+    models = [("default width", default_width(args.smoke), (1, 2) if args.smoke else (4, 32))]
+    if not args.smoke:  # the same code path with another family: left out of the smoke run
+        models.append(("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, (8, 61)))
+    rows = ["| model | layers | first token, cold (s) | of which generate's compile (s) | against the shallowest |",
+            "|---|---|---|---|---|"]
+    for name, spec, depths in models:
+        paths = {n: tokenized_checkpoint(args.workdir / f"{spec['model_type']}_{n}", spec, n) for n in depths}
+        runs = {n: [] for n in depths}
+        for round_index in range(args.rounds):
+            for n in (depths if round_index % 2 == 0 else depths[::-1]):
+                print(f"generate: {name}, {n} layers, round {round_index + 1}", file=sys.stderr, flush=True)
+                runs[n].append(first_token(paths[n], args.workdir))
+        wall = {n: statistics.median(r["wall"] for r in runs[n]) for n in depths}
+        for n in depths:
+            compile_s = statistics.median(r["compile"] for r in runs[n])
+            rows.append(f"| {name} | {n} | {wall[n]:.1f} | {compile_s:.1f} | {wall[n] / wall[depths[0]]:.2f}x |")
+    return rows
+
+
+def h100_part(args) -> list[str]:
+    import jmoe
+    from bench.plan import MODELS, write_header_only_checkpoint
+
+    # A smoke run plans the smallest model there is (the shipped model's layer at smoke width): the plan's code path.
+    name, spec = ("default width", default_width(True)) if args.smoke else ("DeepSeek-V3", MODELS["deepseek-v3"])
+    rows = ["| model | layers | decode compile (s) | prefill compile (s) | plan (s) |", "|---|---|---|---|---|"]
+    for n in (1,) if args.smoke else (8, 32, 61):
+        directory = write_header_only_checkpoint(args.workdir / f"header_only_{n}", {**spec, "num_hidden_layers": n})
+        began = time.monotonic()
+        plan = jmoe.plan(directory, 16, target="h100", context=64 if args.smoke else 1024, host_gb=1024,
+                         extrapolate_layers=False)
+        seconds = {name: plan.programs[name].compile_seconds for name in ("decode", "prefill")}
+        rows.append(f"| {name} | {n} | {seconds['decode']:.1f} | {seconds['prefill']:.1f} | "
+                    f"{time.monotonic() - began:.0f} |")
+    return rows
+
+
+def scan_part(args) -> list[str]:
+    """In a child process: it must choose JAX's platform before any backend starts (bench/helpers/layer_scan.py)."""
+    command = [sys.executable, "-c", "import sys; from bench.helpers.layer_scan import main; main(sys.argv[1:])",
+               *(["--smoke"] if args.smoke else [])]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.depth", description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", type=lambda s: s.split(","), default=list(PARTS), help=", ".join(PARTS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench_depth"))
+    parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    if set(args.parts) - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(set(args.parts) - set(PARTS))}; choose from {', '.join(PARTS)}")
+    with smoke_run(args):
+        if args.smoke:
+            args.rounds = 1
+        start_load = quiet_start_load("bench.depth", args.allow_load or args.smoke)
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()
+        titles = {"generate": "First token against depth (CPU)",
+                  "h100": "Compile seconds against depth, H100 compile-only, every layer compiled",
+                  "scan": "The layer loop unrolled or under lax.scan (stand-in layer)"}
+        sections = []
+        for part in args.parts:
+            rows = {"generate": generate_part, "h100": h100_part, "scan": scan_part}[part](args)
+            sections += [f"## {titles[part]}", "", *rows, ""]
+        text = "\n".join([load_warning(start_load) + f"Load average {start_load:.2f} at the start, "
+                          f"{load_average():.2f} at the end; whole run {time.monotonic() - began:.0f} s.", "",
+                          *sections])
+        path = write_result("depth.md", "What depth costs at start-up, and layers under scan", text)
+        print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
