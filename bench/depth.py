@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
-from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint,
-                                  write_result)
+from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, smoke_run, smoke_spec, write_first_layers,
+                                  write_random_checkpoint, write_result)
 
 PARTS = ("generate", "h100", "scan")
 # A DeepSeek-V3-shaped model at the shipped model's width, with its vocabulary so that its tokenizer applies.
@@ -46,19 +46,24 @@ DEEPSEEK_SMALL = dict(
     rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
-def default_width(smoke: bool) -> dict:
+def default_width() -> dict:
     config = json.loads((DEFAULT_MODEL / "config.json").read_text())
-    config = {key: value for key, value in config.items() if key not in ("architectures", "dtype")}
-    return smoke_spec(config) if smoke else config
+    return {key: value for key, value in config.items() if key not in ("architectures", "dtype")}
 
 
 def tokenized_checkpoint(directory: Path, spec: dict, layers: int) -> Path:
-    """A random checkpoint of `spec` at `layers` decoder layers, with the shipped model's tokenizer."""
+    """A random checkpoint of `spec` at `layers` decoder layers, written by transformers, with the shipped model's
+    tokenizer."""
     spec = {**spec, "num_hidden_layers": layers}
     directory = write_random_checkpoint(directory, spec.pop("model_type"), **spec)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (DEFAULT_MODEL / name).is_file():
             shutil.copy(DEFAULT_MODEL / name, directory / name)
+    return directory
+
+
+def first_layers(directory: Path, layers: int) -> Path:
+    write_first_layers(DEFAULT_MODEL, directory, layers)
     return directory
 
 
@@ -75,13 +80,17 @@ def first_token(model: Path, workdir: Path) -> dict:
 
 
 def generate_part(args) -> list[str]:
-    models = [("default width", default_width(args.smoke), (1, 2) if args.smoke else (4, 32))]
-    if not args.smoke:  # the same code path with another family: left out of the smoke run
-        models.append(("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, (8, 61)))
+    if args.smoke:  # the shipped model's first layers: no transformers to import, nothing random to write
+        models = [("default model's first layers", (1, 2), lambda n: first_layers(args.workdir / f"default_{n}", n))]
+    else:
+        models = [(name, depths, lambda n, spec=spec: tokenized_checkpoint(
+                   args.workdir / f"{spec['model_type']}_{n}", spec, n))
+                  for name, spec, depths in (("default width", default_width(), (4, 32)),
+                                             ("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, (8, 61)))]
     rows = ["| model | layers | first token, cold (s) | of which generate's compile (s) | against the shallowest |",
             "|---|---|---|---|---|"]
-    for name, spec, depths in models:
-        paths = {n: tokenized_checkpoint(args.workdir / f"{spec['model_type']}_{n}", spec, n) for n in depths}
+    for name, depths, write in models:
+        paths = {n: write(n) for n in depths}
         runs = {n: [] for n in depths}
         for round_index in range(args.rounds):
             for n in (depths if round_index % 2 == 0 else depths[::-1]):
@@ -99,7 +108,8 @@ def h100_part(args) -> list[str]:
     from bench.plan import MODELS, write_header_only_checkpoint
 
     # A smoke run plans the smallest model there is (the shipped model's layer at smoke width): the plan's code path.
-    name, spec = ("default width", default_width(True)) if args.smoke else ("DeepSeek-V3", MODELS["deepseek-v3"])
+    name, spec = (("default width", smoke_spec(default_width())) if args.smoke
+                  else ("DeepSeek-V3", MODELS["deepseek-v3"]))
     rows = ["| model | layers | decode compile (s) | prefill compile (s) | plan (s) |", "|---|---|---|---|---|"]
     for n in (1,) if args.smoke else (8, 32, 61):
         directory = write_header_only_checkpoint(args.workdir / f"header_only_{n}", {**spec, "num_hidden_layers": n})
