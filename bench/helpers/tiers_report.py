@@ -75,8 +75,8 @@ def tiers_report(results_dir: Path, traces: list[str], progress=print, data_dir:
                      f"all {per_token(x, 'disk_reads_total'):.2f}")
         reading.append(line + ".")
     lines = ["# Device, host RAM and disk: two-level expert caches replayed on real routing traces", "",
-             f"- command: `python -m bench.replay --tiers-report` (one run: `python -m bench.replay --trace gptoss "
-             f"--cache 8 --host-cache 16 --tier exclusive --read-ahead 1 --json`)",
+             "- command: `python -m bench.replay --tiers-report` (one run: `python -m bench.replay --trace gptoss "
+             "--cache 8 --host-cache 16 --tier exclusive --read-ahead 1 --json`)",
              f"- date: {datetime.date.today().isoformat()}; commit: {measured_commit()}",
              f"- machine: {cpu_model()}; load average {' '.join(load)} at the start; the whole run took "
              f"{time.perf_counter() - began:.0f} s (CPU only: NumPy bookkeeping)",

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 from jmoe.config import ModelConfig
 from jmoe.memory import DEVICE
 from jmoe.model import kv_bytes_per_token
