@@ -45,14 +45,14 @@ def _hashable(cfg: ModelConfig) -> bool:
 def _traced_abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     # Tracing the initialisation costs ~20 ms a layer; one load asks for the abstract model four or five times
     # (headers, placement, loading), a plan and a conversion again.
-    key = jax.random.key(0)
-    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=_SameKey(key), dtype=dtype)))
+    # The key is made inside the trace: a concrete one would start JAX's backend, before jax.distributed.initialize.
+    return nnx.split(nnx.eval_shape(lambda: MoETransformer(cfg, rngs=_SameKey(jax.random.key(0)), dtype=dtype)))
 
 
 class _SameKey:
-    """Stands in for nnx.Rngs where only shapes matter: every draw gets one key made outside the trace. nnx.Rngs
-    counts its draws in a Variable, and every count set inside a trace asks the tracer for its sharding, whose error
-    message walks the whole trace so far: quadratic in depth, 2.1 s of a 32-layer model's 2.4 s."""
+    """Stands in for nnx.Rngs where only shapes matter: every draw gets one key. nnx.Rngs counts its draws in a
+    Variable, and every count set inside a trace asks the tracer for its sharding, whose error message walks the
+    whole trace so far: quadratic in depth, 2.1 s of a 32-layer model's 2.4 s."""
 
     def __init__(self, key: jax.Array):
         self._key = key
