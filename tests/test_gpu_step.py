@@ -13,7 +13,7 @@ import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights
 from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slots, fetch_and_compute, needed_experts,
-                               rows_as_slots, slot_ids_of, stream_and_compute)
+                               rows_as_slots, rows_marked, slot_ids_of, stream_and_compute)
 from jmoe.plan.hlo import control_flow, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
@@ -256,6 +256,17 @@ def test_table_updates_match_a_reference_without_scatters():
         assert evicted == sum(expert_in_slot[slot] >= 0 for slot in destinations if slot >= 0)
     ids = jnp.asarray([[3, -1], [15, 3]], jnp.int32)
     np.testing.assert_array_equal(needed_experts(ids, num_experts), np.isin(np.arange(num_experts), [3, 15]))
+    # The disk tier's row space: rows 0..4 hold experts 7, 2, 9 (rows 1 and 4 empty); the rest are on disk only.
+    host_rows = np.full(num_experts, -1, np.int32)
+    host_rows[[7, 2, 9]] = [0, 2, 3]
+    marked = np.isin(np.arange(num_experts), [2, 9, 11])
+    np.testing.assert_array_equal(rows_marked(jnp.asarray(host_rows), jnp.asarray(marked), 5),
+                                  [False, False, True, True, False])
+    by_row = rows_as_slots(slots, jnp.asarray(host_rows), 5)
+    want_rows = np.where(np.arange(5)[:, None] == host_rows, np.arange(num_experts), -1).max(axis=1)  # expert per row
+    np.testing.assert_array_equal(by_row.slot_of_expert, np.where(want_rows >= 0, slot_of_expert[want_rows], -1))
     for lowered in (jitted.lower(slots, jnp.asarray(experts), jnp.asarray(destinations)),
-                    jax.jit(needed_experts, static_argnums=1).lower(ids, num_experts)):
+                    jax.jit(needed_experts, static_argnums=1).lower(ids, num_experts),
+                    jax.jit(rows_marked, static_argnums=2).lower(jnp.asarray(host_rows), jnp.asarray(marked), 5),
+                    jax.jit(rows_as_slots, static_argnums=2).lower(slots, jnp.asarray(host_rows), 5)):
         assert "scatter" not in lowered.as_text()

@@ -279,7 +279,7 @@ def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: 
     if not budget:
         return slots, jnp.int32(0), jnp.int32(0)
     # Rank by descending score, ties to the lower id (top_k and a stable sort both do that).
-    predicted = jnp.zeros((num_experts,), bool).at[jax.lax.top_k(scores, min(count, num_experts))[1]].set(True)
+    predicted = jnp.any(id_matches(jax.lax.top_k(scores, min(count, num_experts))[1], num_experts), axis=0)
     predicted &= scores >= min_score
     wanted = predicted & (slots.slot_of_expert < 0)
     wanted_scores, candidates = jax.lax.top_k(jnp.where(wanted, scores, -jnp.inf), budget)
@@ -305,8 +305,7 @@ def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: 
 
 def rows_marked(host_rows, marked, num_rows: int) -> jax.Array:
     """bool [E] over experts -> bool [H] over the rows holding them."""
-    return jnp.zeros((num_rows + 1,), bool).at[jnp.where(marked & (host_rows >= 0), host_rows, num_rows)].set(
-        True)[:num_rows]
+    return jnp.any(id_matches(host_rows, num_rows, marked), axis=0)
 
 
 def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
@@ -335,8 +334,7 @@ def prefill_experts(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, 
 def rows_as_slots(slots: LayerSlots, host_rows, rows: int) -> LayerSlots:
     """`slots` indexed by host row instead of expert (the disk tier: `host_rows` int32 [E] is each expert's row,
     -1 = on disk only; `rows` of them): which slot holds each row's expert, which row each slot's."""
-    expert_in_row = jnp.full((rows,), -1, jnp.int32).at[jnp.where(host_rows >= 0, host_rows, rows)].set(
-        jnp.arange(host_rows.shape[0], dtype=jnp.int32), mode="drop")
+    expert_in_row = index_of_match(host_rows, jnp.arange(host_rows.shape[0], dtype=jnp.int32), rows, host_rows >= 0)
     return LayerSlots(slots.buffers, slot_ids_of(slots.slot_of_expert, expert_in_row),
                       slot_ids_of(host_rows, slots.expert_in_slot))
 
