@@ -116,7 +116,7 @@ def h100_part(args) -> list[str]:
         began = time.monotonic()
         plan = jmoe.plan(directory, 16, target="h100", context=64 if args.smoke else 1024, host_gb=1024,
                          extrapolate_layers=False)
-        seconds = {name: plan.programs[name].compile_seconds for name in ("decode", "prefill")}
+        seconds = {program: plan.programs[program].compile_seconds for program in ("decode", "prefill")}
         rows.append(f"| {name} | {n} | {seconds['decode']:.1f} | {seconds['prefill']:.1f} | "
                     f"{time.monotonic() - began:.0f} |")
     return rows

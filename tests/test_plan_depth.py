@@ -7,9 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from jmoe.config import parse_config
-from jmoe.model.params import abstract_params
+from jmoe.model.params import abstract_params, flat_params
+from jmoe.model.transformer import MoETransformer
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.placement import plan_placement
 from jmoe.plan import depth
@@ -83,11 +85,6 @@ def test_a_reduction_is_used_only_when_the_shallow_placements_match():
 def test_the_abstract_model_has_the_initialised_models_parameters():
     """abstract_params traces the initialisation with one key for every draw (jmoe.model.params._SameKey): the same
     paths, shapes and dtypes as a model really initialised, with a dense first layer among MoE layers."""
-    from flax import nnx
-
-    from jmoe.model.params import flat_params
-    from jmoe.model.transformer import MoETransformer
-
     cfg = parse_config({**DEFAULT, "num_hidden_layers": 3, "mlp_only_layers": [0]})
     real = flat_params(nnx.to_pure_dict(nnx.state(MoETransformer(cfg, rngs=nnx.Rngs(0)))))
     abstract = abstract_params(cfg, None)
