@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,20 @@ from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
 from jmoe.plan.headers import read_headers
 from jmoe.plan.planner import refuse_if_unfit
+
+
+class DispatchedStep(NamedTuple):
+    """A generation step enqueued on the device (Model.dispatch_step), not yet read back."""
+
+    index: int  # the step's number: 0 is the prompt
+    outputs: tuple  # (next tokens int32 [B], bool [L] each decoder layer's output finite), on the device
+    routing: jax.Array
+    kv_cache: object
+    readback: tuple  # what the engine's manager reads of the state the step returned
+
+    @property
+    def next_tokens(self) -> jax.Array:
+        return self.outputs[0]
 
 
 def check_finite_layers(finite: np.ndarray, what: str) -> None:
@@ -108,11 +122,13 @@ class Model:
         """Per parameter: its memory kind and bytes."""
         return self.placement_plan.as_dict()
 
-    def finish_step(self, engine_state, routing, extra=()):
-        """The one device-to-host read of a step: engine tables, routing and whatever the caller needs (its
-        host copy is returned); the engine's manager then plans the next step (jmoe.serve's steps use it too)."""
-        tables, routing_host, extra_host = jax.device_get((self.engine.readback(engine_state), routing, extra))
-        self.engine.after_step(engine_state, tables, routing_host)
+    def finish_step(self, readback, routing, extra=()):
+        """The one device-to-host read of a step: the engine's readback the step returned, its routing and whatever
+        the caller needs (its host copy is returned); the engine's manager then plans the next step into the engine
+        state (jmoe.serve's steps use it too). Whoever ran the step has made the state it returned the engine's, so
+        the next step may be dispatched before this (the manager's tables are then a step old: still correct)."""
+        tables, routing_host, extra_host = jax.device_get((readback, routing, extra))
+        self.engine.after_step(tables, routing_host)
         return extra_host
 
     def logits(self, token_ids) -> jax.Array:
@@ -126,8 +142,9 @@ class Model:
         if len({len(r) for r in rows}) != 1:
             raise InputError(f"logits: all rows must have the same length, found lengths "
                              f"{sorted({len(r) for r in rows})}; pad them yourself or call once per row")
-        logits, routing, state = self._logits_fn(self.params, self.engine.state, jnp.asarray(rows, jnp.int32))
-        return logits, self.finish_step(state, routing, routing)
+        logits, routing, self.engine.state, readback = self._logits_fn(self.params, self.engine.state,
+                                                                       jnp.asarray(rows, jnp.int32))
+        return logits, self.finish_step(readback, routing, routing)
 
     def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int, sampling: SamplingParams,
                  forced_routing: np.ndarray | None = None):
@@ -136,6 +153,14 @@ class Model:
         forced_routing: None, or int [L_moe, B, T, k] expert ids replacing the routers' choice.
         A step of several tokens per row is a prompt: it is written from cache column 0.
         """
+        step = self.dispatch_step(tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing)
+        return self.finish_dispatched(step), step.kv_cache
+
+    def dispatch_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int, sampling: SamplingParams,
+                      forced_routing: np.ndarray | None = None) -> DispatchedStep:
+        """run_step's first half: the step enqueued on the device (JAX dispatches asynchronously), its outputs
+        still device arrays; the engine state it returns is already the engine's, so the next step can be
+        dispatched on it (`tokens` may be this one's `next_tokens[:, None]`) before `finish_dispatched(step)`."""
         if tokens.shape[1] > 1 and write_index != 0:
             raise InputError(f"run_step: a step of {tokens.shape[1]} tokens per row is a prompt and must start at "
                              f"cache column 0, got write_index={write_index}; feed later tokens one per step")
@@ -143,10 +168,15 @@ class Model:
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
         args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
                 jnp.int32(step), arrays, forced)
-        outputs, routing, kv_cache, state = self._program(sampling.greedy, args)(*args)
-        next_tokens, finite = self.finish_step(state, routing, outputs)
-        check_finite_layers(finite, f"generation step {step}")
-        return next_tokens, kv_cache
+        outputs, routing, kv_cache, self.engine.state, readback = self._program(sampling.greedy, args)(*args)
+        return DispatchedStep(step, outputs, routing, kv_cache, readback)
+
+    def finish_dispatched(self, step: DispatchedStep) -> np.ndarray:
+        """A dispatched step's next tokens as NumPy [B], after its one device-to-host read and the engine's
+        bookkeeping (finish_step); NonFiniteError if a layer's output was not finite."""
+        next_tokens, finite = self.finish_step(step.readback, step.routing, step.outputs)
+        check_finite_layers(finite, f"generation step {step.index}")
+        return next_tokens
 
     def _program(self, greedy: bool, args) -> jax.stages.Compiled:
         """The compiled step for these inputs' shapes, compiled (and timed) the first time they are seen."""
@@ -178,13 +208,16 @@ class Model:
                                       seed, on_tokens).tokens
 
     def generate_detailed(self, rows: list[list[int]], max_new_tokens: int, sampling: SamplingParams, seed: int = 0,
-                          on_tokens: TokenCallback | None = None, routing_override: RoutingOverride | None = None):
+                          on_tokens: TokenCallback | None = None, routing_override: RoutingOverride | None = None,
+                          run_ahead: bool = True):
         """Like generate, returning a GenerationResult with timings (used by the CLI and benchmarks).
 
         routing_override: (step, tokens shape) -> expert ids replacing the routers' choice (benchmarks
         that drive a random-weight model from a recorded trace, jmoe.traces.forced_routing).
+        run_ahead: dispatch each step before the host has read the last one back (the engine's manager then plans
+        from tables a step old; the tokens are the same); False waits for each step (benchmarks compare them).
         """
-        return generate_tokens(self, rows, max_new_tokens, sampling, seed, on_tokens, routing_override)
+        return generate_tokens(self, rows, max_new_tokens, sampling, seed, on_tokens, routing_override, run_ahead)
 
     def require_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:

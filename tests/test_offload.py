@@ -297,11 +297,12 @@ def test_host_miss_mode_admits_misses_into_the_cache_for_later_steps(olmoe_dir):
     forced = first_four_experts(model.config.num_moe_layers)
 
     prompt = PROMPTS[1]
-    out = model.generate_detailed([prompt], 6, SamplingParams(), routing_override=forced).tokens[0]
+    out = model.generate_detailed([prompt], 6, SamplingParams(), routing_override=forced, run_ahead=False).tokens[0]
     assert len(out) == 6  # the prompt step, then five decode steps
     for layer in model.stats():
         # The prompt streams; decode steps then hit 1, 2, 2, 2, 2 of the four experts: one admission (of a
-        # miss of the step before, the prompt included) as each step starts, until both slots are full.
+        # miss of the step before, the prompt included) as each step starts, until both slots are full. (Steps
+        # dispatched ahead: tests/test_run_ahead.py.)
         assert layer["hits"] == 1 + 2 + 2 + 2 + 2
         assert layer["misses"] == 4 * len(prompt) + 3 + 2 + 2 + 2 + 2
     reference = jmoe.load(olmoe_dir, progress=False)
@@ -318,7 +319,7 @@ def test_host_miss_mode_copies_only_planned_admissions(olmoe_dir):
     forced, expert_bytes = first_four_experts(model.config.num_moe_layers), model.placement_plan.expert_bytes
 
     prompt = PROMPTS[1]
-    out = model.generate_detailed([prompt], 9, SamplingParams(), routing_override=forced).tokens[0]
+    out = model.generate_detailed([prompt], 9, SamplingParams(), routing_override=forced, run_ahead=False).tokens[0]
     assert len(out) == 9  # the prompt step, then eight decode steps
     for layer in model.stats():
         # The prompt streams the four experts; the first four decode steps each admit one; the last four hit all.

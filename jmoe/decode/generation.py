@@ -2,7 +2,7 @@
 
 Between steps Python does one device-to-host read (the sampled tokens, the routing ids and the expert
 engine's small tables together), hands the routing to the expert engine, checks stop conditions and
-streams tokens to the caller.
+streams tokens to the caller, while the device already runs the next step (dispatched on the tokens it sampled).
 """
 
 from __future__ import annotations
@@ -98,9 +98,10 @@ class GenerationResult:
 
 
 def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling: SamplingParams, seed: int,
-                    on_tokens: TokenCallback | None = None,
-                    routing_override: RoutingOverride | None = None) -> GenerationResult:
-    """Run prefill + decode for `model` (a jmoe.Model); see Model.generate for the arguments."""
+                    on_tokens: TokenCallback | None = None, routing_override: RoutingOverride | None = None,
+                    run_ahead: bool = True) -> GenerationResult:
+    """Run prefill + decode for `model` (a jmoe.Model); see Model.generate for the arguments. run_ahead=False reads
+    every step back before dispatching the next (the same tokens; benchmarks compare the two)."""
     cfg: ModelConfig = model.config
     check_token_ids(cfg, rows, "generate")
     max_new_tokens, seed = checked_length_and_seed(max_new_tokens, seed)
@@ -124,18 +125,29 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
     out: list[list[int]] = [[] for _ in rows]
     done = np.zeros(batch, bool)
 
-    def step(tokens, kv_cache, write_index: int, index: int):
+    def dispatch(tokens, kv_cache, write_index: int, index: int):
         forced = None if routing_override is None else routing_override(index, tokens.shape)
-        return model.run_step(jnp.asarray(tokens), kv_cache, write_index, pad_len_dev, key, index, sampling, forced)
+        return model.dispatch_step(jnp.asarray(tokens), kv_cache, write_index, pad_len_dev, key, index, sampling,
+                                   forced)
 
+    # Step n + 1 is dispatched on step n's tokens, still on the device, before step n is read back: the host's work
+    # between steps (the read, the manager, stop checks, the callback) overlaps the device's next step. When every
+    # row stops early, that step was for nothing: its bookkeeping is done, its tokens dropped.
+    ahead = run_ahead and model.engine.runs_ahead
     compiled_before = model.compile_seconds
     start = time.perf_counter()
-    next_tokens, kv_cache = step(tokens, kv_cache, 0, 0)
-    prefill_compile = model.compile_seconds - compiled_before
-    prefill_seconds = time.perf_counter() - start - prefill_compile
+    step = dispatch(tokens, kv_cache, 0, 0)
     steps = 0
-    decode_start = time.perf_counter()
     for n in range(max_new_tokens):
+        last = n == max_new_tokens - 1
+        following = None
+        if ahead and not last:
+            following = dispatch(step.next_tokens[:, None], step.kv_cache, prompt_len + n, n + 1)
+        next_tokens = model.finish_dispatched(step)
+        if n == 0:
+            prefill_compile = model.compile_seconds - compiled_before
+            prefill_seconds = time.perf_counter() - start - prefill_compile
+            decode_start = time.perf_counter()
         for b in range(batch):
             if not done[b]:
                 token = int(next_tokens[b])
@@ -143,9 +155,12 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
                 done[b] = token in stop_ids
         if on_tokens is not None:
             on_tokens(out)
-        if done.all() or n == max_new_tokens - 1:
+        if done.all() or last:
+            if following is not None:
+                model.finish_dispatched(following)
             break
-        next_tokens, kv_cache = step(next_tokens[:, None], kv_cache, prompt_len + n, n + 1)
+        step = following if following is not None else dispatch(next_tokens[:, None], step.kv_cache, prompt_len + n,
+                                                                 n + 1)
         steps += 1
     compile_seconds = model.compile_seconds - compiled_before
     decode_seconds = time.perf_counter() - decode_start - (compile_seconds - prefill_compile)

@@ -3,8 +3,10 @@
 Each program merges the NNX model from (graphdef, params) inside jit, hands the expert engine the MoE
 layers' weights and routers and gets back the function that computes experts (resident weights, or
 device slots fed from pinned host memory), and returns the engine's updated state next to the model's
-outputs. Caches and engine state are donated. `abstract_step_inputs` gives the shapes of a step's other
-inputs, so that jmoe.plan can compile the very same step for a GPU it does not have.
+outputs, with a copy of what the manager reads of it (`engine.readback`): caches and engine state are donated,
+and a step may be dispatched on that state before the host has read the last step's tables.
+`abstract_step_inputs` gives the shapes of a step's other inputs, so that jmoe.plan can compile the very same step
+for a GPU it does not have.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from jmoe.model import empty_kv_cache
 def forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
             forced_routing=None, visible_len=None, valid_len=None):
     """The model's forward inside a jitted program, its experts computed by `engine` (MoETransformer.__call__
-    says what each argument means); returns (ForwardOut, the engine's updated state). The engine's `spmd`
-    runs it on every device of its mesh when the experts are split over several."""
+    says what each argument means); returns (ForwardOut, the engine's updated state, its readback: arrays of
+    their own, which outlive the state's donation to the next step). The engine's `spmd` runs it on every device
+    of its mesh when the experts are split over several."""
 
     def run(params, engine_state, inputs):
         tokens, kv_cache, write_index, pad_len, forced_routing, valid_len = inputs
@@ -33,18 +36,19 @@ def forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_inde
         return out, finish()
 
     inputs = (tokens, kv_cache, write_index, pad_len, forced_routing, valid_len)
-    return engine.spmd(run, params)(params, engine_state, inputs)
+    out, engine_state = engine.spmd(run, params)(params, engine_state, inputs)
+    return out, engine_state, engine.readback(engine_state)
 
 
 def make_logits_fn(graphdef, engine, kv_dtype):
-    """tokens [B, T] -> float32 logits [B, T, V] (and the engine state after the forward)."""
+    """tokens [B, T] -> float32 logits [B, T, V] (and the engine state after the forward, and its readback)."""
 
     def logits_fn(params, engine_state, tokens):
         kv_cache = empty_kv_cache(engine.config, tokens.shape[0], tokens.shape[1], kv_dtype)
         pad_len = jnp.zeros((tokens.shape[0],), jnp.int32)
-        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, kv_cache, 0, pad_len,
-                                 last_only=False)
-        return out.logits, out.routing, engine_state
+        out, engine_state, readback = forward(graphdef, params, engine, engine_state, tokens, kv_cache, 0, pad_len,
+                                              last_only=False)
+        return out.logits, out.routing, engine_state, readback
 
     return jax.jit(logits_fn, donate_argnums=(1,))
 
@@ -53,7 +57,7 @@ def make_step_fn(graphdef, engine, greedy: bool):
     """One generation step: feed tokens [B, T] at `write_index`, pick the next token of every row.
 
     Returns (next tokens int32 [B], bool [L] whether each decoder layer's output is finite, routing ids
-    [L_moe, B, T, k], kv cache, engine state). Used for the
+    [L_moe, B, T, k], kv cache, engine state, the engine's readback). Used for the
     prompt (T = padded prompt length, written from cache column 0: its attention reads only its own T
     columns) and for every decode step (T = 1). `sampling` is None when `greedy`,
     else the traced SamplingArrays (so every temperature / top_k / top_p shares the program);
@@ -61,12 +65,12 @@ def make_step_fn(graphdef, engine, greedy: bool):
     """
 
     def step_fn(params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing):
-        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len,
-                                 last_only=True, forced_routing=forced_routing,
-                                 visible_len=tokens.shape[1] if tokens.shape[1] > 1 else None)
+        out, engine_state, readback = forward(
+            graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, last_only=True,
+            forced_routing=forced_routing, visible_len=tokens.shape[1] if tokens.shape[1] > 1 else None)
         logits = out.logits[:, -1]
         next_tokens = greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
-        return (next_tokens, out.finite), out.routing, out.kv_cache, engine_state
+        return (next_tokens, out.finite), out.routing, out.kv_cache, engine_state, readback
 
     return jax.jit(step_fn, donate_argnums=(1, 3))
 

@@ -250,13 +250,23 @@ class OffloadEngine(ResidentEngine):
         return compute, finish
 
     # ---- between steps ----------------------------------------------------------------------------
+    @property
+    def runs_ahead(self) -> bool:
+        """Not with a disk tier: after_step writes host rows from the reads the step made, which a step dispatched
+        ahead would be making at the same time (and its in-step reads wait on the same reader). Not with history
+        prefetch: its scores from the tokens before the step (`predict_base`) would miss the last one, and on the
+        GPT-OSS-20B trace (tests/test_history_prefetch.py) its stall-free rate fell from the replay's 0.686 to 0.616."""
+        return self.tier is None and self.history is None
+
     def readback(self, state: EngineState):
         return state.slot_of_expert, state.counts
 
-    def after_step(self, state: EngineState, tables, routing: np.ndarray) -> None:
-        """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed."""
+    def after_step(self, tables, routing: np.ndarray) -> None:
+        """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed. The manager's tables go
+        into the latest state: a step dispatched since (`runs_ahead`) keeps the ones it was given, a step older."""
         first_observation = self.observe(tables, routing)
-        self.state = state._replace(**{name: jnp.asarray(table) for name, table in self.manager_tables().items()})
+        self.state = self.state._replace(**{name: jnp.asarray(table)
+                                            for name, table in self.manager_tables().items()})
         if self.tier is not None:
             self.state = self.admit_disk_reads(self.state)
             if self.history is not None:

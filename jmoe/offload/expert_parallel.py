@@ -133,6 +133,8 @@ class ExpertParallelEngine:
     E/N experts, with its own manager), traced once for all of them under shard_map; the engine interface of
     jmoe.offload.resident, its state stacked over the devices."""
 
+    runs_ahead = True  # the per-device managers only write tables into the latest state, as the offload engine's
+
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str, mesh: Mesh):
         self.config, self.mesh, self.placement = config, mesh, placement
         self.engines = [make_engine(device_config(config, mesh.devices.size), placement, options, backend)
@@ -229,10 +231,9 @@ class ExpertParallelEngine:
     def readback(self, state):
         return self.engines[0].readback(state) if self.offloading else ()
 
-    def after_step(self, state, tables, routing: np.ndarray) -> None:
+    def after_step(self, tables, routing: np.ndarray) -> None:
         """routing int [L_moe, ...]: the routers' expert ids; each device's manager sees its own experts'."""
         if not self.offloading:
-            self.state = state
             return
         slot_of_expert, counts = tables
         share = self.engines[0].config.num_experts
@@ -241,7 +242,7 @@ class ExpertParallelEngine:
             local = routing - d * share
             own = np.where((local >= 0) & (local < share), local, -1)
             first_observation = engine.observe((slot_of_expert[d], counts[d]), own)
-        self.state = state._replace(**self._manager_tables())
+        self.state = self.state._replace(**self._manager_tables())
         if first_observation:  # policy="static": each device's table comes from this first step
             self.install_pinned()
 

@@ -38,6 +38,8 @@ class SlotManager:
         self.slot_of_expert = np.full((num_layers, num_experts), -1, np.int32)
         self.plan_width = plan_width
         self.missed = np.zeros((num_layers, num_experts), bool)  # used by the last step, not cached after it
+        # The last plan handed out: (experts, slots, the expert each slot held then) [L, W] each.
+        self.last_plan = tuple(np.full((num_layers, plan_width), -1, np.int32) for _ in range(3))
 
     @property
     def admits_misses(self) -> bool:
@@ -63,11 +65,35 @@ class SlotManager:
         self.misses += misses
         self.copies += copies
         self.evictions += evictions
-        self.slot_of_expert = slot_of_expert_after
-        self.missed = (counts > 0) & (slot_of_expert_after < 0)
+        self.slot_of_expert = self.with_plan_in_flight(slot_of_expert_after)
+        self.missed = (counts > 0) & (self.slot_of_expert < 0)
         if self.policy is None:
             self.policy = StaticPolicy(self.num_layers, self.num_experts, frequency=counts)
         self.policy.observe(counts)
+
+    def with_plan_in_flight(self, slot_of_expert: np.ndarray) -> np.ndarray:
+        """The tables a step read back, plus the last plan's copies where that step had not made them yet: its slot
+        still holds what the plan saw there and its expert sits nowhere. The step after it, dispatched before this
+        read (Model.dispatch_step), makes them; planned again, they would be skipped as cached, admitting nothing.
+        With every step read back before the next is dispatched the plan's copies are already in the tables."""
+        experts, slots, seen = self.last_plan
+        self.last_plan = tuple(np.full_like(a, -1) for a in self.last_plan)  # in flight for one step at most
+        held = np.take_along_axis(experts_in_slots(slot_of_expert, max(self.caches, default=0) + 1),
+                                  np.maximum(slots, 0), axis=1)
+        pending = ((slots >= 0) & (held == seen)
+                   & (np.take_along_axis(slot_of_expert, np.maximum(experts, 0), axis=1) < 0))
+        if not pending.any():
+            return slot_of_expert
+        view = slot_of_expert.copy()
+        for layer, w in zip(*np.nonzero(pending)):
+            if seen[layer, w] >= 0:
+                view[layer, seen[layer, w]] = -1
+            view[layer, experts[layer, w]] = slots[layer, w]
+        return view
+
+    def expert_in_slot(self) -> np.ndarray:
+        """int32 [L, max S_l]: the expert in each slot as the manager sees it (-1 = empty)."""
+        return experts_in_slots(self.slot_of_expert, max(self.caches, default=0))
 
     def victim_order(self) -> np.ndarray:
         """int [L, max S_l]: per layer, the cache slots the next step may overwrite, first choice first,
@@ -107,6 +133,8 @@ class SlotManager:
         admitted = np.take_along_axis(self.missed, by_value[:, :width], axis=1) & (victims >= 0)
         plan_experts[:] = by_value[:, :width]
         plan_slots[:] = np.where(admitted, victims, -1)
+        seen = np.take_along_axis(self.expert_in_slot(), np.maximum(plan_slots, 0), axis=1)
+        self.last_plan = (plan_experts.copy(), plan_slots.copy(), np.where(admitted, seen, -1).astype(np.int32))
         # Admitted entries are a prefix of each row, so they used the first victims of the order.
         used = admitted.sum(axis=1, keepdims=True)
         shifted = np.arange(order.shape[1]) + used

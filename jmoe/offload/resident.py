@@ -4,8 +4,10 @@ An engine owns the model's placement and has a pytree `state` that every jitted 
 returns. While tracing, `prepare_params` may move parameters to the device, `layer_hook` may return a
 callback the model runs at the start of every decoder layer (to fetch weights ahead), and `bind` gets the
 MoE layers' weights and routers (`MoELayerView`s) and returns the ExpertCompute for that state plus a
-`finish` giving the updated state. Between steps, `after_step` gets the new state, the host copy of
-`readback(state)` and the step's routing (read together in one device-to-host read). `abstract_state`
+`finish` giving the updated state. Whoever runs a step makes the state it returned the engine's `state` (the next
+step may be dispatched on it at once); `after_step` then gets the host copy of `readback(state)` (which the step
+returns apart, since the state is donated to the next one) and the step's routing, read together in one
+device-to-host read, and writes what its manager decides into the latest state. `abstract_state`
 gives the state's shapes without allocating it, so the steps can be compiled for another device. `spmd`
 wraps the step's forward: as is here; the expert-parallel engine (jmoe.offload.expert_parallel) runs it on
 every device of its mesh, each device's engine computing its own experts' share (`owned`, `combine`).
@@ -37,6 +39,8 @@ class ResidentEngine:
     # device's engine, the mesh axis: that engine's config.num_experts is then one device's share.
     mesh = None
     expert_axis: str | None = None
+    # Whether a step may be dispatched before the last one's after_step (its manager's tables then a step old).
+    runs_ahead = True
 
     def __init__(self, config, placement: Placement, backend: str = "auto"):
         self.config = config
@@ -119,8 +123,8 @@ class ResidentEngine:
     def readback(self, state) -> tuple:
         return ()
 
-    def after_step(self, state, tables_host, routing: np.ndarray) -> None:
-        self.state = state
+    def after_step(self, tables_host, routing: np.ndarray) -> None:
+        """Nothing to manage."""
 
     def stats(self) -> list[dict]:
         return []

@@ -172,11 +172,14 @@ def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -
                                                                                          jax.Array]:
     """Copy experts[j] from host memory into cache slot destinations[j] for the j that have one (-1 = not
     wanted): one loop over the wanted copies, its trip count their number, so an unwanted one moves
-    nothing (unrolled, it would move its bytes and drop its write). The experts must be distinct and not
-    cached. Returns the slots, the number of cached experts evicted and the number of experts copied."""
+    nothing (unrolled, it would move its bytes and drop its write). The experts must be distinct; a cached one is
+    not wanted. Returns the slots, the number of cached experts evicted and the number of experts copied."""
     if not slots.expert_in_slot.shape[0] or not experts.shape[0]:
         return slots, jnp.int32(0), jnp.int32(0)
-    wanted = destinations >= 0
+    # An expert cached already is not copied again: a manager's plan one step old (Model.dispatch_step) may name
+    # an expert that the step in between admitted.
+    wanted = (destinations >= 0) & (slots.slot_of_expert[jnp.maximum(experts, 0)] < 0)
+    destinations = jnp.where(wanted, destinations, -1)
     order = jnp.argsort(~wanted, stable=True)  # the wanted copies first
     experts, destinations = experts[order], destinations[order]
     count = jnp.sum(wanted, dtype=jnp.int32)

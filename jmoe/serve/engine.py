@@ -206,7 +206,7 @@ class ServingEngine:
             elif spec.key[0] == "copy_row":
                 self.kv_cache = outputs
             else:
-                self.kv_cache, engine.state = outputs[2:]
+                self.kv_cache, engine.state = outputs[2:4]
         engine.state = jax.tree.map(jax.device_put, saved, shardings)
         self.kv_cache = empty_kv_cache(self.config, self.max_batch, self.context, self.model.kv_dtype)
         self.counts = jnp.zeros_like(self.counts)
@@ -351,14 +351,14 @@ class ServingEngine:
         visible = chunk if not start.any() else self.context
         began = time.perf_counter()
         args = self.prefill_args(tokens, rows, start, valid)
-        (logits, finite), routing, self.kv_cache, state = self._program(
+        (logits, finite), routing, self.kv_cache, self.model.engine.state, readback = self._program(
             ("prefill", entries, chunk, visible), self.prefill_programs[visible], args)(*args)
         for request, n in zip(batch, valid):
             request.prefilled += int(n)
         # The first token of every entry whose prompt is complete, in the step's one device-to-host read.
         complete = [r if r.prefilled == len(r.prompt) else None for r in batch]
         choice = self._choose_tokens(logits, complete + [None] * (entries - len(batch)), reset=True)
-        chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
+        chosen, finite, routing = self.model.finish_step(readback, routing, (choice, finite, routing))
         check_finite_layers(finite, "prefill step")
         self._observe("prefill", began, len(batch), routing)
         for i, request in enumerate(complete):
@@ -380,7 +380,7 @@ class ServingEngine:
         visible = next(v for v in self.visible_buckets if v >= furthest)
         began = time.perf_counter()
         args = self.decode_args(tokens, positions, active)
-        (logits, argmax, finite), routing, self.kv_cache, state = self._program(
+        (logits, argmax, finite), routing, self.kv_cache, self.model.engine.state, readback = self._program(
             ("decode", visible, entries), self.decode_programs[visible], args)(*args)
         if all(r is None or (r.params.plain_greedy and not r.matcher) for r in rows):
             # Every token is its row's argmax: no choice program (0.2-0.5 ms a step, a tenth of it). The rows' penalty
@@ -388,7 +388,7 @@ class ServingEngine:
             choice = (argmax, None, None, None)
         else:
             choice = self._choose_tokens(logits, rows, reset=False)
-        chosen, finite, routing = self.model.finish_step(state, routing, (choice, finite, routing))
+        chosen, finite, routing = self.model.finish_step(readback, routing, (choice, finite, routing))
         check_finite_layers(finite, "decode step")
         self._observe("decode", began, len(generating), routing)
         for i, request in enumerate(rows):

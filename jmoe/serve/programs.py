@@ -41,8 +41,8 @@ def _scatter_first_columns(kv_cache, rows, new):
 def make_prefill_fn(graphdef, engine, visible: int):
     """(params, engine state, kv cache, tokens int32 [P, T], rows int32 [P], start int32 [P], valid int32 [P])
     -> (float32 logits [P, V] at each entry's last real token, bool [L] finite per layer), routing, kv cache,
-    engine state. Entry p writes its first valid[p] tokens into row rows[p] from column start[p]; the
-    columns after them may hold padding, which later writes of that row replace before anything reads them.
+    engine state, its readback. Entry p writes its first valid[p] tokens into row rows[p] from column start[p];
+    the columns after them may hold padding, which later writes of that row replace before anything reads them.
     Attention reads the first `visible` columns (static, >= every start + T). `visible` == T is the program
     for first chunks (every start 0): it reads nothing of the rows' cache and writes only their first T
     columns, where gathering and scattering whole rows was a third of an 8-entry, 128-token step at context
@@ -52,19 +52,19 @@ def make_prefill_fn(graphdef, engine, visible: int):
         pad = jnp.zeros(tokens.shape[:1], jnp.int32)
         first_chunks = visible == tokens.shape[1]
         step_cache = _first_columns(kv_cache, *tokens.shape) if first_chunks else _gather_rows(kv_cache, rows)
-        out, engine_state = forward(graphdef, params, engine, engine_state, tokens, step_cache,
-                                    start, pad, last_only=True, visible_len=visible, valid_len=valid)
+        out, engine_state, readback = forward(graphdef, params, engine, engine_state, tokens, step_cache,
+                                              start, pad, last_only=True, visible_len=visible, valid_len=valid)
         scatter = _scatter_first_columns if first_chunks else _scatter_rows
         kv_cache = scatter(kv_cache, rows, out.kv_cache)
-        return (out.logits[:, 0], out.finite), out.routing, kv_cache, engine_state
+        return (out.logits[:, 0], out.finite), out.routing, kv_cache, engine_state, readback
 
     return jax.jit(prefill, donate_argnums=(1, 2))
 
 
 def make_decode_fn(graphdef, engine, visible: int):
     """(params, engine state, kv cache, tokens int32 [R], positions int32 [R], active bool [R]) -> (float32
-    logits [R, V], int32 [R] each row's argmax, bool [L] finite), routing, kv cache, engine state: the cache's
-    first R rows (R, static, may be fewer than the cache holds: every active row is among them), each row's
+    logits [R, V], int32 [R] each row's argmax, bool [L] finite), routing, kv cache, engine state, its readback:
+    the cache's first R rows (R, static, may be fewer than the cache holds: every active row is among them), each row's
     token written at its own column; inactive rows route nowhere (their write lands on a column their next real
     write replaces). Attention reads the first `visible` columns (static; every active position is below it).
     The argmax is the token of a plain greedy row (RequestParams.plain_greedy): a step of only those needs no
@@ -72,11 +72,12 @@ def make_decode_fn(graphdef, engine, visible: int):
 
     def decode(params, engine_state, kv_cache, tokens, positions, active):
         pad = jnp.zeros(tokens.shape, jnp.int32)
-        out, engine_state = forward(graphdef, params, engine, engine_state, tokens[:, None], kv_cache, positions,
-                                    pad, last_only=True, visible_len=visible, valid_len=active.astype(jnp.int32))
+        out, engine_state, readback = forward(graphdef, params, engine, engine_state, tokens[:, None], kv_cache,
+                                              positions, pad, last_only=True, visible_len=visible,
+                                              valid_len=active.astype(jnp.int32))
         logits = out.logits[:, 0]
         return (logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), out.finite), out.routing, out.kv_cache, \
-            engine_state
+            engine_state, readback
 
     return jax.jit(decode, donate_argnums=(1, 2))
 
