@@ -24,7 +24,8 @@ A step's time is its device time plus the host-to-device copies of the experts i
 - host: the work between steps (routing back to the host, the cache manager, the generation loop): a time per
   step plus one per offloaded layer, as measured on the lent H100's host.
 High = the fast ends with copies hidden behind compute (max); low = the slow ends with none hidden (sum); the host
-work adds to both (a step is dispatched after the manager has planned it), and so do the disk reads.
+work adds to both, but for the high end of decode, whose steps are dispatched ahead of it (Model.dispatch_step; not
+with a disk tier or history prefetch); the disk reads add to both.
 
 Calibration (bench/results/plan_calibration_h100.md, from bench/results/gpu_check_nvidia_h100_80gb_hbm3.md): with
 the nominal link fractions (0.7-0.9) and no host term, every measured decode speed fell below the range (0.37-0.58
@@ -182,12 +183,15 @@ def host_seconds(offloaded_layers: int) -> tuple[float, float]:
 
 
 def tokens_per_s(tokens: int, device: tuple[float, float], copies: tuple[float, float],
-                 host: tuple[float, float] = (0.0, 0.0), disk: float = 0.0) -> tuple[float, float]:
+                 host: tuple[float, float] = (0.0, 0.0), disk: float = 0.0,
+                 host_beside: bool = False) -> tuple[float, float]:
     """[low, high]: low = slow device time + slow copies, none hidden; high = fast ones, copies hidden; the host
-    work between steps adds to both, and so do the disk reads: a layer's step waits on its reads (an io_callback
-    inside the step, jmoe.offload.host_tier), nothing is computed meanwhile."""
-    return (tokens / (device[0] + copies[0] + host[0] + disk),
-            tokens / (max(device[1], copies[1]) + host[1] + disk))
+    work between steps adds to both, or with `host_beside` (generate's decode steps run ahead of it,
+    Model.dispatch_step) hides behind the fast end's step (the slow end keeps it: no GPU has measured that yet);
+    the disk reads add to both: a layer's step waits on its reads (an io_callback inside the step,
+    jmoe.offload.host_tier), nothing is computed meanwhile."""
+    fast = max(device[1], copies[1], host[1]) if host_beside else max(device[1], copies[1]) + host[1]
+    return tokens / (device[0] + copies[0] + host[0] + disk), tokens / (fast + disk)
 
 
 def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds, list[str]]:
@@ -216,7 +220,8 @@ def speeds_of(target, dtype, host_link_gbs: float | None) -> tuple[DeviceSpeeds,
 def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], num_experts: int, top_k: float,
              expert_bytes: int, expert_array_bytes: int, least_bytes: int, host_param_bytes: int, batch: int,
              rows: int, context: int, hit_rate: float, hit_rate_source: str, notes: list[str],
-             devices: int = 1, disk: DiskReads | None = None, prefill_chunk: int | None = None) -> Estimate | None:
+             devices: int = 1, disk: DiskReads | None = None, prefill_chunk: int | None = None,
+             runs_ahead: bool = True) -> Estimate | None:
     """The speed estimate from the compiled "decode" and "prefill" programs; None when either has no cost
     analysis. expert_array_bytes: every expert array (resident, host, slots); least_bytes: what a step reads
     besides experts (non-expert device weights + KV cache). Batch 1 takes the batch's decode program's device
@@ -226,7 +231,8 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     own host link; the programs' collectives add to the device time. `disk`: the disk tier's reads, whose time
     adds to every step's. `prefill_chunk`: prompt tokens per prefill step of a row (None: the whole prompt in one);
     each chunk streams the offloaded experts, reads the disk and costs the host work once, while the device time is
-    the whole prompt program's."""
+    the whole prompt program's. `runs_ahead`: decode steps are dispatched ahead of the host's work
+    (OffloadEngine.runs_ahead: not with a disk tier or history prefetch)."""
     needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
     if any(p is None or not p.cost_analysis for p in needed.values()):
         return None
@@ -255,7 +261,8 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
 
     def decode_rate(program, tokens):
         copied = decode_copy_bytes(offloaded, num_experts, top_k, expert_bytes, hit_rate, tokens, host_param_bytes)
-        return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds), host, disk_seconds(tokens))
+        return tokens_per_s(tokens, device(program, tokens), link_seconds(copied, speeds), host, disk_seconds(tokens),
+                            host_beside=runs_ahead)
 
     chunk = context if prefill_chunk is None else prefill_chunk
     chunks = -(-context // chunk)

@@ -215,7 +215,7 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
                          least_bytes=needs.device_weight_bytes - resident_experts + needs.kv_bytes,
                          host_param_bytes=host_param_bytes(placement), batch=batch, rows=rows, context=context,
                          hit_rate=hit[0], hit_rate_source=hit[1], notes=assumptions, devices=devices, disk=disk,
-                         prefill_chunk=chunk)
+                         prefill_chunk=chunk, runs_ahead=disk is None and options.prefetch_trace is None)
     if speed is None:
         notes.append("no speed estimate: it needs a target and the programs compiled for it, with their cost "
                      "analysis")
