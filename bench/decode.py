@@ -77,13 +77,13 @@ def weight_reads(model) -> WeightReads:
                        cfg.num_moe_layers, cfg.num_experts_per_tok)
 
 
-def jmoe_decode(model, new_tokens: int) -> tuple[float, float]:
-    """(decode tokens/s, seconds per step) at batch 1, greedy, after a warm-up run."""
+def jmoe_decode(model, new_tokens: int, run_ahead: bool = True) -> tuple[float, float]:
+    """(decode tokens/s, seconds per step) at batch 1, greedy, after a warm-up run (run_ahead: Model.generate's)."""
     from jmoe.decode.sampling import SamplingParams
 
     # Warm up with the same length: the KV-cache length (and so the compiled step) depends on it.
-    model.generate_detailed([PROMPT], new_tokens, SamplingParams())
-    result = model.generate_detailed([PROMPT], new_tokens, SamplingParams())
+    model.generate_detailed([PROMPT], new_tokens, SamplingParams(), run_ahead=run_ahead)
+    result = model.generate_detailed([PROMPT], new_tokens, SamplingParams(), run_ahead=run_ahead)
     return result.decode_steps / result.decode_seconds, result.decode_seconds / result.decode_steps
 
 

@@ -202,6 +202,8 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
         "overlap: inferred from step times: 1 - (step time at the cache - resident step time) / (bytes moved per "
         "step / the in-program copy bandwidth); and measured, for the first model's smallest cache, from a "
         "jax.profiler trace of one more generation (copies' busy time that overlaps kernels)",
+        "decode tokens/s: each step dispatched before the last is read back (generate's default); 'each step read "
+        "back first': run_ahead=False, the host's work between steps then serial with the device's",
         "step / host ms: a third generation's medians of the compiled step (dispatch until its outputs are ready) "
         "and of the host work after it (finish_step: routing back, the cache manager)",
         "disk tier: the first model at its smallest cache with half its experts in host rows, read from its Orbax "
@@ -255,6 +257,9 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
             if disk_tier:
                 result.measurements[f"{label}: experts read from disk per token"] = (
                     (_disk_reads(model) - before_read) / per_token)
+            if model.engine.runs_ahead:  # issue #54 item 3: the same with each step read back before the next
+                result.measurements[f"{label}: decode tokens/s, each step read back first"] = jmoe_decode(
+                    model, tokens, run_ahead=False)[0]
             generation_s = 2 * tokens * step  # a generation's decode, doubled for its prompt step and slack
             if budget.left() < generation_s:  # a slow setting (the disk tier) must not cost the later ones
                 result.notes.append(f"{label}: step / host split and trace not measured: a generation takes about "
