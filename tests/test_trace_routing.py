@@ -61,12 +61,14 @@ def test_bad_traces_and_steps_are_refused(rows, prompt_len, step, shape, message
 
 
 def decode_hits(model, rows, policy="lru"):
-    """Generate through the whole trace slice; per-layer hits and misses of the decode steps only."""
+    """Generate through the whole trace slice; per-layer hits and misses of the decode steps only. Each step is read
+    back before the next is dispatched, so the policy works from current tables, as computed by hand and replayed
+    (with steps dispatched ahead the manager's tables reach the step after next: tests/test_run_ahead.py)."""
     model.set_policy(policy)
     routing = TraceRouting(rows, len(PROMPT), model.config)
     after_prompt = []
     out = model.generate_detailed(
-        [PROMPT], routing.max_new_tokens, SamplingParams(), routing_override=routing,
+        [PROMPT], routing.max_new_tokens, SamplingParams(), routing_override=routing, run_ahead=False,
         on_tokens=lambda tokens: after_prompt.append(model.stats()) if not after_prompt else None).tokens
     assert len(out[0]) == routing.max_new_tokens
     first, last = after_prompt[0], model.stats()
