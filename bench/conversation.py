@@ -61,7 +61,7 @@ WARM_PROMPT = list(range(100, 108))  # each server's first completion, before an
 # jmoe does, and tests/test_serve_engine.py serves without reuse; the report compares the replies with the first
 # engine's when jmoe-no-reuse is not run.
 SMOKE = dict(conversations=2, turns=2, system_tokens=24, user_tokens=(4, 8), reply_tokens=4, long_prompt=40,
-             context=64, max_batch=2, rounds=1, engines=["jmoe"])
+             context=128, max_batch=2, rounds=1, engines=["jmoe"])
 
 
 # ---- the workload ----------------------------------------------------------------------------------------

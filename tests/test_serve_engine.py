@@ -99,6 +99,44 @@ def test_greedy_tokens_equal_generate_alone_and_with_neighbours_joining_and_leav
     assert turn2[0].cached_tokens == 20 + 6 - 1 and turn2[1].cached_tokens >= len(second[0])
 
 
+def record_decode_order(engine: ServingEngine) -> list[str]:
+    """"dispatch" and "finish" for each decode step the engine dispatches and reads back, in order."""
+    events, dispatch, finish = [], engine._dispatch_decode, engine._finish_decode
+
+    def dispatched(*args):
+        events.append("dispatch")
+        return dispatch(*args)
+
+    def finished(step):
+        events.append("finish")
+        return finish(step)
+
+    engine._dispatch_decode, engine._finish_decode = dispatched, finished
+    return events
+
+
+@pytest.mark.parametrize("cache", [None, 4])
+def test_plain_greedy_decode_steps_run_ahead_of_their_read_back(cache, model, prompt_ids, default_two_layers):
+    """With no request waiting for a row and every row plain greedy, each decode step is dispatched on the last one's
+    tokens before that one is read back (issue #54 item 3): generate's tokens, and the row that ends first drops the
+    token its row computed past its end. A sampled row makes every step wait for the one before."""
+    if cache is not None:
+        model = jmoe.load(default_two_layers, cache=cache, progress=False)
+    lengths = [10, 4]
+    expected = [tokens[:n] for tokens, n in zip(model.generate(prompt_ids[:2], max_new_tokens=10), lengths)]
+    engine = ServingEngine(model, max_batch=2, context=64)
+    events = record_decode_order(engine)
+    requests = [engine.submit(ids, greedy(n)) for ids, n in zip(prompt_ids, lengths)]
+    run_until_done(engine, requests)
+    assert [tokens_of(r) for r in requests] == expected
+    assert events.count("dispatch") == events.count("finish") >= 9
+    assert ("dispatch", "dispatch") in set(zip(events, events[1:]))  # one dispatched before the last was read back
+    events.clear()
+    sampled = engine.submit(prompt_ids[2], RequestParams(max_tokens=5, temperature=0.7, seed=1))
+    run_until_done(engine, [sampled])
+    assert len(tokens_of(sampled)) == 5 and events == ["dispatch", "finish"] * 4
+
+
 def test_a_padded_last_chunk_reaching_past_the_context_writes_only_its_real_tokens(model, prompt_ids):
     """Context 100, a 90-token prompt: chunks of 64 and 26 tokens, the second padded to 64 (columns 64-127): its
     padding falls off the cache instead of shifting the chunk onto earlier columns."""

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,19 @@ CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, 
                                                                                         (False, True, True))
 
 
+class DecodeStep(NamedTuple):
+    """A decode step dispatched and not yet read back: the requests of its entries (None: padding), their columns, and
+    its outputs on the device."""
+
+    rows: list
+    positions: np.ndarray
+    choice: tuple  # (tokens, their log-probabilities, top ids, top log-probabilities); None where not asked
+    finite: jax.Array
+    routing: jax.Array
+    readback: tuple
+    began: float
+
+
 class ServingEngine:
     """A fixed batch of decode rows over `model`; see the module docstring.
 
@@ -61,11 +74,12 @@ class ServingEngine:
     longest prefix of its prompt that a row holds (jmoe.serve.prefixes); observer: optional object with
     `step(kind, seconds, rows, routing)` (routing:
     the step's expert ids, NumPy int [L_moe, entries, T, k], -1 = none) and `finished(request)` methods, called on
-    the engine's thread (metrics, logs).
+    the engine's thread (metrics, logs); run_ahead: decode steps dispatched before the last is read back where they
+    can be (`_decode_ahead`); False waits for each (the same tokens; benchmarks compare the two).
     """
 
     def __init__(self, model: Model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
-                 observer=None, prefix_reuse: bool = True, prefill_chunk: int | None = None):
+                 observer=None, prefix_reuse: bool = True, prefill_chunk: int | None = None, run_ahead: bool = True):
         cfg = model.config
         if not isinstance(max_batch, int) or max_batch < 1:
             raise RequestError("max_batch", f"max_batch must be a whole number >= 1, found {max_batch!r}")
@@ -81,6 +95,7 @@ class ServingEngine:
         self.model, self.config = model, cfg
         self.max_batch, self.max_queue, self.context = max_batch, max_queue, context
         self.observer = observer
+        self.run_ahead = run_ahead and model.engine.runs_ahead
         self.eos = frozenset(cfg.eos_token_ids)
         # Only a step of first chunks (every entry from column 0, visible = chunk) takes attention's
         # prompt-from-column-0 path; a chunk as long as the context is only ever a first one (chunks.chunk_for).
@@ -109,6 +124,7 @@ class ServingEngine:
         self._waiting: deque[Request] = deque()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._in_flight: DecodeStep | None = None  # a decode step dispatched and not yet read back
         self._stopping = False
         self._seeds = random.Random()
         self.ready = False  # every program compiled
@@ -230,8 +246,17 @@ class ServingEngine:
     # ---- the step loop (engine thread) ----------------------------------------------------------------
     def step(self) -> bool:
         """One scheduling round: drop cancelled requests, give free rows to waiting ones, run the prefill steps of
-        the unfinished prompts (one per chunk bucket) and a decode step if any row is generating. False when there was
-        nothing to do. The background thread calls it in a loop; call it yourself only when not started."""
+        the unfinished prompts (one per chunk bucket) and a decode step if any row is generating. The decode step of a
+        round that did nothing else is left in flight: the next round reads it back after dispatching the step after
+        it on its tokens, where that step needs nothing from the host (`_decode_ahead`), and is then a decode step
+        alone. False when there was nothing to do. The background thread calls it in a loop; call it yourself only
+        when not started."""
+        if self._in_flight is not None:
+            finished = self._in_flight
+            self._in_flight = self._decode_ahead(finished)
+            self._finish_decode(finished)
+            if self._in_flight is not None:
+                return True
         with self._lock:
             self._release_cancelled()
             admitted, copies = self._admit()
@@ -247,7 +272,11 @@ class ServingEngine:
             self._prefill_step(batch)
         generating = any(r is not None and r.prefilled == len(r.prompt) for r in self._rows)
         if generating:
-            self._decode_step()
+            step = self._decode_step()
+            if self.run_ahead and not admitted and not prefilling:
+                self._in_flight = step
+            else:
+                self._finish_decode(step)
         return bool(prefilling) or generating
 
     def _loop(self) -> None:
@@ -365,7 +394,8 @@ class ServingEngine:
             if request is not None:
                 self._accept(request, chosen, i)
 
-    def _decode_step(self) -> None:
+    def _decode_step(self) -> DecodeStep:
+        """The decode step of the rows generating now, dispatched."""
         # The first R rows (an entry bucket) hold every generating request: rows are filled lowest first.
         generating = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
         entries = next(b for b in self.entry_buckets if b > generating[-1])
@@ -375,24 +405,51 @@ class ServingEngine:
         # the prefix a free row holds.
         positions = np.array([(len(r.prompt) + len(r.tokens) - 1) if r else self._spare_column(i)
                               for i, r in enumerate(rows)], np.int32)
+        return self._dispatch_decode(rows, tokens, positions)
+
+    def _dispatch_decode(self, rows: list[Request | None], tokens, positions) -> DecodeStep:
         active = np.array([r is not None for r in rows])
         furthest = int(positions[active].max()) + 1
         visible = next(v for v in self.visible_buckets if v >= furthest)
         began = time.perf_counter()
         args = self.decode_args(tokens, positions, active)
         (logits, argmax, finite), routing, self.kv_cache, self.model.engine.state, readback = self._program(
-            ("decode", visible, entries), self.decode_programs[visible], args)(*args)
+            ("decode", visible, len(rows)), self.decode_programs[visible], args)(*args)
         if all(r is None or (r.params.plain_greedy and not r.matcher) for r in rows):
             # Every token is its row's argmax: no choice program (0.2-0.5 ms a step, a tenth of it). The rows' penalty
             # counts are left behind, which only a request with penalties reads, and it resets them when it starts.
             choice = (argmax, None, None, None)
         else:
             choice = self._choose_tokens(logits, rows, reset=False)
-        chosen, finite, routing = self.model.finish_step(readback, routing, (choice, finite, routing))
+        return DecodeStep(rows, positions, choice, finite, routing, readback, began)
+
+    def _decode_ahead(self, step: DecodeStep) -> DecodeStep | None:
+        """The next decode step, dispatched on `step`'s tokens while they are still on the device, when it needs nothing
+        from the host: every row plain greedy (its token the argmax, no grammar) and still generating, no request
+        waiting for a row or cancelled, and room in the context. A row that ends with `step` computes one token more,
+        dropped (its cache column gets that token's keys and values, past what the row's prefix holds)."""
+        rows = step.rows
+        if not self.run_ahead or any(r is not None and (r.done or not r.params.plain_greedy or r.matcher)
+                                     for r in rows):
+            return None  # a row that has ended needs the next round to take it out
+        with self._lock:
+            if self._waiting or any(r is not None and r.cancelled for r in rows):
+                return None
+        if all(r is None or len(r.tokens) + 1 >= r.params.max_tokens for r in rows):
+            return None  # every row ends with `step`'s token
+        active = np.array([r is not None for r in rows])
+        positions = np.where(active, step.positions + 1, step.positions).astype(np.int32)
+        if positions[active].max() >= self.context:
+            return None
+        return self._dispatch_decode(rows, step.choice[0], positions)
+
+    def _finish_decode(self, step: DecodeStep) -> None:
+        chosen, finite, routing = self.model.finish_step(step.readback, step.routing,
+                                                         (step.choice, step.finite, step.routing))
         check_finite_layers(finite, "decode step")
-        self._observe("decode", began, len(generating), routing)
-        for i, request in enumerate(rows):
-            if request is not None:
+        self._observe("decode", step.began, sum(r is not None for r in step.rows), routing)
+        for i, request in enumerate(step.rows):
+            if request is not None and not request.done:  # one that ended with the step before drops this token
                 self._accept(request, chosen, i)
 
     def _spare_column(self, row: int) -> int:
