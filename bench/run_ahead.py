@@ -13,6 +13,8 @@ dispatched (bench.gpu.profile.step_timer); host ms/step: the waiting step less t
 (the read back, the manager's `after_step`, timed apart, and the generation loop); the bound of a step run ahead is
 the larger of the two (the host's work beside the device's instead of after it). On this CPU the "device" is
 XLA:CPU on the same two cores as the host's Python, so the two compete where a GPU's would not.
+Part "serve": the serving engine (`ServingEngine(run_ahead=...)`, stepped by hand) decoding four plain greedy requests
+of --tokens together, the same settings, a first round that compiles, then --rounds alternated.
 Part "policy": what tables a step old cost the cache: bench.engine_replay's GPT-OSS-20B-shaped model, its routing
 forced from the held-out GPT-OSS-20B trace (--trace-tokens tokens), cache 8 of 32, LFRU, next to the replay.
 """
@@ -32,11 +34,15 @@ from bench.helpers.common import (add_smoke_argument, default_model, run_parts, 
                                   write_random_checkpoint, write_result)
 from jmoe.decode.sampling import SamplingParams
 from jmoe.offload.policies import make_policy
+from jmoe.serve import RequestParams, ServingEngine
 from jmoe.traces.forced_routing import TraceRouting
 from jmoe.traces.load import load_trace, split_trace
 from jmoe.traces.replay import replay
 
 WAYS = {"ahead": True, "waiting": False}
+SERVE_ROWS = 4
+SERVE_PROMPTS = ["def parse(text):\n", "class Stack:\n    def push(self, item):\n", "import sys\n\n\ndef main(",
+                 "for i in range(10):\n    "]
 SPEED_SETTINGS = {"resident": {}, "cache 4, fetch": dict(cache=4), "cache 4, host": dict(cache=4, miss_mode="host")}
 SMOKE_SPEED_SETTING = "cache 4, fetch"  # a smoke run's one setting per part (each load compiles its programs)
 POLICY_CACHE = 8
@@ -102,6 +108,38 @@ def part_speed(args, log) -> str:
             f"rounds\n\n" + "\n".join(lines) + "\n")
 
 
+def part_serve(args, log) -> str:
+    """The serving engine: SERVE_ROWS plain greedy requests of --tokens decoded together, stepped by hand until done."""
+    directory = default_model(args)
+    lines = ["| setting | tok/s waiting | tok/s ahead | ahead / waiting |", "|---|---|---|---|"]
+    for label, options in SPEED_SETTINGS.items():
+        if args.smoke and label != SMOKE_SPEED_SETTING:
+            continue
+        model = jmoe.load(directory, progress=False, **options)
+        prompts = [model.require_tokenizer().encode(text) for text in SERVE_PROMPTS]
+        engines = {way: ServingEngine(model, max_batch=SERVE_ROWS, context=256, run_ahead=run_ahead)
+                   for way, run_ahead in WAYS.items()}
+        seconds = {way: [] for way in WAYS}
+        for round_ in range(args.rounds + 1):  # the first round compiles and is not counted
+            for way, engine in engines.items():
+                if options:
+                    model.set_policy("lfru")
+                requests = [engine.submit(ids, RequestParams(max_tokens=args.tokens, temperature=0.0))
+                            for ids in prompts]
+                began = time.perf_counter()
+                while not all(r.done for r in requests):
+                    engine.step()
+                if round_:
+                    seconds[way].append(time.perf_counter() - began)
+        rate = {way: SERVE_ROWS * args.tokens / statistics.median(seconds[way]) for way in WAYS}
+        lines.append(f"| {label} | {rate['waiting']:.1f} | {rate['ahead']:.1f} | "
+                     f"{rate['ahead'] / rate['waiting']:.2f}x |")
+        log(lines[-1])
+        model.close()
+    return (f"## Serving engine: {SERVE_ROWS} plain greedy requests of {args.tokens} tokens together (prompts "
+            f"included in the time), medians of {args.rounds} alternated rounds\n\n" + "\n".join(lines) + "\n")
+
+
 def part_policy(args, log) -> str:
     spec = smoke_spec(TINY_GPTOSS) if args.smoke else TINY_GPTOSS
     directory = write_random_checkpoint(args.workdir / "gptoss_tiny", "mixtral", **spec)
@@ -127,7 +165,7 @@ def part_policy(args, log) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "speed", "policy"), default="all")
+    parser.add_argument("--part", choices=("all", "speed", "serve", "policy"), default="all")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per measured generation")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--trace-tokens", type=int, default=400)
@@ -137,7 +175,7 @@ def main(argv=None) -> int:
     with smoke_run(args):
         if args.smoke:
             args.tokens, args.rounds, args.trace_tokens = 4, 1, 8
-        sections, conditions = run_parts(args, {"speed": part_speed, "policy": part_policy})
+        sections, conditions = run_parts(args, {"speed": part_speed, "serve": part_serve, "policy": part_policy})
         print(write_result("run_ahead_cpu.md", "Steps dispatched ahead of the host's bookkeeping",
                            f"{__doc__.split(chr(10) + chr(10), 1)[1]}\n{conditions}.\n\n" + "\n".join(sections)))
     return 0
