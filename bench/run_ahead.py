@@ -117,7 +117,7 @@ def part_serve(args, log) -> str:
             continue
         model = jmoe.load(directory, progress=False, **options)
         prompts = [model.require_tokenizer().encode(text) for text in SERVE_PROMPTS]
-        engines = {way: ServingEngine(model, max_batch=SERVE_ROWS, context=256, run_ahead=run_ahead)
+        engines = {way: ServingEngine(model, max_batch=SERVE_ROWS, context=args.tokens + 64, run_ahead=run_ahead)
                    for way, run_ahead in WAYS.items()}
         seconds = {way: [] for way in WAYS}
         for round_ in range(args.rounds + 1):  # the first round compiles and is not counted
