@@ -166,8 +166,8 @@ def part_policy(args, log) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "speed", "serve", "policy"), default="all")
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens per measured generation")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=256, help="new tokens per measured generation")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--trace-tokens", type=int, default=400)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_run_ahead"))
     add_smoke_argument(parser)
