@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,7 @@ from jmoe.model import empty_kv_cache
 from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias
 from jmoe.serve.chunks import chunk_buckets, chunk_for, later_chunks, streaming_chunk
 from jmoe.serve.compiling import ProgramCache, shapes_of
+from jmoe.serve.decoding import DecodeStep, DecodeSteps
 from jmoe.serve.mappings import MappingBudget
 from jmoe.serve.params import QueueFullError, RequestError, RequestParams
 from jmoe.serve.prefixes import RowPrefixes
@@ -51,20 +52,7 @@ CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, 
                                                                                         (False, True, True))
 
 
-class DecodeStep(NamedTuple):
-    """A decode step dispatched and not yet read back: the requests of its entries (None: padding), their columns, and
-    its outputs on the device."""
-
-    rows: list
-    positions: np.ndarray
-    choice: tuple  # (tokens, their log-probabilities, top ids, top log-probabilities); None where not asked
-    finite: jax.Array
-    routing: jax.Array
-    readback: tuple
-    began: float
-
-
-class ServingEngine:
+class ServingEngine(DecodeSteps):
     """A fixed batch of decode rows over `model`; see the module docstring.
 
     max_batch: rows decoded together; max_queue: requests that may wait for a row (submit raises
@@ -393,71 +381,6 @@ class ServingEngine:
         for i, request in enumerate(complete):
             if request is not None:
                 self._accept(request, chosen, i)
-
-    def _decode_step(self) -> DecodeStep:
-        """The decode step of the rows generating now, dispatched."""
-        # The first R rows (an entry bucket) hold every generating request: rows are filled lowest first.
-        generating = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
-        entries = next(b for b in self.entry_buckets if b > generating[-1])
-        rows = [self._rows[i] if i in generating else None for i in range(entries)]
-        tokens = np.array([r.tokens[-1] if r else 0 for r in rows], np.int32)
-        # A row's next write goes to its column; inactive rows write where their next real write will land, or past
-        # the prefix a free row holds.
-        positions = np.array([(len(r.prompt) + len(r.tokens) - 1) if r else self._spare_column(i)
-                              for i, r in enumerate(rows)], np.int32)
-        return self._dispatch_decode(rows, tokens, positions)
-
-    def _dispatch_decode(self, rows: list[Request | None], tokens, positions) -> DecodeStep:
-        active = np.array([r is not None for r in rows])
-        furthest = int(positions[active].max()) + 1
-        visible = next(v for v in self.visible_buckets if v >= furthest)
-        began = time.perf_counter()
-        args = self.decode_args(tokens, positions, active)
-        (logits, argmax, finite), routing, self.kv_cache, self.model.engine.state, readback = self._program(
-            ("decode", visible, len(rows)), self.decode_programs[visible], args)(*args)
-        if all(r is None or (r.params.plain_greedy and not r.matcher) for r in rows):
-            # Every token is its row's argmax: no choice program (0.2-0.5 ms a step, a tenth of it). The rows' penalty
-            # counts are left behind, which only a request with penalties reads, and it resets them when it starts.
-            choice = (argmax, None, None, None)
-        else:
-            choice = self._choose_tokens(logits, rows, reset=False)
-        return DecodeStep(rows, positions, choice, finite, routing, readback, began)
-
-    def _decode_ahead(self, step: DecodeStep) -> DecodeStep | None:
-        """The next decode step, dispatched on `step`'s tokens while they are still on the device, when it needs nothing
-        from the host: every row plain greedy (its token the argmax, no grammar) and still generating, no request
-        waiting for a row or cancelled, and room in the context. A row that ends with `step` computes one token more,
-        dropped (its cache column gets that token's keys and values, past what the row's prefix holds)."""
-        rows = step.rows
-        if not self.run_ahead or any(r is not None and (r.done or not r.params.plain_greedy or r.matcher)
-                                     for r in rows):
-            return None  # a row that has ended needs the next round to take it out
-        with self._lock:
-            if self._waiting or any(r is not None and r.cancelled for r in rows):
-                return None
-        if all(r is None or len(r.tokens) + 1 >= r.params.max_tokens for r in rows):
-            return None  # every row ends with `step`'s token
-        active = np.array([r is not None for r in rows])
-        positions = np.where(active, step.positions + 1, step.positions).astype(np.int32)
-        if positions[active].max() >= self.context:
-            return None
-        return self._dispatch_decode(rows, step.choice[0], positions)
-
-    def _finish_decode(self, step: DecodeStep) -> None:
-        chosen, finite, routing = self.model.finish_step(step.readback, step.routing,
-                                                         (step.choice, step.finite, step.routing))
-        check_finite_layers(finite, "decode step")
-        self._observe("decode", step.began, sum(r is not None for r in step.rows), routing)
-        for i, request in enumerate(step.rows):
-            if request is not None and not request.done:  # one that ended with the step before drops this token
-                self._accept(request, chosen, i)
-
-    def _spare_column(self, row: int) -> int:
-        """The column a decode step may write in `row`, which generates nothing in it."""
-        occupant = self._rows[row]
-        if occupant is not None:
-            return occupant.prefilled
-        return 0 if self.prefixes is None else self.prefixes.spare_column(row)
 
     def _observe(self, kind: str, began: float, rows: int, routing) -> None:
         if self.observer is not None:
