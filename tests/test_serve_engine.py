@@ -103,9 +103,9 @@ def record_decode_order(engine: ServingEngine) -> list[str]:
     """"dispatch" and "finish" for each decode step the engine dispatches and reads back, in order."""
     events, dispatch, finish = [], engine._dispatch_decode, engine._finish_decode
 
-    def dispatched(*args):
+    def dispatched(*args, **ahead):
         events.append("dispatch")
-        return dispatch(*args)
+        return dispatch(*args, **ahead)
 
     def finished(step):
         events.append("finish")
@@ -116,10 +116,11 @@ def record_decode_order(engine: ServingEngine) -> list[str]:
 
 
 @pytest.mark.parametrize("cache", [None, 4])
-def test_plain_greedy_decode_steps_run_ahead_of_their_read_back(cache, model, prompt_ids, default_two_layers):
-    """With no request waiting for a row and every row plain greedy, each decode step is dispatched on the last one's
-    tokens before that one is read back (issue #54 item 3): generate's tokens, and the row that ends first drops the
-    token its row computed past its end. A sampled row makes every step wait for the one before."""
+def test_decode_steps_run_ahead_of_their_read_back(cache, model, prompt_ids, default_two_layers):
+    """With no request waiting for a row and no row's next token needing the host, each decode step is dispatched on
+    the last one's tokens before that one is read back (issue #54 item 3): generate's tokens, and the row that ends
+    first drops the token its row computed past its end; sampled rows draw what they draw waiting for each step (their
+    keys count the token not yet read back). A row whose bias depends on its tokens (bad words) waits for each."""
     if cache is not None:
         model = jmoe.load(default_two_layers, cache=cache, progress=False)
     lengths = [10, 4]
@@ -131,10 +132,21 @@ def test_plain_greedy_decode_steps_run_ahead_of_their_read_back(cache, model, pr
     assert [tokens_of(r) for r in requests] == expected
     assert events.count("dispatch") == events.count("finish") >= 9
     assert ("dispatch", "dispatch") in set(zip(events, events[1:]))  # one dispatched before the last was read back
-    events.clear()
-    sampled = engine.submit(prompt_ids[2], RequestParams(max_tokens=5, temperature=0.7, seed=1))
-    run_until_done(engine, [sampled])
-    assert len(tokens_of(sampled)) == 5 and events == ["dispatch", "finish"] * 4
+    sampling = [RequestParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=seed, logprobs=2) for seed in (1, 2)]
+    drawn = {}
+    for run_ahead in (True, False):
+        engine = ServingEngine(model, max_batch=2, context=64, run_ahead=run_ahead)
+        events = record_decode_order(engine)
+        sampled = [engine.submit(ids, params) for ids, params in zip(prompt_ids[2:], sampling)]
+        run_until_done(engine, sampled)
+        drawn[run_ahead] = [[(e.token, e.logprob) for e in r.events(timeout=0)] for r in sampled]
+        assert (("dispatch", "dispatch") in set(zip(events, events[1:]))) == run_ahead
+    assert drawn[True] == drawn[False]
+    engine = ServingEngine(model, max_batch=2, context=64)
+    events = record_decode_order(engine)
+    banned = engine.submit(prompt_ids[0], RequestParams(max_tokens=5, temperature=0.0, bad_words=((1, 2),)))
+    run_until_done(engine, [banned])
+    assert len(tokens_of(banned)) == 5 and events == ["dispatch", "finish"] * 4
 
 
 def test_a_padded_last_chunk_reaching_past_the_context_writes_only_its_real_tokens(model, prompt_ids):
@@ -300,7 +312,8 @@ def test_plain_greedy_decode_steps_run_no_choice_and_a_later_penalised_request_s
     prompt = prompt_ids[2]
     resets = []
     choose = engine._choose_tokens
-    engine._choose_tokens = lambda logits, requests, reset: resets.append(reset) or choose(logits, requests, reset)
+    engine._choose_tokens = lambda logits, requests, reset, **ahead: resets.append(reset) or choose(logits, requests,
+                                                                                                     reset, **ahead)
     try:
         plain = [engine.submit(prompt, greedy(12)), engine.submit(prompt_ids[0], greedy(12))]
         run_until_done(engine, plain)

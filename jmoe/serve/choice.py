@@ -33,9 +33,10 @@ class ChoiceArrays(NamedTuple):
 
 
 def choice_arrays(requests: list, max_batch: int, vocab_size: int, eos: frozenset[int],
-                  biased: bool) -> tuple[ChoiceArrays, float]:
+                  biased: bool, ahead: int = 0) -> tuple[ChoiceArrays, float]:
     """The arrays of a step whose entries are `requests` (engine Requests, None = padding), and the seconds the
-    grammars' masks took."""
+    grammars' masks took. `ahead`: tokens each request gets before this step's that it does not hold yet (1 for a
+    step dispatched before the last is read back; they count in the token index its sampling key is drawn with)."""
     n = len(requests)
     temperature, presence, frequency, min_p = (np.zeros(n, np.float32) for _ in range(4))
     top_p, repetition = np.ones(n, np.float32), np.ones(n, np.float32)
@@ -50,7 +51,7 @@ def choice_arrays(requests: list, max_batch: int, vocab_size: int, eos: frozense
         p = request.params
         temperature[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
         presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        seeds[i], indices[i], rows[i] = request.seed, len(request.tokens), request.row
+        seeds[i], indices[i], rows[i] = request.seed, len(request.tokens) + ahead, request.row
         if biased and has_bias(request):
             grammar_seconds += fill_bias(request, bias[i], eos)
     return ChoiceArrays(rows, SamplingArrays(temperature, top_k, top_p), presence, frequency, repetition, min_p,
@@ -62,6 +63,14 @@ def has_bias(request) -> bool:
     bad_words' bans."""
     return request.static_bias is not None or request.matcher is not None \
         or len(request.tokens) < request.params.min_tokens or bool(_bad_words_banned(request))
+
+
+def chosen_without_the_host(request) -> bool:
+    """Whether the token after the request's next one is chosen without the host, whatever the next one is: no grammar,
+    no static bias, no bad words, and min_tokens met by then (a decode step dispatched before the last is read
+    back, jmoe.serve.decoding)."""
+    return (request.matcher is None and request.static_bias is None and not request.params.bad_words
+            and len(request.tokens) + 1 >= request.params.min_tokens)
 
 
 def fill_bias(request, row: np.ndarray, eos: frozenset[int]) -> float:

@@ -1,8 +1,8 @@
 """The serving engine's decode steps (`DecodeSteps`, which jmoe.serve.engine.ServingEngine inherits): the generating
-rows' inputs, the step's dispatch and its read back, and running ahead: while every row is plain greedy (its token
-the argmax of its logits, no grammar) and no request waits for a row, the next decode step is dispatched on this
-one's tokens, still on the device, before this one is read back, so the host's work between steps (the read back,
-the expert manager, detokenising and streaming) overlaps the device's next step (issue #54 item 3).
+rows' inputs, the step's dispatch and its read back, and running ahead: while no row's next token needs the host
+(a grammar's mask, a bias that depends on its tokens) and no request waits for a row, the next decode step is
+dispatched on this one's tokens, still on the device, before this one is read back, so the host's work between steps
+(the read back, the expert manager, detokenising and streaming) overlaps the device's next step (issue #54 item 3).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jmoe.api import check_finite_layers
+from jmoe.serve.choice import chosen_without_the_host
 from jmoe.serve.requests import Request
 
 
@@ -46,7 +47,8 @@ class DecodeSteps:
                               for i, r in enumerate(rows)], np.int32)
         return self._dispatch_decode(rows, tokens, positions)
 
-    def _dispatch_decode(self, rows: list[Request | None], tokens, positions) -> DecodeStep:
+    def _dispatch_decode(self, rows: list[Request | None], tokens, positions, ahead: int = 0) -> DecodeStep:
+        """`ahead`: 1 when the last step's tokens are not read back yet (their count goes into the sampling keys)."""
         active = np.array([r is not None for r in rows])
         furthest = int(positions[active].max()) + 1
         visible = next(v for v in self.visible_buckets if v >= furthest)
@@ -59,17 +61,17 @@ class DecodeSteps:
             # counts are left behind, which only a request with penalties reads, and it resets them when it starts.
             choice = (argmax, None, None, None)
         else:
-            choice = self._choose_tokens(logits, rows, reset=False)
+            choice = self._choose_tokens(logits, rows, reset=False, ahead=ahead)
         return DecodeStep(rows, positions, choice, finite, routing, readback, began)
 
     def _decode_ahead(self, step: DecodeStep) -> DecodeStep | None:
         """The next decode step, dispatched on `step`'s tokens while they are still on the device, when it needs nothing
-        from the host: every row plain greedy (its token the argmax, no grammar) and still generating, no request
-        waiting for a row or cancelled, and room in the context. A row that ends with `step` computes one token more,
-        dropped (its cache column gets that token's keys and values, past what the row's prefix holds)."""
+        from the host: every row still generating and its next token chosen without the host (no grammar, no bias
+        that depends on its tokens: choice.chosen_without_the_host), no request waiting for a row or cancelled, and
+        room in the context. A row that ends with `step` computes one token more, dropped (its cache column gets
+        that token's keys and values, past what the row's prefix holds)."""
         rows = step.rows
-        if not self.run_ahead or any(r is not None and (r.done or not r.params.plain_greedy or r.matcher)
-                                     for r in rows):
+        if not self.run_ahead or any(r is not None and (r.done or not chosen_without_the_host(r)) for r in rows):
             return None  # a row that has ended needs the next round to take it out
         with self._lock:
             if self._waiting or any(r is not None and r.cancelled for r in rows):
@@ -80,7 +82,7 @@ class DecodeSteps:
         positions = np.where(active, step.positions + 1, step.positions).astype(np.int32)
         if positions[active].max() >= self.context:
             return None
-        return self._dispatch_decode(rows, step.choice[0], positions)
+        return self._dispatch_decode(rows, step.choice[0], positions, ahead=1)
 
     def _finish_decode(self, step: DecodeStep) -> None:
         chosen, finite, routing = self.model.finish_step(step.readback, step.routing,

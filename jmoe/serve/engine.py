@@ -63,7 +63,7 @@ class ServingEngine(DecodeSteps):
     `step(kind, seconds, rows, routing)` (routing:
     the step's expert ids, NumPy int [L_moe, entries, T, k], -1 = none) and `finished(request)` methods, called on
     the engine's thread (metrics, logs); run_ahead: decode steps dispatched before the last is read back where they
-    can be (`_decode_ahead`); False waits for each (the same tokens; benchmarks compare the two).
+    can be (jmoe.serve.decoding); False waits for each (the same tokens; benchmarks compare the two).
     """
 
     def __init__(self, model: Model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
@@ -386,14 +386,15 @@ class ServingEngine(DecodeSteps):
         if self.observer is not None:
             self.observer.step(kind, time.perf_counter() - began, rows, routing)
 
-    def _choose_tokens(self, logits, requests: list[Request | None], reset: bool):
-        """The next token of each entry of `logits` [P, V] (requests: P entries, None = padding). Called once the
-        step that makes `logits` is dispatched: the grammars' masks are computed while the device runs it."""
+    def _choose_tokens(self, logits, requests: list[Request | None], reset: bool, ahead: int = 0):
+        """The next token of each entry of `logits` [P, V] (requests: P entries, None = padding; `ahead`: as
+        choice_arrays takes it). Called once the step that makes `logits` is dispatched: the grammars' masks are
+        computed while the device runs it."""
         greedy = all(r is None or r.params.greedy for r in requests)
         biased = any(r is not None and has_bias(r) for r in requests)
         variant = (greedy, True, True) if biased else \
             (greedy, any(r is not None and r.params.logprobs is not None for r in requests), False)
-        args = self.choose_args(logits, requests, reset, biased)
+        args = self.choose_args(logits, requests, reset, biased, ahead=ahead)
         program = self._program(("choose", *variant, len(requests)), self.choose_programs[variant], args)
         choice, self.counts = program(*args)
         return choice
@@ -443,8 +444,9 @@ class ServingEngine(DecodeSteps):
         return params, state, kv_cache, tokens, positions, active
 
     def choose_args(self, logits, requests: list[Request | None], reset: bool, biased: bool = False,
-                    abstract: bool = False) -> tuple:
-        arrays, grammar_seconds = choice_arrays(requests, self.max_batch, self.config.vocab_size, self.eos, biased)
+                    abstract: bool = False, ahead: int = 0) -> tuple:
+        arrays, grammar_seconds = choice_arrays(requests, self.max_batch, self.config.vocab_size, self.eos, biased,
+                                                ahead)
         constrained = sum(r is not None and r.matcher is not None for r in requests)
         if constrained and self.observer is not None and hasattr(self.observer, "grammar"):
             self.observer.grammar(grammar_seconds, constrained)
