@@ -9,6 +9,7 @@ import pytest
 import jmoe
 from jmoe.decode.sampling import SamplingParams
 from jmoe.kernels import ExpertWeights
+from jmoe.offload.engine import steps_run_ahead
 from jmoe.offload.manager import SlotManager
 from jmoe.offload.slots import LayerSlots, copy_wanted
 from test_offload import PROMPTS, first_four_experts
@@ -115,3 +116,19 @@ def test_host_mode_running_ahead_admits_a_step_later(hf_checkpoints):
     for layer in model.stats():
         assert layer["hits"] == 0 + 1 + 2 + 2 + 2
     assert_slots_hold_their_experts(model)
+
+
+@pytest.mark.quick
+def test_the_disk_tier_and_history_prefetch_wait_for_each_step(hf_checkpoints):
+    """A disk tier's rows are written between steps from the step's reads, and history prefetch scores from every
+    token before the step: with either, each step is read back before the next is dispatched, in the engine and in
+    the plan's estimate alike (jmoe.offload.engine.steps_run_ahead)."""
+    from test_plan_estimate import host_budget_for
+    from test_plan_gpu_compile import routing_trace
+
+    directory = hf_checkpoints["olmoe_e8k4_clip"][0]
+    trace = routing_trace(jmoe.load_config(directory))
+    plain, history, tiered = (jmoe.plan(directory, cache=2, **options) for options in (
+        {}, {"prefetch_trace": trace}, {"host_budget_gb": host_budget_for(directory, 2, 4)}))
+    assert [steps_run_ahead(p.placement, p.options) for p in (plain, history, tiered)] == [True, False, False]
+    assert jmoe.load(directory, cache=2, prefetch_trace=trace, progress=False).engine.runs_ahead is False

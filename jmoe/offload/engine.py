@@ -37,6 +37,15 @@ from jmoe.offload.slots import (LayerSlots, Scratch, copy_wanted, device_copy, e
                                 host_compute_misses, prefetch, prefetch_by_score, prefill_experts, put_slot)
 
 
+def steps_run_ahead(placement: Placement, options: OffloadOptions) -> bool:
+    """Whether a step may be dispatched before the last one's after_step (the manager's tables then reach the step
+    after next). Not with a disk tier: after_step writes host rows from the reads the step made, which a step
+    dispatched ahead would be making at the same time (and its in-step reads wait on the same reader). Not with
+    history prefetch: its scores from the tokens before the step (`predict_base`) would miss the last one, and on the
+    GPT-OSS-20B trace (tests/test_history_prefetch.py) its stall-free rate fell from the replay's 0.686 to 0.616."""
+    return not placement.host_rows and options.prefetch_trace is None
+
+
 class EngineState(NamedTuple):
     """Per offloaded layer l with S_l cache slots (layers may differ); M scratch slots shared by all."""
 
@@ -76,6 +85,7 @@ class OffloadEngine(ResidentEngine):
         # layer ahead from disk as each layer routes, instead of copying experts to the device.
         self.history_reads_ahead = bool(placement.host_rows)
         self.read_ahead = options.read_ahead
+        self.runs_ahead = steps_run_ahead(placement, options)
         self.host_experts: list = []  # ExpertWeights of each offloaded layer in pinned host memory, from attach
         self.state = None  # allocated by attach, once the experts' shapes are known
         self._install = jax.jit(self.filled_slots, donate_argnums=(0,))
@@ -250,14 +260,6 @@ class OffloadEngine(ResidentEngine):
         return compute, finish
 
     # ---- between steps ----------------------------------------------------------------------------
-    @property
-    def runs_ahead(self) -> bool:
-        """Not with a disk tier: after_step writes host rows from the reads the step made, which a step dispatched
-        ahead would be making at the same time (and its in-step reads wait on the same reader). Not with history
-        prefetch: its scores from the tokens before the step (`predict_base`) would miss the last one, and on the
-        GPT-OSS-20B trace (tests/test_history_prefetch.py) its stall-free rate fell from the replay's 0.686 to 0.616."""
-        return self.tier is None and self.history is None
-
     def readback(self, state: EngineState):
         return state.slot_of_expert, state.counts
 

@@ -133,8 +133,6 @@ class ExpertParallelEngine:
     E/N experts, with its own manager), traced once for all of them under shard_map; the engine interface of
     jmoe.offload.resident, its state stacked over the devices."""
 
-    runs_ahead = True  # the per-device managers only write tables into the latest state, as the offload engine's
-
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str, mesh: Mesh):
         self.config, self.mesh, self.placement = config, mesh, placement
         self.engines = [make_engine(device_config(config, mesh.devices.size), placement, options, backend)
@@ -142,6 +140,7 @@ class ExpertParallelEngine:
         for engine in self.engines:
             engine.expert_axis = EXPERT_AXIS
         self.offloading = isinstance(self.engines[0], OffloadEngine)
+        self.runs_ahead = self.engines[0].runs_ahead  # one device's engine decides for all (the same options)
         self.sharding = NamedSharding(mesh, P(EXPERT_AXIS))
         self.replicated = NamedSharding(mesh, P())
         self.state = ()

@@ -232,7 +232,7 @@ def estimate(programs: dict, speeds: DeviceSpeeds, *, caches: list[int | None], 
     adds to every step's. `prefill_chunk`: prompt tokens per prefill step of a row (None: the whole prompt in one);
     each chunk streams the offloaded experts, reads the disk and costs the host work once, while the device time is
     the whole prompt program's. `runs_ahead`: decode steps are dispatched ahead of the host's work
-    (OffloadEngine.runs_ahead: not with a disk tier or history prefetch)."""
+    (jmoe.offload.engine.steps_run_ahead: not with a disk tier or history prefetch)."""
     needed = {"decode": programs.get("decode"), "prefill": programs.get("prefill")}
     if any(p is None or not p.cost_analysis for p in needed.values()):
         return None

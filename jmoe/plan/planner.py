@@ -15,6 +15,7 @@ from pathlib import Path
 from jmoe.arguments import check_backend, positive_finite, whole_number
 from jmoe.decode.generation import bucket_batch
 from jmoe.errors import InputError, InsufficientMemoryError
+from jmoe.offload.engine import steps_run_ahead
 from jmoe.offload.options import OffloadOptions
 from jmoe.offload.expert_parallel import device_placement
 from jmoe.offload.placement import Placement
@@ -215,7 +216,7 @@ def plan_with_options(path: str | Path, options: OffloadOptions, *, target=None,
                          least_bytes=needs.device_weight_bytes - resident_experts + needs.kv_bytes,
                          host_param_bytes=host_param_bytes(placement), batch=batch, rows=rows, context=context,
                          hit_rate=hit[0], hit_rate_source=hit[1], notes=assumptions, devices=devices, disk=disk,
-                         prefill_chunk=chunk, runs_ahead=disk is None and options.prefetch_trace is None)
+                         prefill_chunk=chunk, runs_ahead=steps_run_ahead(placement, options))
     if speed is None:
         notes.append("no speed estimate: it needs a target and the programs compiled for it, with their cost "
                      "analysis")
