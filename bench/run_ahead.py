@@ -68,15 +68,25 @@ def stall_free(stats_before: list[dict], stats_after: list[dict]) -> float | Non
     return hits / (hits + misses) if hits + misses else None
 
 
-def part_speed(args, log) -> str:
+def default_models(args):
+    """(label, options, the default model loaded with them) for each of SPEED_SETTINGS (a smoke run's one), each
+    closed once the caller has measured it."""
     directory = default_model(args)
-    lines = ["| setting | tok/s waiting | tok/s ahead | ahead / waiting | device ms/step | host ms/step | of it the "
-             "manager's | bound ms/step | ahead's share of the bound | stall-free waiting | stall-free ahead |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, options in SPEED_SETTINGS.items():
         if args.smoke and label != SMOKE_SPEED_SETTING:
             continue
         model = jmoe.load(directory, progress=False, **options)
+        try:
+            yield label, options, model
+        finally:
+            model.close()
+
+
+def part_speed(args, log) -> str:
+    lines = ["| setting | tok/s waiting | tok/s ahead | ahead / waiting | device ms/step | host ms/step | of it the "
+             "manager's | bound ms/step | ahead's share of the bound | stall-free waiting | stall-free ahead |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, options, model in default_models(args):
         prompt = [model.require_tokenizer().encode(DEFAULT_PROMPT)]
         manager_seconds = timed_after_step(model.engine)
         for run_ahead in WAYS.values():  # compiles both ways' programs (the same ones) and warms up
@@ -103,19 +113,14 @@ def part_speed(args, log) -> str:
                      f"{statistics.median(samples['waiting']['manager']) * 1e3:.2f} | {bound * 1e3:.2f} | "
                      f"{bound / step['ahead']:.0%} | {rates[1]} | {rates[0]} |")
         log(lines[-1])
-        model.close()
     return (f"## Speed: the default model, batch 1, {args.tokens} new tokens, medians of {args.rounds} alternated "
             f"rounds\n\n" + "\n".join(lines) + "\n")
 
 
 def part_serve(args, log) -> str:
     """The serving engine: SERVE_ROWS plain greedy requests of --tokens decoded together, stepped by hand until done."""
-    directory = default_model(args)
     lines = ["| setting | tok/s waiting | tok/s ahead | ahead / waiting |", "|---|---|---|---|"]
-    for label, options in SPEED_SETTINGS.items():
-        if args.smoke and label != SMOKE_SPEED_SETTING:
-            continue
-        model = jmoe.load(directory, progress=False, **options)
+    for label, options, model in default_models(args):
         prompts = [model.require_tokenizer().encode(text) for text in SERVE_PROMPTS]
         engines = {way: ServingEngine(model, max_batch=SERVE_ROWS, context=args.tokens + 64, run_ahead=run_ahead)
                    for way, run_ahead in WAYS.items()}
@@ -135,7 +140,6 @@ def part_serve(args, log) -> str:
         lines.append(f"| {label} | {rate['waiting']:.1f} | {rate['ahead']:.1f} | "
                      f"{rate['ahead'] / rate['waiting']:.2f}x |")
         log(lines[-1])
-        model.close()
     return (f"## Serving engine: {SERVE_ROWS} plain greedy requests of {args.tokens} tokens together (prompts "
             f"included in the time), medians of {args.rounds} alternated rounds\n\n" + "\n".join(lines) + "\n")
 
@@ -153,11 +157,10 @@ def part_policy(args, log) -> str:
         model = jmoe.load(directory, cache=POLICY_CACHE, policy="lfru", miss_mode=mode, progress=False)
         for way, run_ahead in WAYS.items():
             model.set_policy("lfru")
-            routing = TraceRouting(rows, prompt_len=1, config=model.config)
+            before, routing = model.stats(), TraceRouting(rows, prompt_len=1, config=model.config)
             model.generate_detailed([[1]], routing.max_new_tokens, SamplingParams(), routing_override=routing,
                                     run_ahead=run_ahead)
-            lines.append(f"| {mode} | {way} | {stall_free([{'hits': 0, 'misses': 0}] * layers, model.stats()):.4f} "
-                         f"| {replayed:.4f} |")
+            lines.append(f"| {mode} | {way} | {stall_free(before, model.stats()):.4f} | {replayed:.4f} |")
             log(lines[-1])
     return (f"## Policy: GPT-OSS-20B trace, {len(rows)} tokens, {layers} MoE layers, cache {POLICY_CACHE} of "
             f"{experts}, LFRU\n\n" + "\n".join(lines) + "\n")
