@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
+from bench.decode import write_jmoe_checkpoint
+from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 from jmoe.decode.sampling import SamplingParams
 from jmoe.offload.history_prefetch import BEST, best_predictor
 from jmoe.offload.policies import make_policy
@@ -62,7 +63,7 @@ def compare(args) -> None:
     began = time.perf_counter()
     load_before = open("/proc/loadavg").read().split()[:3]
     spec = smoke_spec(TINY_GPTOSS) if args.smoke else TINY_GPTOSS
-    directory = write_random_checkpoint(args.workdir / "gptoss_tiny", "mixtral", **spec)
+    directory = write_jmoe_checkpoint(args.workdir / "gptoss_tiny", {"model_type": "mixtral", **spec}, args.smoke)
     trace = load_trace("gptoss")
     if args.smoke:  # the smoke checkpoint has two MoE layers: the trace's first two drive them
         trace["expert_ids"] = trace["expert_ids"][:, :spec["num_hidden_layers"]]
