@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
-from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result
+from bench.helpers.common import (add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint,
+                                  write_smoke_checkpoint, write_result)
 
 DEVICES = (1, 2, 4)
 SPEC = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -97,7 +98,8 @@ def main() -> None:
         start_load = quiet_start_load("bench.scale", args.allow_load or args.smoke)
         spec = smoke_spec(SPEC) if args.smoke else SPEC
         tokens = 2 if args.smoke else args.tokens
-        path = write_random_checkpoint(args.workdir / ("scale_smoke" if args.smoke else "scale"), "mixtral", **spec)
+        write = write_smoke_checkpoint if args.smoke else write_random_checkpoint  # smoke: no PyTorch to import
+        path = write(args.workdir / ("scale_smoke" if args.smoke else "scale"), "mixtral", **spec)
         prompts = np.random.default_rng(0).integers(0, spec["vocab_size"], (BATCH, PROMPT_LEN)).tolist()
         # smoke: the one-device row of the first table and the widest of the second (every row runs the same code and
         # compiles its own programs)

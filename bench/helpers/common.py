@@ -144,6 +144,28 @@ def write_random_checkpoint(directory: Path, model_type: str, seed: int = 0, **o
     return directory
 
 
+def write_smoke_checkpoint(directory: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+    """write_random_checkpoint's checkpoint for a smoke run, without transformers and PyTorch (importing them was half
+    of bench.scale's smoke run): float32 random tensors from NumPy under the names and shapes of jmoe's layout table,
+    norms of ones. The transformers writer stays covered by the smoke runs that compare against transformers."""
+    from safetensors.numpy import save_file
+
+    from jmoe.checkpoint.hf_layout import expected_tensors
+    from jmoe.config import parse_config
+
+    if (directory / "config.json").is_file():
+        return directory
+    config = {**overrides, "model_type": model_type, "dtype": "float32", "torch_dtype": "float32"}
+    rng = np.random.default_rng(seed)
+    tensors = {name: np.ones(target.hf_shape, np.float32) if "norm" in name
+               else rng.standard_normal(target.hf_shape, np.float32) * 0.02
+               for name, target in expected_tensors(parse_config(config)).items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 def per_expert_copies(experts):
     """One array per expert, copies of the stacked leaves of `experts` (a jmoe.kernels.ExpertWeights): the layout
     of jmoe.kernels.per_expert_views at any expert size (views are made from MIN_EXPERT_BYTES per expert on)."""
