@@ -28,7 +28,7 @@ import numpy as np
 import jmoe
 from bench.decode import COMPARE_MODELS, PROMPT, compare_models
 from bench.helpers.common import (add_smoke_argument, default_model, run_parts, smoke_run, write_random_checkpoint,
-                                  write_result)
+                                  write_result, write_smoke_checkpoint)
 from bench.router_predictor import scored_stream
 from jmoe.decode.sampling import SamplingParams
 from jmoe.eval.metrics import evaluate, pack_windows, padded_batch
@@ -149,8 +149,8 @@ def part_speed(args, log) -> str:
 
 
 def part_random(args, log) -> str:
-    directory = write_random_checkpoint(Path(args.workdir) / "mixtral_215m", seed=0,
-                                        **compare_models(args.smoke)["mixtral"])
+    write = write_smoke_checkpoint if args.smoke else write_random_checkpoint  # smoke: no PyTorch to import
+    directory = write(Path(args.workdir) / "mixtral_215m", seed=0, **compare_models(args.smoke)["mixtral"])
     windows = np.random.default_rng(0).integers(0, COMPARE_MODELS["mixtral"]["vocab_size"],
                                                 (SMOKE_WINDOWS, 16) if args.smoke else (8, 128))
     lengths = np.full(len(windows), windows.shape[1])
