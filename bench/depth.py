@@ -37,6 +37,7 @@ from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, smoke_run, 
                                   write_random_checkpoint, write_result)
 
 PARTS = ("generate", "h100", "scan")
+SMOKE_DEPTH = 2  # a smoke run's generate part: one cold start, the code of every depth (a second was ~2 s of CPU)
 # A DeepSeek-V3-shaped model at the shipped model's width, with its vocabulary so that its tokenizer applies.
 DEEPSEEK_SMALL = dict(
     model_type="deepseek_v3", vocab_size=4096, hidden_size=192, intermediate_size=384, moe_intermediate_size=192,
@@ -80,8 +81,9 @@ def first_token(model: Path, workdir: Path) -> dict:
 
 
 def generate_part(args) -> list[str]:
-    if args.smoke:  # the shipped model's first layers: no transformers to import, nothing random to write
-        models = [("default model's first layers", (1, 2), lambda n: first_layers(args.workdir / f"default_{n}", n))]
+    if args.smoke:  # the shipped model's first layers, one depth (each is a cold process): no transformers to import
+        models = [("default model's first layers", (SMOKE_DEPTH,),
+                   lambda n: first_layers(args.workdir / f"default_{n}", n))]
     else:
         models = [(name, depths, lambda n, spec=spec: tokenized_checkpoint(
                    args.workdir / f"{spec['model_type']}_{n}", spec, n))
