@@ -40,8 +40,9 @@ from typing import NamedTuple
 import httpx
 
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
-from bench.decode import COMPARE_MODELS, write_jmoe_checkpoint
-from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_result
+from bench.decode import COMPARE_MODELS
+from bench.helpers.common import (add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result,
+                                  write_smoke_checkpoint)
 from bench.helpers.servers import Server, complete, jmoe_command, metric_delta, transformers_command
 
 # Each engine and its server flags (None: transformers serve).
@@ -114,9 +115,9 @@ def as_ids(text: str) -> list[int]:
 def write_model(directory: Path, smoke: bool) -> Path:
     """bench.decode's random Mixtral (at smoke size, for jmoe's server only, in a smoke run) with the
     one-character-per-id tokenizer."""
-    # jmoe's writer keeps only the keys given: BOS and EOS as transformers' Mixtral config has them (FIRST_WORD_ID).
+    # The smoke writer keeps only the keys given: BOS and EOS as transformers' Mixtral config has them (FIRST_WORD_ID).
     spec = smoke_spec(COMPARE_MODELS["mixtral"], bos_token_id=1, eos_token_id=2) if smoke else COMPARE_MODELS["mixtral"]
-    write_jmoe_checkpoint(directory, spec, smoke)
+    (write_smoke_checkpoint if smoke else write_random_checkpoint)(directory, **spec)
     write_character_tokenizer(directory, spec["vocab_size"])
     return directory
 

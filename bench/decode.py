@@ -45,17 +45,6 @@ SMOKE_COMPARE_MODELS = ("mixtral",)  # a smoke run's compare mode
 MODES = ("compare", "cache", "manager")
 
 
-def write_jmoe_checkpoint(directory: Path, spec: dict, smoke: bool) -> Path:
-    """The random checkpoint of `spec` (model_type and config keys) for a bench that loads it in jmoe only: written by
-    transformers, or in a smoke run by jmoe's own writer (bench.gpu.models.write_checkpoint), since importing
-    transformers with PyTorch was ~5 s of such a smoke run's CPU."""
-    if smoke:
-        from bench.gpu.models import write_checkpoint
-
-        return write_checkpoint(directory, spec, "float32")
-    return write_random_checkpoint(directory, **spec)
-
-
 def compare_models(smoke: bool) -> dict:
     """COMPARE_MODELS, at smoke size for a smoke run."""
     return {name: smoke_spec(spec) for name, spec in COMPARE_MODELS.items()} if smoke else COMPARE_MODELS

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.decode import write_jmoe_checkpoint
-from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_result
+from bench.helpers.common import (add_smoke_argument, smoke_run, smoke_spec, write_random_checkpoint, write_result,
+                                  write_smoke_checkpoint)
 from jmoe.decode.sampling import SamplingParams
 from jmoe.offload.history_prefetch import BEST, best_predictor
 from jmoe.offload.policies import make_policy
@@ -63,7 +63,8 @@ def compare(args) -> None:
     began = time.perf_counter()
     load_before = open("/proc/loadavg").read().split()[:3]
     spec = smoke_spec(TINY_GPTOSS) if args.smoke else TINY_GPTOSS
-    directory = write_jmoe_checkpoint(args.workdir / "gptoss_tiny", {"model_type": "mixtral", **spec}, args.smoke)
+    write = write_smoke_checkpoint if args.smoke else write_random_checkpoint  # a smoke run: no PyTorch to import
+    directory = write(args.workdir / "gptoss_tiny", "mixtral", **spec)
     trace = load_trace("gptoss")
     if args.smoke:  # the smoke checkpoint has two MoE layers: the trace's first two drive them
         trace["expert_ids"] = trace["expert_ids"][:, :spec["num_hidden_layers"]]

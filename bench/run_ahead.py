@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import jmoe
-from bench.decode import write_jmoe_checkpoint
 from bench.decode_trace import DEFAULT_PROMPT
 from bench.engine_replay import TINY_GPTOSS
 from bench.gpu.profile import step_timer
-from bench.helpers.common import add_smoke_argument, default_model, run_parts, smoke_run, smoke_spec, write_result
+from bench.helpers.common import (add_smoke_argument, default_model, run_parts, smoke_run, smoke_spec,
+                                  write_random_checkpoint, write_result, write_smoke_checkpoint)
 from jmoe.decode.sampling import SamplingParams
 from jmoe.offload.policies import make_policy
 from jmoe.serve import RequestParams, ServingEngine
@@ -146,7 +146,8 @@ def part_serve(args, log) -> str:
 
 def part_policy(args, log) -> str:
     spec = smoke_spec(TINY_GPTOSS) if args.smoke else TINY_GPTOSS
-    directory = write_jmoe_checkpoint(args.workdir / "gptoss_tiny", {"model_type": "mixtral", **spec}, args.smoke)
+    write = write_smoke_checkpoint if args.smoke else write_random_checkpoint  # a smoke run: no PyTorch to import
+    directory = write(args.workdir / "gptoss_tiny", "mixtral", **spec)
     trace = load_trace("gptoss")
     trace["expert_ids"] = trace["expert_ids"][:, :spec["num_hidden_layers"]]
     rows = split_trace(trace, None)["eval_ids"][:args.trace_tokens]
