@@ -3,7 +3,7 @@ configs, as header-only checkpoints) for that GPU at the same caches and batch, 
 (its bytes moved per token), and record each estimate's [low, high] next to the measured tokens/s.
 
   python -m bench.plan_calibration [--results bench/results/gpu_check_nvidia_h100_80gb_hbm3.json] [--target h100]
-  python -m bench.plan_calibration --smoke   # one offloaded setting, its model at smoke size, no result file
+  python -m bench.plan_calibration --smoke   # one offloaded setting, its model at smoke size, one layer, no result
 
 Needs the gpu-compile extra (the estimate comes from the programs compiled for the target). Writes
 bench/results/plan_calibration_<target>.md.
@@ -17,11 +17,12 @@ import re
 import tempfile
 from pathlib import Path
 
-from bench.gpu.models import SPEED_MODELS, hf_config
+from bench.gpu.models import SPEED_MODELS, model_config
 from bench.helpers.common import add_smoke_argument, smoke_run, smoke_spec, write_result
 from bench.plan import write_header_only_checkpoint
 
 CONTEXT = 128  # gpu_check's decode: a 32-token prompt and 64 new tokens, in a KV cache of 128 columns
+SMOKE_LAYERS = 1  # a smoke run's model: XLA:GPU compiles every layer on its own, and each adds seconds of CPU
 LABEL = re.compile(r"^(\w+), (resident|cache (\d+)): decode tokens/s$")
 
 
@@ -54,10 +55,12 @@ def calibrate(results_path: Path, target: str, workdir: Path, smoke: bool = Fals
     rows = []
     settings = measured_settings(json.loads(results_path.read_text()))
     for setting in settings[1:2] if smoke else settings:  # smoke: one offloaded setting
-        spec = dict(smoke_spec(SPEED_MODELS[setting["model"]]) if smoke else SPEED_MODELS[setting["model"]])
+        spec = dict(smoke_spec(SPEED_MODELS[setting["model"]], num_hidden_layers=SMOKE_LAYERS) if smoke
+                    else SPEED_MODELS[setting["model"]])
+        # smoke: the config without transformers' defaults (model_config), so no PyTorch to import
+        config = model_config(spec.pop("model_type"), smoke, **spec)
         directory = write_header_only_checkpoint(workdir / setting["model"],
-                                                 {**hf_config(spec.pop("model_type"), **spec), "dtype": "bfloat16",
-                                                  "torch_dtype": "bfloat16"})
+                                                 {**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"})
         measured_hits = None  # resident: no offloaded layer, no hit rate
         if setting["cache"] is not None:  # the placement (no compile) gives the bytes one missed expert moves
             measured_hits = hit_rate(setting, jmoe.plan(directory, setting["cache"], target=target, context=CONTEXT,
