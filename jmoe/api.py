@@ -282,7 +282,9 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         up to 4 experts of the next layer are copied ahead (jmoe.offload.history_prefetch).
     miss_mode: where an expert that is not in a device slot is computed: "fetch" copies its weights to the
         device; "host" computes it on the host where its weights live (only activations cross) and brings
-        it into the cache for later steps in the background. Results are the same either way.
+        it into the cache for later steps in the background; "direct" is "host" with the missed experts computed
+        on a GPU straight from pinned host memory (the expert kernel reads their weights over the host link, no
+        copy into slots first; on other platforms, as "host"). Results are the same every way.
     offload_group_size, offload_num_in_group, offload_prefetch_step: layer-group weight prefetch for
         models whose dense weights do not fit either: in every group of G decoder layers the last N keep
         their weights (those matched by offload_params; without patterns, all non-expert weights) in

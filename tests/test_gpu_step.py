@@ -3,6 +3,7 @@ loop with an unknown trip count beyond one demand-copy loop per offloaded layer,
 engine behaviours behind it (large batches use the cache, float32 partial sums, one set of slot buffers)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,13 @@ def many_experts(tmp_path_factory):
     return directory
 
 
-# (load options, batch): resident; offloaded with demand fetch, with router prefetch, at batch 1 and 8.
+# (load options, batch): resident; offloaded with demand fetch, with router prefetch, at batch 1 and 8; the misses
+# read in place (miss mode "direct").
 H100_DECODES = [
     (dict(backend="auto"), 8),
     (dict(cache=2, backend="pallas"), 1),
     (dict(cache=2, prefetch=1, backend="auto"), 8),
+    (dict(cache=2, miss_mode="direct", backend="auto"), 1),
 ]
 
 
@@ -47,9 +50,14 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     assert decode.error is None, decode.error
     flow = decode.control_flow
     assert flow.conditionals == 0
-    # One demand-copy loop per offloaded layer (the trip count is the number of misses); nothing else.
+    # One copy loop per offloaded layer (the trip count is data: the misses, or with "direct" the planned
+    # admissions); nothing else.
     assert flow.data_dependent_loops == offloaded and flow.host_loops == 0
     assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
+    # "direct": each offloaded layer's two expert kernels (gate-up, down) are handed its pinned-host experts as
+    # they are, with no copy in between; the other modes' kernels read device memory only.
+    direct = options.get("miss_mode") == "direct"
+    assert kernels_reading_host_memory(decode.hlo_text) == (2 * offloaded if direct else 0)
     cfg, placement = plan.config, plan.placement
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
     slot_arrays = {squeezed(shape) for slots in (*placement.caches, placement.scratch) if offloaded
@@ -90,6 +98,14 @@ def test_decode_updates_slot_buffers_in_place(many_experts, options):
     state = model.engine.state
     slot_arrays = {squeezed(leaf.shape) for leaf in jax.tree.leaves((state.buffers, state.scratch))}
     assert slot_arrays and not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode)}
+
+
+def kernels_reading_host_memory(hlo_text: str) -> int:
+    """Triton kernels of a compiled program that take a pinned-host (S(5)) parameter as an operand."""
+    host = set(re.findall(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* parameter\(", hlo_text))
+    calls = [line.split("custom-call(", 1)[1] for line in hlo_text.splitlines()
+             if "__gpu$xla.gpu.triton" in line and "custom-call(" in line]
+    return sum(bool(host & set(re.findall(r"%([^,)\s]+)", call.split(")", 1)[0]))) for call in calls)
 
 
 def squeezed(dims) -> tuple[int, ...]:

@@ -274,6 +274,41 @@ def test_host_miss_mode_and_prefetch_match_resident(name, hf_checkpoints, reside
         assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens, f"cache={cache} prefetch={prefetch}"
 
 
+def test_direct_miss_mode_matches_resident_and_admits_its_misses(hf_checkpoints, resident):
+    """Miss mode "direct" (the device reads missed experts in host memory; on this CPU the host computes them, as
+    "host" does), alone and with prefetch; the manager admits the misses for later steps (hits at decode)."""
+    name = "mixtral_e4k2_gqa2"
+    cfg, ref_logits, ref_tokens = resident(name)
+    k = cfg.num_experts_per_tok
+    for cache, prefetch in ((1, 0), (k, k)):
+        model = jmoe.load(hf_checkpoints[name][0], cache=cache, miss_mode="direct", prefetch=prefetch, progress=False)
+        np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
+        assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens, f"cache={cache} prefetch={prefetch}"
+        assert all(layer["hits"] > 0 for layer in model.stats())
+
+
+def test_the_direct_kernel_computes_the_missed_experts_only():
+    """What miss mode "direct" runs on a GPU (there over the pinned-host experts; here over device arrays, with
+    the Pallas kernel interpreted): the grouped GEMM for the choices of missed experts, the others reading
+    nothing, against the reference kernel on those choices alone."""
+    from jmoe.kernels import ExpertWeights, moe_ffn
+    from jmoe.offload.slots import missed_experts_by_kernel
+
+    rng = np.random.default_rng(0)
+    experts, d, f = 4, 16, 16
+    w_gate_up, w_down = (rng.standard_normal(shape, np.float32) * 0.1 for shape in ((experts, d, 2 * f),
+                                                                                      (experts, f, d)))
+    x = rng.standard_normal((3, d), np.float32)
+    ids = np.array([[0, 2], [3, -1], [2, 1]], np.int32)
+    weights = rng.random((3, 2), np.float32)
+    missing = np.array([False, True, True, False])
+    y = missed_experts_by_kernel(missing, x, ids, weights, ExpertWeights(w_gate_up, w_down), "swiglu")
+    missed = np.where((ids >= 0) & missing[np.maximum(ids, 0)], ids, -1)
+    expected = moe_ffn(x, missed, weights, w_gate_up, w_down, backend="reference", out_dtype=np.float32)
+    assert np.abs(np.asarray(expected)).max() > 0
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), atol=1e-5, rtol=0)
+
+
 def test_host_miss_mode_moves_no_expert_weights_at_decode_without_cache(olmoe_dir):
     """With no cache slots, "fetch" copies every needed expert at each decode step; "host" copies none."""
     moved = {}
@@ -307,7 +342,7 @@ def test_host_miss_mode_admits_misses_into_the_cache_for_later_steps(olmoe_dir):
         assert layer["misses"] == 4 * len(prompt) + 3 + 2 + 2 + 2 + 2
     reference = jmoe.load(olmoe_dir, progress=False)
     assert model.generate(PROMPTS[0], max_new_tokens=12) == reference.generate(PROMPTS[0], max_new_tokens=12)
-    with pytest.raises(jmoe.InputError, match="miss_mode must be one of fetch, host, found 'cpu'"):
+    with pytest.raises(jmoe.InputError, match="miss_mode must be one of fetch, host, direct, found 'cpu'"):
         jmoe.load(olmoe_dir, cache=3, miss_mode="cpu", progress=False)
 
 

@@ -65,7 +65,8 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                         "replay recommends fitted on this routing trace of the model ([tokens, MoE layers, k]); "
                         "with --host-budget-gb it chooses the --read-ahead reads instead")
     g.add_argument("--miss-mode", choices=MISS_MODES, default="fetch",
-                   help="an expert not on the device: 'fetch' copies it in (default), 'host' computes it on the host")
+                   help="an expert not on the device: 'fetch' copies it in (default), 'host' computes it on the host, "
+                        "'direct' has the GPU read its weights in host memory (elsewhere: as 'host')")
     g.add_argument("--offload-group-size", type=int, default=0, metavar="G",
                    help="layer-group weight prefetch: in every G layers, keep the last N layers' weights (those "
                         "matched by --offload-params, else all non-expert ones) on the host (0 = off)")

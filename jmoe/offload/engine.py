@@ -9,9 +9,10 @@ A decode step (one token per row) serves a layer's experts from its cache slots 
 by miss mode: "fetch" copies them in (a copy loop whose trip count is the number of misses; a batch
 that misses more than the scratch slots hold computes the rest on the host); "host" computes them on
 the host and the manager admits them at the start of the next step (`plan`, a loop over the planned
-copies that admit something). History prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) copies
-the experts its rule takes, by a loop per layer; router prefetch a fixed number, unrolled. Longer steps
-(prompts) stream every missing expert through chunked step-local buffers.
+copies that admit something); "direct" is "host" with the device computing them from host memory.
+History prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) copies the experts its rule takes, by a
+loop per layer; router prefetch a fixed number, unrolled. Longer steps (prompts) stream every missing expert
+through chunked step-local buffers.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from jmoe.model import MoELayerView, router_probabilities
 from jmoe.offload.history_prefetch import BEST, HistoryPrefetch, best_predictor
 from jmoe.offload.host_tier import HostTier, disk_experts, write_row
 from jmoe.offload.manager import SlotManager
-from jmoe.offload.options import OffloadOptions
+from jmoe.offload.options import COMPUTED_WHERE_THEY_LIE, OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-from jmoe.offload.slots import (LayerSlots, Scratch, copy_wanted, device_copy, empty_slots, fetch_and_compute,
-                                host_compute_misses, prefetch, prefetch_by_score, prefill_experts, put_slot)
+from jmoe.offload.slots import (LayerSlots, Scratch, compute_misses_where_they_lie, copy_wanted, device_copy,
+                                empty_slots, fetch_and_compute, prefetch, prefetch_by_score, prefill_experts, put_slot)
 
 
 def steps_run_ahead(placement: Placement, options: OffloadOptions) -> bool:
@@ -71,12 +72,13 @@ class OffloadEngine(ResidentEngine):
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str = "auto"):
         super().__init__(config, placement, backend)
         self.prefetch = options.prefetch  # experts per layer copied ahead from the next layer's router guess
-        # "fetch": a missed expert is copied to the device and computed there; "host": computed on the host.
+        # "fetch": a missed expert is copied to the device and computed there; "host": computed on the host;
+        # "direct": computed by the device reading its weights in host memory.
         self.miss_mode = options.miss_mode
         self.layers = placement.offloaded_layers
         self.caches = placement.caches  # cache slots of each offloaded layer
-        # Copies the manager plans per layer and step: host mode admits one of the last step's misses.
-        self.plan_width = 1 if self.miss_mode == "host" else 0
+        # Copies the manager plans per layer and step: host and direct mode admit one of the last step's misses.
+        self.plan_width = 1 if self.miss_mode in COMPUTED_WHERE_THEY_LIE else 0
         self.initial_policy = options.policy
         self._history_predictor = (None if options.prefetch_trace is None
                                    else best_predictor(options.prefetch_trace, config.num_experts))
@@ -238,8 +240,9 @@ class OffloadEngine(ResidentEngine):
                 tier = {"host_rows": state.host_row_of_expert[i], "disk": functools.partial(
                     disk_experts, like=self.host_experts[i], read_expert=functools.partial(self.tier.read_expert, i),
                     kernel=kernel, ahead=read_ahead_guesses(moe_index))}
-            if decode and self.miss_mode == "host":
-                y, counts[i] = host_compute_misses(layer_slots[i], layer.experts, x, ids, weights, kernel=kernel)
+            if decode and self.miss_mode in COMPUTED_WHERE_THEY_LIE:
+                y, counts[i] = compute_misses_where_they_lie(layer_slots[i], layer.experts, x, ids, weights,
+                                                             kernel=kernel, miss_mode=self.miss_mode)
             elif decode:
                 y, layer_slots[i], scratch[0], counts[i] = fetch_and_compute(
                     layer_slots[i], scratch[0], victim_order[i], host, x, ids, weights, kernel=kernel, **tier)

@@ -12,7 +12,10 @@ from jmoe.errors import InputError
 from jmoe.offload.layer_groups import LayerGroups, layer_groups_from
 from jmoe.offload.policies import CachePolicy, policy_factory
 
-MISS_MODES = ("fetch", "host")
+MISS_MODES = ("fetch", "host", "direct")
+# Miss modes that compute a missed expert where its weights lie, in pinned host memory ("host": the host computes
+# it; "direct": the device reads it there), and admit it into the cache by the manager's plan for the next step.
+COMPUTED_WHERE_THEY_LIE = ("host", "direct")
 
 
 def checked_cache(cache):
@@ -126,7 +129,7 @@ class OffloadOptions:
                              "prefetch=N (the router's guess) there, or one device")
         if self.host_budget_gb is not None:
             object.__setattr__(self, "host_budget_gb", positive_finite("host_budget_gb (GB)", self.host_budget_gb))
-            unsupported = [name for name, used in (("miss_mode='host'", self.miss_mode == "host"),
+            unsupported = [name for name, used in ((f"miss_mode={self.miss_mode!r}", self.miss_mode != "fetch"),
                                                    ("prefetch", self.prefetch),
                                                    ("devices/mesh", self.mesh is not None or (self.devices or 1) > 1),
                                                    ("policy='static'", self.policy == "static"))

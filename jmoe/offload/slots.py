@@ -10,7 +10,7 @@ slices of the pinned-host expert arrays.
 
 Control flow, as a GPU sees it: a copy from host memory moves its bytes whether its write is kept or
 dropped, so copies whose number is data run in a loop over the wanted ones only, its trip count their
-number (`copy_wanted`: history prefetch, the manager's planned admissions in miss mode "host"; and the
+number (`copy_wanted`: history prefetch, the manager's planned admissions in miss modes "host" and "direct"; and the
 demand copy loop of a decode step in miss mode "fetch", `fetch_and_compute`). Router prefetch
 (`prefetch`) copies a number known when the step is traced, unrolled (`copy_fixed`): its picks are all
 wanted unless fewer uncached experts or victims than its count exist. No step has a `conditional`.
@@ -384,17 +384,36 @@ def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, 
     return y
 
 
-def host_compute_misses(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *,
-                        kernel: ExpertKernel) -> tuple[jax.Array, StepCounts]:
-    """Miss mode "host", decode path: cached experts run on the device from their slots; every other needed
-    expert runs on the host, where its weights live, so only activations cross the link and the device
-    runs no copy loop. This step's misses are admitted into the cache by the manager's plan for the next
-    step (OffloadEngine), copied as that step starts. Returns float32 y [T, d]."""
+def compute_misses_where_they_lie(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
+                                  miss_mode: str) -> tuple[jax.Array, StepCounts]:
+    """Miss modes "host" and "direct", decode path: cached experts run on the device from their slots; every
+    other needed expert runs where its weights lie (`experts_on_host_where`, `experts_read_in_place`), so the
+    device runs no copy loop for them. This step's misses are admitted into the cache by the manager's plan for
+    the next step (OffloadEngine), copied as that step starts. Returns float32 y [T, d]."""
     num_experts = slots.slot_of_expert.shape[0]
     hits = count_hits(slots.slot_of_expert, ids)
     missing = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0)
-    y = experts_on_host_where(missing, x, ids, weights, host, kernel)
+    misses = experts_read_in_place if miss_mode == "direct" else experts_on_host_where
+    y = misses(missing, x, ids, weights, host, kernel)
     if slots.expert_in_slot.shape[0]:
         y = y + kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, jnp.int32(0), jnp.int32(0))
     return y, counts
+
+
+def experts_read_in_place(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel) -> jax.Array:
+    """float32 [T, d]: the contribution of the experts marked in `missing` (bool [E]), miss mode "direct". On a
+    GPU the Pallas grouped GEMM (Triton) is handed the pinned-host expert arrays as they are (XLA copies nothing
+    first: tests/test_gpu_step.py) and reads the missed experts' weight tiles over the host link: only their
+    bytes, with no copy loop and no host round trip. Elsewhere host and device memory are one RAM, and the host
+    computes them (`experts_on_host_where`)."""
+    return platform_dependent(missing, x, ids, weights, host,
+                              cuda=functools.partial(missed_experts_by_kernel, activation=kernel.activation),
+                              default=functools.partial(experts_on_host_where, kernel=kernel))
+
+
+def missed_experts_by_kernel(missing, x, ids, weights, experts: ExpertWeights, activation: str) -> jax.Array:
+    """float32 [T, d]: the Pallas grouped GEMM over `experts` (all E of them, wherever they are) for the choices
+    of an expert marked in `missing` (bool [E]); the other choices read nothing."""
+    missed = jnp.where(missing[jnp.maximum(ids, 0)] & (ids >= 0), ids, -1)
+    return ExpertKernel("pallas", activation)(x, missed, weights, experts.stacked(), out_dtype=jnp.float32)
