@@ -212,7 +212,7 @@ def offload_settings(num_experts: int, layer_expert_bytes: int) -> list[tuple[st
     from jmoe.offload.host_tier import host_budget_gb_holding
 
     settings = [(f"cache {c}, miss {mode}", dict(cache=c, miss_mode=mode))
-                for c in (0, 2, num_experts - 1, num_experts) for mode in ("fetch", "host")]
+                for c in (0, 2, num_experts - 1, num_experts) for mode in ("fetch", "host", "direct")]
     # The disk tier: experts in no host row are read from the checkpoint inside the step (io_callback).
     disk = [(f"cache {c}, disk tier ({rows} host rows)", dict(cache=c, host_budget_gb=host_budget_gb_holding(
         rows, layer_expert_bytes))) for c, rows in ((0, 1), (2, num_experts // 2))]
