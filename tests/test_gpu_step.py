@@ -3,7 +3,6 @@ loop with an unknown trip count beyond one demand-copy loop per offloaded layer,
 engine behaviours behind it (large batches use the cache, float32 partial sums, one set of slot buffers)."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +56,7 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # "direct": each offloaded layer's two expert kernels (gate-up, down) are handed its pinned-host experts as
     # they are, with no copy in between; the other modes' kernels read device memory only.
     direct = options.get("miss_mode") == "direct"
-    assert kernels_reading_host_memory(decode.hlo_text) == (2 * offloaded if direct else 0)
+    assert flow.triton_kernels_reading_host == (2 * offloaded if direct else 0)
     cfg, placement = plan.config, plan.placement
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
     slot_arrays = {squeezed(shape) for slots in (*placement.caches, placement.scratch) if offloaded
@@ -98,14 +97,6 @@ def test_decode_updates_slot_buffers_in_place(many_experts, options):
     state = model.engine.state
     slot_arrays = {squeezed(leaf.shape) for leaf in jax.tree.leaves((state.buffers, state.scratch))}
     assert slot_arrays and not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode)}
-
-
-def kernels_reading_host_memory(hlo_text: str) -> int:
-    """Triton kernels of a compiled program that take a pinned-host (S(5)) parameter as an operand."""
-    host = set(re.findall(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* parameter\(", hlo_text))
-    calls = [line.split("custom-call(", 1)[1] for line in hlo_text.splitlines()
-             if "__gpu$xla.gpu.triton" in line and "custom-call(" in line]
-    return sum(bool(host & set(re.findall(r"%([^,)\s]+)", call.split(")", 1)[0]))) for call in calls)
 
 
 def squeezed(dims) -> tuple[int, ...]:

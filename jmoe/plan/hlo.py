@@ -17,6 +17,8 @@ _CONDITIONAL = re.compile(r"\sconditional\(")
 _KNOWN_TRIP_COUNT = '"known_trip_count":{"n":"'
 _HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on)
 _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+_HOST_PARAMETER = re.compile(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* parameter\(")
+_OPERAND = re.compile(r"%([^,)\s]+)")
 # A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
 _KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
 _COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:copy|copy-start|fusion)\(")
@@ -36,6 +38,9 @@ class ControlFlow:
     data_dependent_loops: int  # on the device: each iteration waits for the host to read its condition
     host_loops: int  # data-dependent loops that run on the host (host computations), not on the device
     triton_kernels: int  # Pallas kernels lowered to Triton
+    # Of those, the ones handed a pinned-host array as it is: they read host memory over the link (miss mode
+    # "direct"), and XLA copied nothing to the device for them.
+    triton_kernels_reading_host: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -54,7 +59,15 @@ def control_flow(hlo_text: str) -> ControlFlow:
         else:
             data_dependent += 1
     conditionals = sum(1 for line in hlo_text.splitlines() if _CONDITIONAL.search(line))
-    return ControlFlow(conditionals, known, data_dependent, on_host, hlo_text.count(_TRITON_CALL))
+    return ControlFlow(conditionals, known, data_dependent, on_host, hlo_text.count(_TRITON_CALL),
+                       triton_kernels_reading_host(hlo_text))
+
+
+def triton_kernels_reading_host(hlo_text: str) -> int:
+    """Triton kernels whose operands include a pinned-host (memory space S(5)) parameter."""
+    host = set(_HOST_PARAMETER.findall(hlo_text))
+    return sum(bool(host & set(_OPERAND.findall(line.split("custom-call(", 1)[1].split(")", 1)[0])))
+               for line in hlo_text.splitlines() if _TRITON_CALL in line)
 
 
 def kernel_count(hlo_text: str) -> int:
