@@ -307,6 +307,11 @@ def test_the_direct_kernel_computes_the_missed_experts_only():
     expected = moe_ffn(x, missed, weights, w_gate_up, w_down, backend="reference", out_dtype=np.float32)
     assert np.abs(np.asarray(expected)).max() > 0
     np.testing.assert_allclose(np.asarray(y), np.asarray(expected), atol=1e-5, rtol=0)
+    # An expert width Triton cannot tile (40: blocks of 8) is a clear error, not XLA's kernel failing on host arrays.
+    narrow = ExpertWeights(w_gate_up[:, :, :80], w_down[:, :8].repeat(5, axis=1))
+    with pytest.raises(jmoe.InputError, match=r'miss_mode="direct" .* divisible by 16; found hidden size 16, expert '
+                                              r'width 40\. Use miss_mode="host" or "fetch"'):
+        missed_experts_by_kernel(missing, x, ids, weights, narrow, "swiglu")
 
 
 def test_host_miss_mode_moves_no_expert_weights_at_decode_without_cache(olmoe_dir):

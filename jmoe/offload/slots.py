@@ -27,7 +27,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jmoe.errors import InputError
 from jmoe.kernels import ExpertKernel, ExpertWeights
+from jmoe.kernels.pallas_grouped import GPU_MIN_BLOCK, gpu_shapes_supported
 from jmoe.kernels.target import platform_dependent
 from jmoe.memory import to_device
 from jmoe.offload.host_compute import experts_on_host
@@ -415,5 +417,11 @@ def experts_read_in_place(missing, x, ids, weights, host: ExpertWeights, kernel:
 def missed_experts_by_kernel(missing, x, ids, weights, experts: ExpertWeights, activation: str) -> jax.Array:
     """float32 [T, d]: the Pallas grouped GEMM over `experts` (all E of them, wherever they are) for the choices
     of an expert marked in `missing` (bool [E]); the other choices read nothing."""
+    experts = experts.stacked()
+    if not gpu_shapes_supported(experts.w_gate_up, experts.w_down):  # XLA's kernels cannot read host memory
+        raise InputError(f'miss_mode="direct" computes missed experts with the Triton expert kernel, whose blocks '
+                         f'need the hidden size and the expert width divisible by {GPU_MIN_BLOCK}; found hidden size '
+                         f'{x.shape[-1]}, expert width {experts.w_down.shape[1]}. Use miss_mode="host" or "fetch" '
+                         f'for this model')
     missed = jnp.where(missing[jnp.maximum(ids, 0)] & (ids >= 0), ids, -1)
-    return ExpertKernel("pallas", activation)(x, missed, weights, experts.stacked(), out_dtype=jnp.float32)
+    return ExpertKernel("pallas", activation)(x, missed, weights, experts, out_dtype=jnp.float32)
