@@ -259,8 +259,8 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
             else:
                 result.measurements[f"{label}: MB moved per token"] = moved / 1e6
                 if options.get("miss_mode") == "direct":  # read by the expert kernel, over the link, not copied
-                    result.measurements[f"{label}: MB read in place per token"] = (
-                        _misses(model) * model.placement_plan.expert_bytes / per_token / 1e6)
+                    result.measurements[f"{label}: MB read in place per decode token"] = (
+                        decode_misses_per_step(model, tokens) * model.placement_plan.expert_bytes / 1e6)
                 if copy_gbs and resident_step and moved:
                     overlap = 1 - (step - resident_step) / (moved / (copy_gbs * 1e9))
                     result.measurements[f"{label}: copy time overlapped (inferred)"] = min(1.0, max(0.0, overlap))
@@ -314,8 +314,18 @@ def _bytes_moved(model) -> int:
     return sum(layer["bytes_moved"] for layer in model.stats())
 
 
-def _misses(model) -> int:
-    return sum(layer["misses"] for layer in model.stats())
+def decode_misses_per_step(model, tokens: int) -> float:
+    """A generation's missed choices per decode step (batch 1: each is one expert read): its misses less its prompt
+    step's (counted when the first token is seen; prefill streams its misses in, copies counted in bytes moved)."""
+    from jmoe.decode.sampling import SamplingParams
+
+    def misses() -> int:
+        return sum(layer["misses"] for layer in model.stats())
+
+    after_prompt = []
+    result = model.generate_detailed([PROMPT], tokens, SamplingParams(),  # jmoe_decode's length: no new compile
+                                     on_tokens=lambda _: after_prompt or after_prompt.append(misses()))
+    return (misses() - after_prompt[0]) / result.decode_steps
 
 
 def _disk_reads(model) -> int:
