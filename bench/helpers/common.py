@@ -147,7 +147,9 @@ def write_random_checkpoint(directory: Path, model_type: str, seed: int = 0, **o
 def write_smoke_checkpoint(directory: Path, model_type: str, seed: int = 0, **overrides) -> Path:
     """write_random_checkpoint's checkpoint for a smoke run, without transformers and PyTorch (importing them was half
     of bench.scale's smoke run): float32 random tensors from NumPy under the names and shapes of jmoe's layout table,
-    norms of ones. The transformers writer stays covered by the smoke runs that compare against transformers."""
+    norms of ones. The transformers writer stays covered by the smoke runs that compare against transformers.
+    (bench.gpu.models.write_checkpoint also writes without transformers, but draws jmoe.random_model's initialisation
+    for the GPU checks whose tolerances assume it: that starts JAX, ~3.7 s of CPU for a toy Mixtral.)"""
     from safetensors.numpy import save_file
 
     from jmoe.checkpoint.hf_layout import expected_tensors
