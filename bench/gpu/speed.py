@@ -70,10 +70,8 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
                             sharding_for(PINNED_HOST))
     seconds = median_seconds(lambda: jax.block_until_ready(jax.device_put(pieces, sharding_for(DEVICE))), repeats=10)
     result.measurements["jax.device_put of the same bytes, GB/s"] = count * expert_bytes / seconds / 1e9
-    plain_bytes = PLAIN_COPY_BYTES // (64 if small else 1)
-    plain = jax.device_put(np.ones(plain_bytes // 4, np.float32), sharding_for(PINNED_HOST))
-    seconds = median_seconds(lambda: jax.block_until_ready(jax.device_put(plain, sharding_for(DEVICE))), repeats=5)
-    result.measurements[f"plain {plain_bytes >> 20} MiB pinned-host copy, GB/s"] = plain_bytes / seconds / 1e9
+    plain_bytes = plain_copy_bytes(small)
+    result.measurements[f"plain {plain_bytes >> 20} MiB pinned-host copy, GB/s"] = plain_copy_gbs(small)
     result.notes.append(f"{count} experts of {expert_bytes / 2**20:.1f} MiB (bf16 Mixtral-shaped model, first MoE "
                         f"layer) per timed copy; medians of 10 (plain copy: 5) after a warm-up; the in-program "
                         f"copies once with constant expert indices, unrolled, once as a step's miss loop does them "
@@ -88,6 +86,20 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
                         f"(bench/results/gpu_check_h100_2026-11-27.md); the other forms are candidates")
     log("bandwidth done")
     return result
+
+
+def plain_copy_bytes(small: bool) -> int:
+    return PLAIN_COPY_BYTES // (64 if small else 1)
+
+
+def plain_copy_gbs(small: bool) -> float:
+    """The link's peak: GB/s of jax.device_put of one plain pinned-host array to the device (median of 5)."""
+    import jax
+    from jmoe.memory import DEVICE, PINNED_HOST, sharding_for
+
+    size = plain_copy_bytes(small)
+    plain = jax.device_put(np.ones(size // 4, np.float32), sharding_for(PINNED_HOST))
+    return size / median_seconds(lambda: jax.block_until_ready(jax.device_put(plain, sharding_for(DEVICE))), 5) / 1e9
 
 
 ADMISSION_SLOTS, ADMITTED = 2, 2  # a small cache, and a decode step's typical admissions into it
@@ -260,7 +272,7 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
                 result.measurements[f"{label}: MB moved per token"] = moved / 1e6
                 if options.get("miss_mode") == "direct":  # read by the expert kernel, over the link, not copied
                     result.measurements[f"{label}: MB read in place per decode token"] = (
-                        decode_misses_per_step(model, tokens) * model.placement_plan.expert_bytes / 1e6)
+                        decode_step_counts(model, tokens)["misses"] * model.placement_plan.expert_bytes / 1e6)
                 if copy_gbs and resident_step and moved:
                     overlap = 1 - (step - resident_step) / (moved / (copy_gbs * 1e9))
                     result.measurements[f"{label}: copy time overlapped (inferred)"] = min(1.0, max(0.0, overlap))
@@ -277,7 +289,7 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
             else:
                 waited = model.engine.tier.wait_seconds if disk_tier else 0.0
                 with step_timer(model) as times:
-                    _generate(model, tokens)
+                    generate(model, tokens)
                 for part, ms in step_split(times).items():
                     result.measurements[f"{label}: {part}"] = ms
                 if disk_tier:  # the step's wait for reads, against its whole time: the reader or the device?
@@ -285,7 +297,7 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
                     result.measurements[f"{label}: step ms waiting for disk reads"] = waited * 1e3
                 # Traces: the most copying cache, and the disk tier's in-step reads.
                 if name == first_model and (label == most_copying or disk_tier) and budget.left() > generation_s:
-                    summary = traced_steps(lambda: _generate(model, tokens),
+                    summary = traced_steps(lambda: generate(model, tokens),
                                            workdir / "trace" / label.replace(", ", "_").replace(" ", "_"), tokens)
                     top = summary.pop("top device events", [])
                     result.measurements.update({f"{label}, profiled: {key}": value for key, value in summary.items()})
@@ -297,7 +309,7 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
     return result
 
 
-def _generate(model, tokens: int) -> None:
+def generate(model, tokens: int) -> None:
     from jmoe.decode.sampling import SamplingParams
 
     model.generate_detailed([PROMPT], tokens, SamplingParams())  # jmoe_decode's length: no new compile
@@ -314,18 +326,18 @@ def _bytes_moved(model) -> int:
     return sum(layer["bytes_moved"] for layer in model.stats())
 
 
-def decode_misses_per_step(model, tokens: int) -> float:
-    """A generation's missed choices per decode step (batch 1: each is one expert read): its misses less its prompt
-    step's (counted when the first token is seen; prefill streams its misses in, copies counted in bytes moved)."""
+def decode_step_counts(model, tokens: int) -> dict[str, float]:
+    """A generation's misses and bytes copied to the device per decode step (batch 1: a missed choice is one expert
+    read), its prompt step's left out (counted when the first token is seen; prefill streams its misses in)."""
     from jmoe.decode.sampling import SamplingParams
 
-    def misses() -> int:
-        return sum(layer["misses"] for layer in model.stats())
+    def counts() -> dict[str, int]:
+        return {key: sum(layer[key] for layer in model.stats()) for key in ("misses", "bytes_moved")}
 
     after_prompt = []
     result = model.generate_detailed([PROMPT], tokens, SamplingParams(),  # jmoe_decode's length: no new compile
-                                     on_tokens=lambda _: after_prompt or after_prompt.append(misses()))
-    return (misses() - after_prompt[0]) / result.decode_steps
+                                     on_tokens=lambda _: after_prompt or after_prompt.append(counts()))
+    return {key: (value - after_prompt[0][key]) / result.decode_steps for key, value in counts().items()}
 
 
 def _disk_reads(model) -> int:

@@ -1,0 +1,272 @@
+"""Issue #54's decode bound, prepared for a lent GPU: every way jmoe can serve an offloaded decode step, side by
+side in one run, against the bounds the hardware sets, measured in the same run.
+
+  python -m bench.gpu_decode_bound --commit SHA   # on the GPU: about 8 minutes -> bench/results/gpu_decode_bound.json, .md
+  python -m bench.gpu_decode_bound --small        # tiny shapes, the same code paths (runs on CPU)
+  python -m bench.gpu_decode_bound --smoke        # --small with fewer settings, in a temporary directory
+
+XLA_FLAGS take effect when a backend starts, so each flag variant runs in a child process of its own, one after
+another (VARIANTS: XLA's defaults, the latency-hiding scheduler, command buffers that hold loops and conditionals
+on the device). The default variant measures every setting of bench.gpu_check's decode models (Mixtral- and
+DeepSeek-shaped bf16, a few GB): resident, then each cache in miss modes fetch, host and direct; the others the
+first model resident and at its smallest cache (fetch, direct), the settings the flags could change most.
+
+Per setting (batch 1, greedy, --tokens new tokens): decode tokens/s (steps dispatched ahead, generate's default, and
+each step read back first), the device step (dispatch until its outputs are ready) and the host's work after it
+(finish_step), medians; per decode step the bytes copied to the device and, in miss mode "direct", the missed
+experts' bytes the kernel reads over the link. Per variant the link's GB/s (a plain pinned-host copy) and the resident
+step, in the same process. Bounds of an offloaded setting: no overlap = resident step + link bytes / link GB/s;
+overlap = the larger of the two; its share = bound / measured time per token. The default variant's smallest cache is
+traced (jax.profiler): how much of the copies' time overlaps kernels.
+
+A child that dies (an XLA check failure) loses only the setting it was running, recorded as such; the parent starts
+it again for the rest while its share of the time lasts. Results are rewritten after every setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.helpers.common import add_smoke_argument, smoke_run, write_result
+
+BUDGET_SECONDS = 480  # the lent machine's 10 minutes a command, less its start and a margin
+SMOKE_BUDGET_SECONDS = 240  # a bound: a quiet machine's smoke run ends sooner
+VARIANTS = {  # name -> XLA_FLAGS added to the environment's
+    "default": "",
+    "latency-hiding scheduler": "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "command buffers with loops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+}
+SHARES = {"default": 0.6, "latency-hiding scheduler": 0.2, "command buffers with loops": 0.2}  # of the budget
+MISS_MODES = ("fetch", "direct", "host")  # host last: its decode has aborted XLA:GPU before
+ROW_KEYS = ("model", "experts", "cache", "step_ms", "resident_step_ms", "mb_moved_per_token", "link_gbs",
+            "tokens_per_s", "host_ms")  # the issue's fields of a setting, in its order
+
+
+def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
+    """The (model, cache, miss mode) settings a variant measures, resident first (its step is the bound's)."""
+    from bench.gpu.models import speed_models
+    from bench.gpu.speed import caches_for
+
+    out = []
+    models = list(speed_models(small).items())
+    for index, (name, spec) in enumerate(models[:1] if smoke else models):
+        experts = spec.get("num_local_experts", spec.get("n_routed_experts"))
+        caches = caches_for(experts, spec["num_experts_per_tok"], small)
+        everything = variant == "default" and (index == 0 or not smoke)
+        # A smoke run's flag variant: its child starts with the flags and runs a step (the code is the default's).
+        for cache in caches if everything else [None] if smoke else [None, caches[-1]]:
+            modes = ["resident"] if cache is None else MISS_MODES if everything else MISS_MODES[:2]
+            out += [dict(model=name, experts=experts, cache=cache, miss_mode=mode) for mode in modes]
+    return out
+
+
+def label_of(setting: dict) -> str:
+    cache = "resident" if setting["cache"] is None else f"cache {setting['cache']}, {setting['miss_mode']}"
+    return f"{setting['model']}, {cache}"
+
+
+def bounds(row: dict) -> dict:
+    """No-overlap and overlap bounds of a setting, ms per token, and the measured time's share of each."""
+    if row["cache"] is None or not row.get("link_gbs") or row.get("resident_step_ms") is None:
+        return {}
+    link_ms = row["mb_over_link_per_token"] / row["link_gbs"]  # MB / (GB/s) = ms
+    measured_ms = 1e3 / row["tokens_per_s"]
+    no_overlap, overlap = row["resident_step_ms"] + link_ms, max(row["resident_step_ms"], link_ms)
+    return {"link_ms": link_ms, "no_overlap_bound_ms": no_overlap, "overlap_bound_ms": overlap,
+            "share_of_no_overlap_bound": no_overlap / measured_ms, "share_of_overlap_bound": overlap / measured_ms}
+
+
+# ---- the child: one variant's settings, in the process its XLA_FLAGS started ----
+
+def measure(setting: dict, directory: Path, tokens: int, trace_dir: Path | None) -> dict:
+    """One setting loaded afresh: tokens/s both ways, the step / host split and the link traffic of its decode
+    steps, and with `trace_dir` a profile of one more generation."""
+    import jmoe
+    from bench.decode import jmoe_decode
+    from bench.gpu.profile import step_split, step_timer, traced_steps
+    from bench.gpu.speed import decode_step_counts, generate
+
+    cache = setting["cache"]
+    options = {} if cache is None else {"cache": cache, "miss_mode": setting["miss_mode"]}
+    model = jmoe.load(directory, progress=False, check_finite=False, **options)
+    row = dict(setting, tokens_per_s=jmoe_decode(model, tokens)[0])
+    if cache is not None and model.engine.runs_ahead:
+        row["tokens_per_s_read_back_first"] = jmoe_decode(model, tokens, run_ahead=False)[0]
+    with step_timer(model) as times:
+        counts = decode_step_counts(model, tokens)
+    split = step_split(times)
+    row.update(step_ms=split["step ms"], host_ms=split["host ms"], mb_moved_per_token=counts["bytes_moved"] / 1e6)
+    read_in_place = counts["misses"] * model.placement_plan.expert_bytes if setting["miss_mode"] == "direct" else 0
+    row["mb_read_in_place_per_token"] = read_in_place / 1e6
+    row["mb_over_link_per_token"] = row["mb_moved_per_token"] + row["mb_read_in_place_per_token"]
+    if trace_dir is not None:
+        summary = traced_steps(lambda: generate(model, tokens), trace_dir, tokens)
+        row["profile"] = {key: value for key, value in summary.items() if key != "top device events"}
+        row["profile_top_events"] = summary.get("top device events", [])
+    model.close()
+    return row
+
+
+def run_variant(args) -> None:
+    """Measure args.child's settings not yet in its results file, rewriting the file after each (the parent reads
+    it; a setting named as running when the process died is the one that killed it)."""
+    import jax
+
+    from bench.gpu.speed import plain_copy_gbs, speed_checkpoint
+
+    path = results_path(args.workdir, args.child)
+    state = json.loads(path.read_text()) if path.exists() else {
+        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": [], "died_in": []}
+    if state.get("running"):  # the last process died in it
+        state["died_in"].append(state.pop("running"))
+    state.setdefault("link_gbs", plain_copy_gbs(args.small))
+    done = {label_of(row) for row in state["rows"]} | set(state["died_in"])
+    resident = {row["model"]: row["step_ms"] for row in state["rows"] if row["cache"] is None}
+    traced = False
+    for setting in settings_of(args.child, args.small, args.smoke):
+        label = label_of(setting)
+        if label in done:
+            continue
+        if time.time() > args.deadline:
+            break
+        state["running"] = label
+        path.write_text(json.dumps(state, indent=1))
+        print(f"  running: {args.child}: {label}", file=sys.stderr, flush=True)
+        trace = (args.child == "default" and not traced and setting["cache"] is not None
+                 and setting["miss_mode"] == "fetch")
+        directory = speed_checkpoint(args.workdir, setting["model"], args.small)
+        row = measure(setting, directory, args.tokens, args.workdir / "trace" / label.replace(", ", "_") if trace
+                      else None)
+        traced = traced or trace
+        row.update(link_gbs=state["link_gbs"], resident_step_ms=resident.get(setting["model"]))
+        if setting["cache"] is None:
+            resident[setting["model"]] = row["step_ms"]
+        state["rows"].append({**row, **bounds(row)})
+        state.pop("running")
+        path.write_text(json.dumps(state, indent=1))
+
+
+def results_path(workdir: Path, variant: str) -> Path:
+    return workdir / f"decode_bound_{variant.replace(' ', '_')}.json"
+
+
+# ---- the parent: the variants one after another, then the report ----
+
+def run_all(args) -> dict[str, dict]:
+    """Each variant's results, its child started again after a death while its share of the budget lasts."""
+    began, allotted, results = time.time(), 0.0, {}
+    for variant in VARIANTS if not args.smoke else ("default", "command buffers with loops"):
+        allotted += SHARES[variant]
+        deadline = max(time.time() + SHARES[variant] * args.budget_s, began + allotted * args.budget_s)
+        deadline = min(deadline, began + args.budget_s)
+        path = results_path(args.workdir, variant)
+        path.unlink(missing_ok=True)
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {VARIANTS[variant]}".strip()}
+        command = [sys.executable, "-m", "bench.gpu_decode_bound", "--child", variant, "--workdir", str(args.workdir),
+                   "--tokens", str(args.tokens), "--deadline", str(deadline)] + ["--small"] * args.small + [
+                   "--smoke"] * args.smoke
+        exits = []
+        while time.time() < deadline:
+            try:
+                exits.append(subprocess.run(command, env=env, timeout=deadline + 60 - time.time()).returncode)
+            except subprocess.TimeoutExpired:
+                exits.append("killed at its deadline")
+            state = json.loads(path.read_text()) if path.exists() else {}
+            if exits[-1] == 0 or not state.get("running"):  # finished, out of time, or died before a setting
+                break
+        results[variant] = {**(json.loads(path.read_text()) if path.exists() else {"rows": []}), "exits": exits}
+    return results
+
+
+def report(args, results: dict[str, dict]) -> tuple[dict, str]:
+    """The issue's JSON (the shipped variant's settings: XLA's default flags, fetch, run-ahead) and the Markdown of
+    every variant."""
+    default = results.get("default", {})
+    shipped = [{key: row.get(key) for key in ROW_KEYS} for row in default.get("rows", [])
+               if row["cache"] is None or row["miss_mode"] == "fetch"]
+    payload = {"date": datetime.date.today().isoformat(), "commit": args.commit, "device": default.get("device"),
+               "jax": default.get("jax"), "settings": shipped, "variants": results}
+    lines = [f"Device `{default.get('device')}` (jax {default.get('jax')}), commit {args.commit}, {args.tokens} decode "
+             f"tokens a setting, budget {args.budget_s:.0f} s" + (" (small: tiny shapes, the logic only)"
+                                                                   if args.small else ""), ""]
+    for variant, result in results.items():
+        lines += [f"## {variant}", "", f"XLA_FLAGS `{result.get('xla_flags', '')}`; link {fmt(result.get('link_gbs'))} "
+                  f"GB/s (plain pinned-host copy); child exits {result['exits']}"
+                  + (f"; **died in** {', '.join(result['died_in'])}" if result.get("died_in") else ""), "",
+                  "| setting | tokens/s | read back first | step ms | host ms | MB copied / token | MB read in place "
+                  "| bound, no overlap ms | share | bound, overlap ms | share |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in result.get("rows", []):
+            lines.append(f"| {label_of(row)} | " + " | ".join(fmt(row.get(key)) for key in (
+                "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "host_ms", "mb_moved_per_token",
+                "mb_read_in_place_per_token", "no_overlap_bound_ms", "share_of_no_overlap_bound", "overlap_bound_ms",
+                "share_of_overlap_bound")) + " |")
+        for row in result.get("rows", []):
+            if "profile" in row:
+                lines += ["", f"Profile of {label_of(row)}: " + ", ".join(
+                    f"{key} {fmt(value)}" for key, value in row["profile"].items())]
+                lines += [f"- {event}" for event in row["profile_top_events"]]
+        lines.append("")
+    lines += ["Bounds: no overlap = resident step + link bytes / link GB/s; overlap = the larger of the two; share = "
+              "bound / measured ms per token (1000 / tokens/s, steps dispatched ahead). Link bytes per decode token: "
+              "the copies to the device plus, in miss mode direct, the missed experts the kernel reads in host memory. "
+              "Host mode computes its misses on the host: its bound counts only its admissions' copies."]
+    return payload, "\n".join(lines) + "\n"
+
+
+def fmt(value) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def head_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout: pass --commit)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_decode_bound", description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="tiny shapes: the same code paths, runs on CPU")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"wall-clock budget (default {BUDGET_SECONDS} s; {SMOKE_BUDGET_SECONDS} s with --smoke)")
+    p.add_argument("--tokens", type=int, default=None, help="decode tokens per measurement (default 64; small 4)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_gpu_check"),
+                   help="where the random checkpoints are written (bench.gpu_check's, reused)")
+    p.add_argument("--commit", default=None, help="the commit measured, 40 hex (default: git rev-parse HEAD)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a variant's process
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    add_smoke_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.small = args.small or args.smoke
+    args.tokens = args.tokens or (4 if args.small else 64)
+    if args.child is not None:
+        run_variant(args)
+        return 0
+    args.budget_s = args.budget_s or (SMOKE_BUDGET_SECONDS if args.smoke else BUDGET_SECONDS)
+    args.commit = args.commit or head_commit()
+    with smoke_run(args):
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        payload, text = report(args, run_all(args))
+        name = "gpu_decode_bound_small.md" if args.small else "gpu_decode_bound.md"
+        path = write_result(name, "Offloaded decode against its bound, every variant", text)
+        path.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+        print(path.with_suffix(".json").read_text() if args.smoke else path)
+    died = [variant for variant, result in payload["variants"].items() if result.get("died_in")]
+    return 1 if died and args.small else 0  # on a CPU nothing may die; on a GPU a death is a result, recorded
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench.gpu_decode_bound's arithmetic and choices, without running a model (its smoke run is in
+tests/test_bench_smoke.py): the bounds of issue #54, which settings each variant measures, and the JSON's fields."""
+
+import argparse
+
+import pytest
+
+from bench.gpu_decode_bound import ROW_KEYS, bounds, report, settings_of
+
+
+@pytest.mark.quick
+def test_bounds_add_or_overlap_the_resident_step_and_the_link_time():
+    row = dict(cache=2, link_gbs=50.0, resident_step_ms=2.0, mb_over_link_per_token=150.0, tokens_per_s=100.0)
+    out = bounds(row)
+    assert out["link_ms"] == pytest.approx(3.0)  # 150 MB at 50 GB/s
+    assert out["no_overlap_bound_ms"] == pytest.approx(5.0) and out["overlap_bound_ms"] == pytest.approx(3.0)
+    assert out["share_of_no_overlap_bound"] == pytest.approx(0.5)  # 5 ms of the 10 ms a token took
+    assert out["share_of_overlap_bound"] == pytest.approx(0.3)
+    assert bounds({**row, "cache": None}) == {} and bounds({**row, "resident_step_ms": None}) == {}
+
+
+def test_the_default_variant_measures_every_cache_and_miss_mode_resident_first():
+    default = settings_of("default", small=True, smoke=False)
+    flags = settings_of("latency-hiding scheduler", small=True, smoke=False)
+    for settings in (default, flags):
+        for model in {s["model"] for s in settings}:
+            mine = [s for s in settings if s["model"] == model]
+            assert mine[0]["cache"] is None and all(s["cache"] is not None for s in mine[1:])
+    assert {s["miss_mode"] for s in default if s["cache"] is not None} == {"fetch", "host", "direct"}
+    assert {s["miss_mode"] for s in flags if s["cache"] is not None} == {"fetch", "direct"}  # host aborted XLA before
+    assert [s["miss_mode"] for s in default if s["cache"] is not None][-1] == "host"  # last: a death costs nothing else
+
+
+def test_the_json_carries_the_issues_fields_for_the_shipped_variant_only():
+    rows = [dict(model="m", experts=8, cache=None, miss_mode="resident", step_ms=1.0, tokens_per_s=900.0, host_ms=0.1,
+                 mb_moved_per_token=0.0, link_gbs=50.0, resident_step_ms=None),
+            *[dict(model="m", experts=8, cache=2, miss_mode=mode, step_ms=3.0, tokens_per_s=300.0, host_ms=0.5,
+                   mb_moved_per_token=40.0, link_gbs=50.0, resident_step_ms=1.0) for mode in ("fetch", "direct")]]
+    args = argparse.Namespace(commit="a" * 40, tokens=4, budget_s=60.0, small=True)
+    payload, text = report(args, {"default": {"device": "cpu", "jax": "0", "rows": rows, "exits": [0]}})
+    assert payload["commit"] == "a" * 40 and {"date", "device", "jax", "settings"} <= set(payload)
+    assert [s["cache"] for s in payload["settings"]] == [None, 2]  # resident and fetch: what ships today
+    assert all(list(s) == list(ROW_KEYS) for s in payload["settings"])
+    assert "m, cache 2, direct" in text
