@@ -1,15 +1,19 @@
 """Issue #54's decode bound, prepared for a lent GPU: every way jmoe can serve an offloaded decode step, side by
 side in one run, against the bounds the hardware sets, measured in the same run.
 
-  python -m bench.gpu_decode_bound --commit SHA   # on the GPU: about 8 minutes -> bench/results/gpu_decode_bound.json, .md
+  python -m bench.gpu_decode_bound --commit SHA   # on the GPU, 9 minutes -> bench/results/gpu_decode_bound.json, .md
   python -m bench.gpu_decode_bound --small        # tiny shapes, the same code paths (runs on CPU)
   python -m bench.gpu_decode_bound --smoke        # --small with fewer settings, in a temporary directory
 
-XLA_FLAGS take effect when a backend starts, so each flag variant runs in a child process of its own, one after
+XLA_FLAGS take effect when a backend starts, so each variant runs in a child process of its own, one after
 another (VARIANTS: XLA's defaults, the latency-hiding scheduler, command buffers that hold loops and conditionals
 on the device). The default variant measures every setting of bench.gpu_check's decode models (Mixtral- and
 DeepSeek-shaped bf16, a few GB): resident, then each cache in miss modes fetch, host and direct; the others the
-first model resident and at its smallest cache (fetch, direct), the settings the flags could change most.
+first model resident and at its smallest cache (fetch, direct), the settings the flags could change most. The
+last, issue #54 item 7: a GPT-OSS-120B-shaped model with MXFP4 experts (about 61 GB), built in memory with random
+weights (bench.gpu.in_memory: the lent machine's disk could not hold its checkpoint), resident on the device, then with
+what a 24 GB card holds there (device_budget_gb) in each miss mode; jmoe.plan's estimate for it is made afterwards on
+a CPU from the hit rate recorded here (bench.plan_calibration's way), so no GPU time goes to compiling for a target.
 
 Per setting (batch 1, greedy, --tokens new tokens): decode tokens/s (steps dispatched ahead, generate's default, and
 each step read back first), the device step (dispatch until its outputs are ready) and the host's work after it
@@ -35,25 +39,37 @@ import time
 from pathlib import Path
 
 from bench.helpers.common import add_smoke_argument, smoke_run, write_result
+from jmoe.plan.resources import PINNED_POOL_ENV
 
-BUDGET_SECONDS = 480  # the lent machine's 10 minutes a command, less its start and a margin
+BIG = "gpt-oss-120b shape"  # issue #54 item 7: built in memory (bench.gpu.in_memory), experts past a 24 GB budget
+BIG_BUDGET_GB = 24.0  # what a 24 GB card holds on the device (the small run: a third of the experts cached instead)
+BIG_PINNED_POOL_GB = 100  # its ~61 GB of MXFP4 experts need more than XLA's default 64 GiB pinned-host pool
+BUDGET_SECONDS = 540  # the lent machine's 10 minutes a command, less a margin
 SMOKE_BUDGET_SECONDS = 240  # a bound: a quiet machine's smoke run ends sooner
 VARIANTS = {  # name -> XLA_FLAGS added to the environment's
     "default": "",
     "latency-hiding scheduler": "--xla_gpu_enable_latency_hiding_scheduler=true",
     "command buffers with loops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+    BIG: "",
 }
-SHARES = {"default": 0.6, "latency-hiding scheduler": 0.2, "command buffers with loops": 0.2}  # of the budget
+SHARES = {"default": 0.4, "latency-hiding scheduler": 0.125, "command buffers with loops": 0.125, BIG: 0.35}
 MISS_MODES = ("fetch", "direct", "host")  # host last: its decode has aborted XLA:GPU before
 ROW_KEYS = ("model", "experts", "cache", "step_ms", "resident_step_ms", "mb_moved_per_token", "link_gbs",
             "tokens_per_s", "host_ms")  # the issue's fields of a setting, in its order
 
 
 def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
-    """The (model, cache, miss mode) settings a variant measures, resident first (its step is the bound's)."""
+    """The (model, cache, miss mode) settings a variant measures, each model resident first (its step is the
+    bound's)."""
     from bench.gpu.models import speed_models
     from bench.gpu.speed import caches_for
 
+    if variant == BIG:
+        experts = big_config(small)["num_local_experts"]
+        offloaded = {"cache": experts // 3} if small else {"cache": None, "device_budget_gb": BIG_BUDGET_GB}
+        return [dict(model=BIG, experts=experts, cache=None, miss_mode="resident"),
+                *[dict(model=BIG, experts=experts, miss_mode=mode, **offloaded)
+                  for mode in (MISS_MODES[:1] if smoke else MISS_MODES)]]
     out = []
     models = list(speed_models(small).items())
     for index, (name, spec) in enumerate(models[:1] if smoke else models):
@@ -67,14 +83,27 @@ def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
     return out
 
 
+def big_config(small: bool) -> dict:
+    """GPT-OSS-120B's config (bench.plan's, its published shape), or a toy GPT-OSS whose widths MXFP4 can block."""
+    from bench.gpu.models import FAMILY_CASES, model_config
+    from bench.plan import MODELS
+
+    if not small:
+        return MODELS["gpt-oss-120b"]
+    return model_config("gpt_oss", True, **{**FAMILY_CASES["gpt_oss"], "vocab_size": 256})  # bench.decode's prompt ids
+
+
 def label_of(setting: dict) -> str:
-    cache = "resident" if setting["cache"] is None else f"cache {setting['cache']}, {setting['miss_mode']}"
-    return f"{setting['model']}, {cache}"
+    if setting["miss_mode"] == "resident":
+        return f"{setting['model']}, resident"
+    where = (f"device budget {setting['device_budget_gb']:g} GB" if setting.get("device_budget_gb")
+             else f"cache {setting['cache']}")
+    return f"{setting['model']}, {where}, {setting['miss_mode']}"
 
 
 def bounds(row: dict) -> dict:
     """No-overlap and overlap bounds of a setting, ms per token, and the measured time's share of each."""
-    if row["cache"] is None or not row.get("link_gbs") or row.get("resident_step_ms") is None:
+    if row["miss_mode"] == "resident" or not row.get("link_gbs") or row.get("resident_step_ms") is None:
         return {}
     link_ms = row["mb_over_link_per_token"] / row["link_gbs"]  # MB / (GB/s) = ms
     measured_ms = 1e3 / row["tokens_per_s"]
@@ -85,24 +114,56 @@ def bounds(row: dict) -> dict:
 
 # ---- the child: one variant's settings, in the process its XLA_FLAGS started ----
 
-def measure(setting: dict, directory: Path, tokens: int, trace_dir: Path | None) -> dict:
-    """One setting loaded afresh: tokens/s both ways, the step / host split and the link traffic of its decode
-    steps, and with `trace_dir` a profile of one more generation."""
-    import jmoe
+class Models:
+    """A child's models: gpu_check's checkpoints loaded afresh for each setting; the big shape built in memory once
+    per placement (the miss modes share its parameters, each with an engine of its own)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.built, self.built_for = None, None
+
+    def load(self, setting: dict):
+        resident = setting["miss_mode"] == "resident"
+        placing = {} if resident else {key: setting[key] for key in ("cache", "device_budget_gb") if setting.get(key)}
+        if setting["model"] != BIG:
+            import jmoe
+            from bench.gpu.speed import speed_checkpoint
+
+            directory = speed_checkpoint(self.args.workdir, setting["model"], self.args.small)
+            return jmoe.load(directory, progress=False, check_finite=False, **placing,
+                             **({} if resident else {"miss_mode": setting["miss_mode"]}))
+        if self.built_for != placing:
+            import gc
+
+            from bench.gpu.in_memory import InMemoryModel
+
+            self.built = None
+            gc.collect()  # the last placement's arrays go before the next are made
+            self.built = InMemoryModel(big_config(self.args.small), expert_dtype="mxfp4", **placing)
+            self.built_for = placing
+        return self.built.model(None if resident else setting["miss_mode"])
+
+
+def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
+    """One setting: tokens/s both ways, the step / host split, hit rate and link traffic of its decode steps, and
+    with `trace_dir` a profile of one more generation."""
     from bench.decode import jmoe_decode
     from bench.gpu.profile import step_split, step_timer, traced_steps
     from bench.gpu.speed import decode_step_counts, generate
 
-    cache = setting["cache"]
-    options = {} if cache is None else {"cache": cache, "miss_mode": setting["miss_mode"]}
-    model = jmoe.load(directory, progress=False, check_finite=False, **options)
+    offloaded = setting["miss_mode"] != "resident"
     row = dict(setting, tokens_per_s=jmoe_decode(model, tokens)[0])
-    if cache is not None and model.engine.runs_ahead:
-        row["tokens_per_s_read_back_first"] = jmoe_decode(model, tokens, run_ahead=False)[0]
+    if offloaded:
+        caches = list(model.placement_plan.caches)
+        row.update(cache=max(set(caches), key=caches.count), caches=model.placement_plan.describe_caches())
+        if model.engine.runs_ahead:
+            row["tokens_per_s_read_back_first"] = jmoe_decode(model, tokens, run_ahead=False)[0]
     with step_timer(model) as times:
         counts = decode_step_counts(model, tokens)
     split = step_split(times)
     row.update(step_ms=split["step ms"], host_ms=split["host ms"], mb_moved_per_token=counts["bytes_moved"] / 1e6)
+    if offloaded:
+        row["hit_rate"] = counts["hits"] / max(counts["hits"] + counts["misses"], 1e-9)
     read_in_place = counts["misses"] * model.placement_plan.expert_bytes if setting["miss_mode"] == "direct" else 0
     row["mb_read_in_place_per_token"] = read_in_place / 1e6
     row["mb_over_link_per_token"] = row["mb_moved_per_token"] + row["mb_read_in_place_per_token"]
@@ -116,21 +177,25 @@ def measure(setting: dict, directory: Path, tokens: int, trace_dir: Path | None)
 
 def run_variant(args) -> None:
     """Measure args.child's settings not yet in its results file, rewriting the file after each (the parent reads
-    it; a setting named as running when the process died is the one that killed it)."""
+    it; a setting named as running when the process died is the one that killed it). A setting that raises is
+    recorded with its error, and the next one runs."""
+    import traceback
+
     import jax
 
-    from bench.gpu.speed import plain_copy_gbs, speed_checkpoint
+    from bench.gpu.speed import plain_copy_gbs
 
     path = results_path(args.workdir, args.child)
     state = json.loads(path.read_text()) if path.exists() else {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": [], "died_in": []}
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": [], "died_in": [], "failed": {}}
     if state.get("running"):  # the last process died in it
         state["died_in"].append(state.pop("running"))
     state.setdefault("link_gbs", plain_copy_gbs(args.small))
-    done = {label_of(row) for row in state["rows"]} | set(state["died_in"])
-    resident = {row["model"]: row["step_ms"] for row in state["rows"] if row["cache"] is None}
-    traced = False
+    path.write_text(json.dumps(state, indent=1))
+    done = {label_of(row) for row in state["rows"]} | set(state["died_in"]) | set(state["failed"])
+    resident = {row["model"]: row["step_ms"] for row in state["rows"] if row["miss_mode"] == "resident"}
+    models, traced = Models(args), False
     for setting in settings_of(args.child, args.small, args.smoke):
         label = label_of(setting)
         if label in done:
@@ -140,16 +205,19 @@ def run_variant(args) -> None:
         state["running"] = label
         path.write_text(json.dumps(state, indent=1))
         print(f"  running: {args.child}: {label}", file=sys.stderr, flush=True)
-        trace = (args.child == "default" and not traced and setting["cache"] is not None
-                 and setting["miss_mode"] == "fetch")
-        directory = speed_checkpoint(args.workdir, setting["model"], args.small)
-        row = measure(setting, directory, args.tokens, args.workdir / "trace" / label.replace(", ", "_") if trace
-                      else None)
-        traced = traced or trace
-        row.update(link_gbs=state["link_gbs"], resident_step_ms=resident.get(setting["model"]))
-        if setting["cache"] is None:
-            resident[setting["model"]] = row["step_ms"]
-        state["rows"].append({**row, **bounds(row)})
+        trace = args.child == "default" and not traced and setting["miss_mode"] == "fetch"
+        try:
+            row = measure(setting, models.load(setting), args.tokens,
+                          args.workdir / "trace" / label.replace(", ", "_") if trace else None)
+        except Exception as error:  # recorded: one broken setting must not cost the others a lent GPU's time
+            traceback.print_exc()
+            state["failed"][label] = f"{type(error).__name__}: {error}"[:600]
+        else:
+            traced = traced or trace
+            row.update(link_gbs=state["link_gbs"], resident_step_ms=resident.get(setting["model"]))
+            if setting["miss_mode"] == "resident":
+                resident[setting["model"]] = row["step_ms"]
+            state["rows"].append({**row, **bounds(row)})
         state.pop("running")
         path.write_text(json.dumps(state, indent=1))
 
@@ -163,13 +231,15 @@ def results_path(workdir: Path, variant: str) -> Path:
 def run_all(args) -> dict[str, dict]:
     """Each variant's results, its child started again after a death while its share of the budget lasts."""
     began, allotted, results = time.time(), 0.0, {}
-    for variant in VARIANTS if not args.smoke else ("default", "command buffers with loops"):
+    for variant in args.variants:
         allotted += SHARES[variant]
         deadline = max(time.time() + SHARES[variant] * args.budget_s, began + allotted * args.budget_s)
         deadline = min(deadline, began + args.budget_s)
         path = results_path(args.workdir, variant)
         path.unlink(missing_ok=True)
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {VARIANTS[variant]}".strip()}
+        if variant == BIG:  # a limit the user set stands (jmoe.plan.resources reads it the same way)
+            env.setdefault(PINNED_POOL_ENV, str(BIG_PINNED_POOL_GB))
         command = [sys.executable, "-m", "bench.gpu_decode_bound", "--child", variant, "--workdir", str(args.workdir),
                    "--tokens", str(args.tokens), "--deadline", str(deadline)] + ["--small"] * args.small + [
                    "--smoke"] * args.smoke
@@ -190,8 +260,9 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
     """The issue's JSON (the shipped variant's settings: XLA's default flags, fetch, run-ahead) and the Markdown of
     every variant."""
     default = results.get("default", {})
-    shipped = [{key: row.get(key) for key in ROW_KEYS} for row in default.get("rows", [])
-               if row["cache"] is None or row["miss_mode"] == "fetch"]
+    shipped = [{key: row.get(key) for key in ROW_KEYS} for variant in ("default", BIG)
+               for row in results.get(variant, {}).get("rows", [])
+               if row["miss_mode"] in ("resident", "fetch")]
     payload = {"date": datetime.date.today().isoformat(), "commit": args.commit, "device": default.get("device"),
                "jax": default.get("jax"), "settings": shipped, "variants": results}
     lines = [f"Device `{default.get('device')}` (jax {default.get('jax')}), commit {args.commit}, {args.tokens} decode "
@@ -201,8 +272,9 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
         lines += [f"## {variant}", "", f"XLA_FLAGS `{result.get('xla_flags', '')}`; link {fmt(result.get('link_gbs'))} "
                   f"GB/s (plain pinned-host copy); child exits {result['exits']}"
                   + (f"; **died in** {', '.join(result['died_in'])}" if result.get("died_in") else ""), "",
+                  *[f"- **failed**: {label}: {error}" for label, error in result.get("failed", {}).items()], "",
                   "| setting | tokens/s | read back first | step ms | host ms | MB copied / token | MB read in place "
-                  "| bound, no overlap ms | share | bound, overlap ms | share |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 11 + "|"]
         for row in result.get("rows", []):
             lines.append(f"| {label_of(row)} | " + " | ".join(fmt(row.get(key)) for key in (
                 "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "host_ms", "mb_moved_per_token",
@@ -241,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=None, help="decode tokens per measurement (default 64; small 4)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_gpu_check"),
                    help="where the random checkpoints are written (bench.gpu_check's, reused)")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated subset of: {', '.join(VARIANTS)} (default all; a smoke run: default, command "
+                        f"buffers with loops, {BIG})")
     p.add_argument("--commit", default=None, help="the commit measured, 40 hex (default: git rev-parse HEAD)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a variant's process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
@@ -257,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.budget_s = args.budget_s or (SMOKE_BUDGET_SECONDS if args.smoke else BUDGET_SECONDS)
     args.commit = args.commit or head_commit()
+    args.variants = (args.variants.split(",") if args.variants else
+                     ["default", "command buffers with loops", BIG] if args.smoke else list(VARIANTS))
+    if unknown := sorted(set(args.variants) - set(VARIANTS)):
+        raise SystemExit(f"error: unknown variants {unknown}; expected a subset of: {', '.join(VARIANTS)}")
     with smoke_run(args):
         args.workdir.mkdir(parents=True, exist_ok=True)
         payload, text = report(args, run_all(args))
@@ -264,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         path = write_result(name, "Offloaded decode against its bound, every variant", text)
         path.with_suffix(".json").write_text(json.dumps(payload, indent=1))
         print(path.with_suffix(".json").read_text() if args.smoke else path)
-    died = [variant for variant, result in payload["variants"].items() if result.get("died_in")]
-    return 1 if died and args.small else 0  # on a CPU nothing may die; on a GPU a death is a result, recorded
+    broken = [variant for variant, result in payload["variants"].items()
+              if result.get("died_in") or result.get("failed") or not result.get("rows")]
+    return 1 if broken and args.small else 0  # on a CPU every setting must run; on a GPU a failure is a result
 
 
 if __name__ == "__main__":

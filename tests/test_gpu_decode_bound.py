@@ -10,13 +10,13 @@ from bench.gpu_decode_bound import ROW_KEYS, bounds, report, settings_of
 
 @pytest.mark.quick
 def test_bounds_add_or_overlap_the_resident_step_and_the_link_time():
-    row = dict(cache=2, link_gbs=50.0, resident_step_ms=2.0, mb_over_link_per_token=150.0, tokens_per_s=100.0)
+    row = dict(miss_mode="fetch", link_gbs=50.0, resident_step_ms=2.0, mb_over_link_per_token=150.0, tokens_per_s=100.0)
     out = bounds(row)
     assert out["link_ms"] == pytest.approx(3.0)  # 150 MB at 50 GB/s
     assert out["no_overlap_bound_ms"] == pytest.approx(5.0) and out["overlap_bound_ms"] == pytest.approx(3.0)
     assert out["share_of_no_overlap_bound"] == pytest.approx(0.5)  # 5 ms of the 10 ms a token took
     assert out["share_of_overlap_bound"] == pytest.approx(0.3)
-    assert bounds({**row, "cache": None}) == {} and bounds({**row, "resident_step_ms": None}) == {}
+    assert bounds({**row, "miss_mode": "resident"}) == {} and bounds({**row, "resident_step_ms": None}) == {}
 
 
 def test_the_default_variant_measures_every_cache_and_miss_mode_resident_first():
@@ -42,3 +42,26 @@ def test_the_json_carries_the_issues_fields_for_the_shipped_variant_only():
     assert [s["cache"] for s in payload["settings"]] == [None, 2]  # resident and fetch: what ships today
     assert all(list(s) == list(ROW_KEYS) for s in payload["settings"])
     assert "m, cache 2, direct" in text
+
+
+def test_the_big_shape_built_in_memory_is_placed_as_load_places_its_checkpoint(tmp_path):
+    """Issue #54 item 7's model is built in memory (no disk could hold it): its placement must be the one jmoe.load
+    (and jmoe.plan) give the same config, its experts MXFP4 in pinned host memory with sane block scales."""
+    import numpy as np
+
+    import jmoe
+    from bench.gpu.in_memory import MXFP4_SCALE_BYTE, InMemoryModel
+    from bench.gpu_decode_bound import big_config
+    from bench.plan import write_header_only_checkpoint
+    from jmoe.memory import PINNED_HOST
+
+    config = big_config(small=True)
+    built = InMemoryModel(config, cache=2, expert_dtype="mxfp4")
+    planned = jmoe.plan(write_header_only_checkpoint(tmp_path / "headers", config), cache=2, expert_dtype="mxfp4",
+                        compile=False)
+    assert built.placement == planned.placement and built.placement.caches == (2, 2)
+    experts = built.module.moe_blocks()[0].experts
+    codes, scales = experts.w_gate_up[...], experts.w_gate_up_scale[...]
+    assert codes.dtype == np.uint8 and codes.sharding.memory_kind == PINNED_HOST
+    assert np.all(np.asarray(scales) == MXFP4_SCALE_BYTE) and len(np.unique(np.asarray(codes))) > 200  # random bytes
+    assert np.all(np.asarray(built.module.layers[0].input_norm.scale[...]) == 1)

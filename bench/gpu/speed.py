@@ -327,12 +327,12 @@ def _bytes_moved(model) -> int:
 
 
 def decode_step_counts(model, tokens: int) -> dict[str, float]:
-    """A generation's misses and bytes copied to the device per decode step (batch 1: a missed choice is one expert
-    read), its prompt step's left out (counted when the first token is seen; prefill streams its misses in)."""
+    """A generation's hits, misses and bytes copied to the device per decode step (batch 1: a missed choice is one
+    expert read), its prompt step's left out (counted when the first token is seen; prefill streams its misses in)."""
     from jmoe.decode.sampling import SamplingParams
 
     def counts() -> dict[str, int]:
-        return {key: sum(layer[key] for layer in model.stats()) for key in ("misses", "bytes_moved")}
+        return {key: sum(layer[key] for layer in model.stats()) for key in ("hits", "misses", "bytes_moved")}
 
     after_prompt = []
     result = model.generate_detailed([PROMPT], tokens, SamplingParams(),  # jmoe_decode's length: no new compile
