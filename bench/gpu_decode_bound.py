@@ -67,18 +67,19 @@ def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
     if variant == BIG:
         experts = big_config(small)["num_local_experts"]
         offloaded = {"cache": experts // 3} if small else {"cache": None, "device_budget_gb": BIG_BUDGET_GB}
-        return [dict(model=BIG, experts=experts, cache=None, miss_mode="resident"),
-                *[dict(model=BIG, experts=experts, miss_mode=mode, **offloaded)
-                  for mode in (MISS_MODES[:1] if smoke else MISS_MODES)]]
+        resident = [] if smoke else [dict(model=BIG, experts=experts, cache=None, miss_mode="resident")]
+        return resident + [dict(model=BIG, experts=experts, miss_mode=mode, **offloaded)
+                           for mode in (MISS_MODES[:1] if smoke else MISS_MODES)]
     out = []
     models = list(speed_models(small).items())
     for index, (name, spec) in enumerate(models[:1] if smoke else models):
         experts = spec.get("num_local_experts", spec.get("n_routed_experts"))
         caches = caches_for(experts, spec["num_experts_per_tok"], small)
         everything = variant == "default" and (index == 0 or not smoke)
-        # A smoke run's flag variant: its child starts with the flags and runs a step (the code is the default's).
+        # A smoke run's flag variant: its child starts with the flags and runs a step (the code is the default's); its
+        # default variant leaves out host mode, whose code a CPU runs for "direct" too; its big shape, resident.
         for cache in caches if everything else [None] if smoke else [None, caches[-1]]:
-            modes = ["resident"] if cache is None else MISS_MODES if everything else MISS_MODES[:2]
+            modes = (["resident"] if cache is None else MISS_MODES[:2] if smoke or not everything else MISS_MODES)
             out += [dict(model=name, experts=experts, cache=cache, miss_mode=mode) for mode in modes]
     return out
 
