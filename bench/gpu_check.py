@@ -15,7 +15,7 @@ budget does not reach is recorded as "not run: out of time", never skipped silen
   offload      tokens and logits at caches 0, 2, E-1, E (fetch, host and direct misses), the disk tier (host rows),
                prefetch, layer groups
   bandwidth    host-to-device GB/s: the step's in-program expert copies, jax.device_put, a plain 1 GiB copy;
-               a decode step's slot admission three ways (time, and the same slots written)
+               a decode step's slot admission four ways (time, and the same slots written)
   decode       tokens/s of Mixtral- and DeepSeek-shaped bf16 models of a few GB, resident and at caches (the
                smallest also with misses computed on the host and read in place by the expert kernel), with
                device memory held against jmoe.plan and experts checked to be in pinned host memory, and the

@@ -3,6 +3,7 @@ loop with an unknown trip count beyond one demand-copy loop per offloaded layer,
 engine behaviours behind it (large batches use the cache, float32 partial sums, one set of slot buffers)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ import jmoe
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import ExpertKernel, ExpertWeights
 from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slots, fetch_and_compute, needed_experts,
-                               rows_as_slots, rows_marked, slot_ids_of, stream_and_compute)
+                               rows_as_slots, rows_marked, scatter_leading, scatter_slots, slot_ids_of,
+                               stream_and_compute)
 from jmoe.plan.hlo import control_flow, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
@@ -62,6 +64,13 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     slot_arrays = {squeezed(shape) for slots in (*placement.caches, placement.scratch) if offloaded
                    for shape in ((slots, d, 2 * f), (slots, f, d))}
     assert not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode.hlo_text)}  # updated in place
+    if offloaded and options.get("miss_mode", "fetch") == "fetch":
+        # Admissions write about what they move: a step of `batch` rows misses at most batch x top-k experts, and
+        # the scatters into cache slots take only that many scratch slots, not all of them (#54 item 2).
+        cache_arrays = {squeezed(shape) for slots in placement.caches for shape in ((slots, d, 2 * f), (slots, f, d))}
+        admissions = [updates for operand, updates in scatters(decode.hlo_text) if squeezed(operand) in cache_arrays]
+        assert len(admissions) >= 2 * offloaded
+        assert max(rows for rows, *_ in admissions) <= min(placement.scratch, batch * cfg.num_experts_per_tok)
     prefill = plan.programs["prefill"]
     assert prefill.error is None, prefill.error
     assert prefill.control_flow.conditionals == 0  # streamed chunks compute masked, never branch
@@ -97,6 +106,17 @@ def test_decode_updates_slot_buffers_in_place(many_experts, options):
     state = model.engine.state
     slot_arrays = {squeezed(leaf.shape) for leaf in jax.tree.leaves((state.buffers, state.scratch))}
     assert slot_arrays and not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode)}
+
+
+def scatters(hlo_text: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(operand dims, updates dims) of every scatter in the program, fused or not."""
+    out = []
+    for body in re.findall(r"\n%\S+ \(.*?\n(.*?)\n}", hlo_text, re.S):
+        dims = {name: tuple(int(n) for n in shape.split(",") if n)
+                for name, shape in re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", body)}
+        out += [(dims[operand], dims[updates]) for operand, updates in
+                re.findall(r"scatter\(%([\w.\-]+), %[\w.\-]+, %([\w.\-]+)\)", body)]
+    return out
 
 
 def squeezed(dims) -> tuple[int, ...]:
@@ -230,6 +250,23 @@ def test_set_policy_releases_the_old_slot_buffers_before_allocating(hf_checkpoin
     assert live_at_allocation and live_at_allocation[0] == 0
     assert model.generate([[1, 2, 3]], max_new_tokens=2) == jmoe.load(
         hf_checkpoints["olmoe_e8k4_clip"][0], progress=False).generate([[1, 2, 3]], max_new_tokens=2)
+
+
+def test_the_gpu_admission_of_the_leading_sources_writes_what_the_whole_scatter_writes():
+    """A GPU step's admission scatters only the scratch slots a step can have filled (scatter_leading); the CPU's
+    scatters them all (scatter_slots), the others' writes dropped: the slots written must be the same."""
+    rng = np.random.default_rng(3)
+    buffers = ExpertWeights(jnp.asarray(rng.standard_normal((4, 8, 6)), jnp.float32),
+                            jnp.asarray(rng.standard_normal((4, 3, 8)), jnp.float32))
+    sources = ExpertWeights(jnp.asarray(rng.standard_normal((6, 8, 6)), jnp.float32),
+                            jnp.asarray(rng.standard_normal((6, 3, 8)), jnp.float32))
+    where_to = jnp.array([2, 0, 4, 4, 4, 4], jnp.int32)  # two admissions, the rest out of range (dropped)
+    whole, leading = scatter_slots(buffers, where_to, sources), scatter_leading(buffers, where_to, sources, count=2)
+    for a, b, before, source in zip(*(map(np.asarray, jax.tree.leaves(tree))
+                                      for tree in (whole, leading, buffers, sources))):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a[[2, 0]], source[:2])
+        np.testing.assert_array_equal(a[[1, 3]], before[[1, 3]])
 
 
 @pytest.mark.quick

@@ -114,13 +114,33 @@ def chunk_slot_ids(token_rank, first, size: int) -> jax.Array:
     return jnp.where((token_rank >= 0) & (local >= 0) & (local < size), local, -1)
 
 
-def admit(slots: LayerSlots, experts, destinations, sources: ExpertWeights) -> tuple[LayerSlots, jax.Array]:
+def admit(slots: LayerSlots, experts, destinations, sources: ExpertWeights,
+          leading: int | None = None) -> tuple[LayerSlots, jax.Array]:
     """Put expert experts[j], whose weights are slot j of `sources`, into cache slot destinations[j]
     (-1 = not admitted: the write is dropped, the tables keep what they had). The experts must be distinct
-    and not cached. Returns the slots and the number of cached experts evicted."""
+    and not cached. `leading`: only the first `leading` destinations can be >= 0 (known when tracing), so on a GPU
+    the scatter takes only those sources (`scatter_leading`). Returns the slots and the number of cached experts
+    evicted."""
     where_to = jnp.where(destinations >= 0, destinations, slots.expert_in_slot.shape[0])  # out of range: dropped
-    buffers = jax.tree.map(lambda b, s: b.at[where_to].set(s, mode="drop"), slots.buffers, sources)
+    if leading is None or leading >= where_to.shape[0]:
+        buffers = scatter_slots(slots.buffers, where_to, sources)
+    else:
+        buffers = platform_dependent(slots.buffers, where_to, sources, cuda=functools.partial(
+            scatter_leading, count=leading), default=scatter_slots)
     return admitted_tables(slots._replace(buffers=buffers), experts, destinations)
+
+
+def scatter_slots(buffers: ExpertWeights, where_to, sources: ExpertWeights) -> ExpertWeights:
+    """Slot j of `sources` written into slot where_to[j] of `buffers` (out of range: dropped)."""
+    return jax.tree.map(lambda b, s: b.at[where_to].set(s, mode="drop"), buffers, sources)
+
+
+def scatter_leading(buffers: ExpertWeights, where_to, sources: ExpertWeights, *, count: int) -> ExpertWeights:
+    """scatter_slots of the first `count` sources only (the rest must be dropped writes). XLA:GPU fuses the slices
+    into the scatter, whose threads then cover `count` experts instead of every source slot (a decode step of one
+    row admits at most top-k of 16 scratch slots: the first lent H100 spent ~3 ms a step in admission scatters);
+    XLA:CPU would copy the slices first, so the CPU keeps the whole sources (`admit`)."""
+    return scatter_slots(buffers, where_to[:count], jax.tree.map(lambda s: s[:count], sources))
 
 
 def admitted_tables(slots: LayerSlots, experts, destinations) -> tuple[LayerSlots, jax.Array]:
@@ -231,13 +251,15 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     evicted = jnp.int32(0)
     if slots.expert_in_slot.shape[0]:
         victims = usable_victims(slots, victim_order, needed)
-        # Scratch slot j goes to victims[j]; the whole scratch buffer is the scatter's source (a slice of it
-        # would be copied first, every step), its slots past the misses or the victims dropped writes.
+        # Scratch slot j goes to victims[j]; its slots past the misses or the victims are dropped writes. The step
+        # misses at most `most_missed` experts (its choices, distinct), so only that many scratch slots can be
+        # admitted: on a GPU the scatter reads only those (admit's `leading`).
         victims = jnp.pad(victims, (0, max(0, num_scratch - victims.shape[0])), constant_values=-1)[:num_scratch]
         j = jnp.arange(num_scratch)
+        most_missed = min(num_scratch, ids.size, num_experts)
         # Admit after the layer has read its slots, so that the update is in place.
         destinations = ordered_after(jnp.where(j < n_miss, victims, -1), y)
-        slots, evicted = admit(slots, miss_ids, destinations, buffers)
+        slots, evicted = admit(slots, miss_ids, destinations, buffers, leading=most_missed)
     # The scratch slots' last reader: the admission, else the layer's compute.
     free = written_marker(slots.buffers) if slots.expert_in_slot.shape[0] else y
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)
