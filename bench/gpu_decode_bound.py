@@ -8,8 +8,9 @@ side in one run, against the bounds the hardware sets, measured in the same run.
 XLA_FLAGS take effect when a backend starts, so each variant runs in a child process of its own, one after
 another (VARIANTS: XLA's defaults, the latency-hiding scheduler, command buffers that hold loops and conditionals
 on the device). The default variant measures every setting of bench.gpu_check's decode models (Mixtral- and
-DeepSeek-shaped bf16, a few GB): resident, then each cache in miss modes fetch, host and direct; the others the
-first model resident and at its smallest cache (fetch, direct), the settings the flags could change most. The
+DeepSeek-shaped bf16, a few GB): resident, then each cache in miss modes fetch, host and direct, and the smallest with
+router prefetch of top-k experts (issue #54 item 4: copies that could run beside the layer before); the others each
+model resident and at its smallest cache (fetch, direct, fetch with prefetch), what the flags could change most. The
 last, issue #54 item 7: a GPT-OSS-120B-shaped model with MXFP4 experts (about 61 GB), built in memory with random
 weights (bench.gpu.in_memory: the lent machine's disk could not hold its checkpoint), resident on the device, then with
 what a 24 GB card holds there (device_budget_gb) in each miss mode; jmoe.plan's estimate for it is made afterwards on
@@ -20,8 +21,8 @@ each step read back first), the device step (dispatch until its outputs are read
 (finish_step), medians; per decode step the bytes copied to the device and, in miss mode "direct", the missed
 experts' bytes the kernel reads over the link. Per variant the link's GB/s (a plain pinned-host copy) and the resident
 step, in the same process. Bounds of an offloaded setting: no overlap = resident step + link bytes / link GB/s;
-overlap = the larger of the two; its share = bound / measured time per token. The default variant's smallest cache is
-traced (jax.profiler): how much of the copies' time overlaps kernels.
+overlap = the larger of the two; its share = bound / measured time per token. The default variant's first fetch
+setting and its prefetch settings are traced (jax.profiler): how much of the copies' time overlaps kernels.
 
 A child that dies (an XLA check failure) loses only the setting it was running, recorded as such; the parent starts
 it again for the rest while its share of the time lasts. Results are rewritten after every setting.
@@ -81,6 +82,9 @@ def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
         for cache in caches if everything else [None] if smoke else [None, caches[-1]]:
             modes = (["resident"] if cache is None else MISS_MODES[:2] if smoke or not everything else MISS_MODES)
             out += [dict(model=name, experts=experts, cache=cache, miss_mode=mode) for mode in modes]
+        if not smoke:  # item 4, copies beside compute: the next layer's router guess copied while this one computes
+            out.append(dict(model=name, experts=experts, cache=caches[-1], miss_mode="fetch",
+                            prefetch=spec["num_experts_per_tok"]))
     return out
 
 
@@ -99,7 +103,8 @@ def label_of(setting: dict) -> str:
         return f"{setting['model']}, resident"
     where = (f"device budget {setting['device_budget_gb']:g} GB" if setting.get("device_budget_gb")
              else f"cache {setting['cache']}")
-    return f"{setting['model']}, {where}, {setting['miss_mode']}"
+    ahead = f", prefetch {setting['prefetch']}" if setting.get("prefetch") else ""
+    return f"{setting['model']}, {where}, {setting['miss_mode']}{ahead}"
 
 
 def bounds(row: dict) -> dict:
@@ -125,7 +130,8 @@ class Models:
 
     def load(self, setting: dict):
         resident = setting["miss_mode"] == "resident"
-        placing = {} if resident else {key: setting[key] for key in ("cache", "device_budget_gb") if setting.get(key)}
+        placing = {} if resident else {key: setting[key] for key in ("cache", "device_budget_gb", "prefetch")
+                                       if setting.get(key)}
         if setting["model"] != BIG:
             import jmoe
             from bench.gpu.speed import speed_checkpoint
@@ -206,7 +212,7 @@ def run_variant(args) -> None:
         state["running"] = label
         path.write_text(json.dumps(state, indent=1))
         print(f"  running: {args.child}: {label}", file=sys.stderr, flush=True)
-        trace = args.child == "default" and not traced and setting["miss_mode"] == "fetch"
+        trace = args.child == "default" and setting["miss_mode"] == "fetch" and (not traced or setting.get("prefetch"))
         try:
             row = measure(setting, models.load(setting), args.tokens,
                           args.workdir / "trace" / label.replace(", ", "_") if trace else None)
@@ -263,7 +269,7 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
     default = results.get("default", {})
     shipped = [{key: row.get(key) for key in ROW_KEYS} for variant in ("default", BIG)
                for row in results.get(variant, {}).get("rows", [])
-               if row["miss_mode"] in ("resident", "fetch")]
+               if row["miss_mode"] in ("resident", "fetch") and not row.get("prefetch")]
     payload = {"date": datetime.date.today().isoformat(), "commit": args.commit, "device": default.get("device"),
                "jax": default.get("jax"), "settings": shipped, "variants": results}
     lines = [f"Device `{default.get('device')}` (jax {default.get('jax')}), commit {args.commit}, {args.tokens} decode "
@@ -273,7 +279,8 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
         lines += [f"## {variant}", "", f"XLA_FLAGS `{result.get('xla_flags', '')}`; link {fmt(result.get('link_gbs'))} "
                   f"GB/s (plain pinned-host copy); child exits {result['exits']}"
                   + (f"; **died in** {', '.join(result['died_in'])}" if result.get("died_in") else ""), "",
-                  *[f"- **failed**: {label}: {error}" for label, error in result.get("failed", {}).items()], "",
+                  *[f"- **failed**: {label}: {error}" for label, error in result.get("failed", {}).items()],
+                  *([""] if result.get("failed") else []),
                   "| setting | tokens/s | read back first | step ms | host ms | MB copied / token | MB read in place "
                   "| bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 11 + "|"]
         for row in result.get("rows", []):

@@ -28,7 +28,10 @@ def test_the_default_variant_measures_every_cache_and_miss_mode_resident_first()
             assert mine[0]["cache"] is None and all(s["cache"] is not None for s in mine[1:])
     assert {s["miss_mode"] for s in default if s["cache"] is not None} == {"fetch", "host", "direct"}
     assert {s["miss_mode"] for s in flags if s["cache"] is not None} == {"fetch", "direct"}  # host aborted XLA before
-    assert [s["miss_mode"] for s in default if s["cache"] is not None][-1] == "host"  # last: a death costs nothing else
+    for settings in (default, flags):  # item 4: each model's smallest cache with router prefetch too
+        assert {s["model"] for s in settings if s.get("prefetch")} == {s["model"] for s in settings}
+    modes = [s["miss_mode"] for s in default if s["cache"] is not None and not s.get("prefetch")]
+    assert modes.index("host") > modes.index("direct")  # after the others: a death there costs the least
 
 
 def test_the_json_carries_the_issues_fields_for_the_shipped_variant_only():
