@@ -280,7 +280,8 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
                   f"GB/s (plain pinned-host copy); child exits {result['exits']}"
                   + (f"; **died in** {', '.join(result['died_in'])}" if result.get("died_in") else ""), "",
                   *[f"- **failed**: {label}: {error}" for label, error in result.get("failed", {}).items()],
-                  *([""] if result.get("failed") else []),
+                  *[f"- not run (out of time): {label}" for label in not_reached(args, variant, result)],
+                  *([""] if result.get("failed") or not_reached(args, variant, result) else []),
                   "| setting | tokens/s | read back first | step ms | host ms | MB copied / token | MB read in place "
                   "| bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 11 + "|"]
         for row in result.get("rows", []):
@@ -299,6 +300,13 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
               "the copies to the device plus, in miss mode direct, the missed experts the kernel reads in host memory. "
               "Host mode computes its misses on the host: its bound counts only its admissions' copies."]
     return payload, "\n".join(lines) + "\n"
+
+
+def not_reached(args, variant: str, result: dict) -> list[str]:
+    """The variant's settings its child did not get to (its share of the budget ran out, or it died before them)."""
+    seen = {label_of(row) for row in result.get("rows", [])} | set(result.get("died_in", [])) | set(
+        result.get("failed", {}))
+    return [label for label in map(label_of, settings_of(variant, args.small, args.smoke)) if label not in seen]
 
 
 def fmt(value) -> str:

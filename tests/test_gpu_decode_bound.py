@@ -39,12 +39,13 @@ def test_the_json_carries_the_issues_fields_for_the_shipped_variant_only():
                  mb_moved_per_token=0.0, link_gbs=50.0, resident_step_ms=None),
             *[dict(model="m", experts=8, cache=2, miss_mode=mode, step_ms=3.0, tokens_per_s=300.0, host_ms=0.5,
                    mb_moved_per_token=40.0, link_gbs=50.0, resident_step_ms=1.0) for mode in ("fetch", "direct")]]
-    args = argparse.Namespace(commit="a" * 40, tokens=4, budget_s=60.0, small=True)
+    args = argparse.Namespace(commit="a" * 40, tokens=4, budget_s=60.0, small=True, smoke=False)
     payload, text = report(args, {"default": {"device": "cpu", "jax": "0", "rows": rows, "exits": [0]}})
     assert payload["commit"] == "a" * 40 and {"date", "device", "jax", "settings"} <= set(payload)
     assert [s["cache"] for s in payload["settings"]] == [None, 2]  # resident and fetch: what ships today
     assert all(list(s) == list(ROW_KEYS) for s in payload["settings"])
     assert "m, cache 2, direct" in text
+    assert "not run (out of time): mixtral, resident" in text  # the default variant's settings it did not reach
 
 
 def test_the_big_shape_built_in_memory_is_placed_as_load_places_its_checkpoint(tmp_path):
