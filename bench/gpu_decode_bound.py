@@ -8,16 +8,17 @@ side in one run, against the bounds the hardware sets, measured in the same run.
 XLA_FLAGS take effect when a backend starts, so each variant runs in a child process of its own, one after
 another (VARIANTS: XLA's defaults, the latency-hiding scheduler, command buffers that hold loops and conditionals
 on the device). The default variant measures every setting of bench.gpu_check's decode models (Mixtral- and
-DeepSeek-shaped bf16, a few GB): resident, then each cache in miss modes fetch, host and direct, and the smallest with
-router prefetch of top-k experts (issue #54 item 4: copies that could run beside the layer before); the others each
-model resident and at its smallest cache (fetch, direct, fetch with prefetch), what the flags could change most. The
+DeepSeek-shaped bf16, a few GB): first, for each model, resident, then its smallest cache with the misses copied
+(fetch), read in place (direct), and with router prefetch of top-k experts (issue #54 item 4: copies that could run
+beside the layer before); then the larger cache, and host mode last (it has aborted XLA:GPU before). The other
+variants: the first model's first settings, what the flags could change most. The
 last, issue #54 item 7: a GPT-OSS-120B-shaped model with MXFP4 experts (about 61 GB), built in memory with random
 weights (bench.gpu.in_memory: the lent machine's disk could not hold its checkpoint), resident on the device, then with
 what a 24 GB card holds there (device_budget_gb) in each miss mode; jmoe.plan's estimate for it is made afterwards on
 a CPU from the hit rate recorded here (bench.plan_calibration's way), so no GPU time goes to compiling for a target.
 
 Per setting (batch 1, greedy, --tokens new tokens): decode tokens/s (steps dispatched ahead, generate's default, and
-each step read back first), the device step (dispatch until its outputs are ready) and the host's work after it
+for fetch settings each step read back first, item 3), the device step (dispatch until its outputs are ready) and the host's work after it
 (finish_step), medians; per decode step the bytes copied to the device and, in miss mode "direct", the missed
 experts' bytes the kernel reads over the link. Per variant the link's GB/s (a plain pinned-host copy) and the resident
 step, in the same process. Bounds of an offloaded setting: no overlap = resident step + link bytes / link GB/s;
@@ -71,21 +72,25 @@ def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
         resident = [] if smoke else [dict(model=BIG, experts=experts, cache=None, miss_mode="resident")]
         return resident + [dict(model=BIG, experts=experts, miss_mode=mode, **offloaded)
                            for mode in (MISS_MODES[:1] if smoke else MISS_MODES)]
-    out = []
+    first, later = [], []
     models = list(speed_models(small).items())
-    for index, (name, spec) in enumerate(models[:1] if smoke else models):
-        experts = spec.get("num_local_experts", spec.get("n_routed_experts"))
-        caches = caches_for(experts, spec["num_experts_per_tok"], small)
-        everything = variant == "default" and (index == 0 or not smoke)
-        # A smoke run's flag variant: its child starts with the flags and runs a step (the code is the default's); its
-        # default variant leaves out host mode, whose code a CPU runs for "direct" too; its big shape, resident.
-        for cache in caches if everything else [None] if smoke else [None, caches[-1]]:
-            modes = (["resident"] if cache is None else MISS_MODES[:2] if smoke or not everything else MISS_MODES)
-            out += [dict(model=name, experts=experts, cache=cache, miss_mode=mode) for mode in modes]
-        if not smoke:  # item 4, copies beside compute: the next layer's router guess copied while this one computes
-            out.append(dict(model=name, experts=experts, cache=caches[-1], miss_mode="fetch",
-                            prefetch=spec["num_experts_per_tok"]))
-    return out
+    for name, spec in models[:1] if smoke or variant != "default" else models:
+        experts, top_k = spec.get("num_local_experts", spec.get("n_routed_experts")), spec["num_experts_per_tok"]
+        smallest, *larger = caches_for(experts, top_k, small)[::-1]
+        one = dict(model=name, experts=experts)
+        if smoke and variant != "default":  # its child starts with the flags and runs a step (the default's code)
+            first.append(dict(one, cache=None, miss_mode="resident"))
+            continue
+        # What the choices turn on first, every model: resident (the bound's step), the smallest cache's misses
+        # copied and read in place, and router prefetch (item 4: copies that could run beside the layer before).
+        first += [dict(one, cache=None, miss_mode="resident"), dict(one, cache=smallest, miss_mode="fetch"),
+                  dict(one, cache=smallest, miss_mode="direct")]
+        if not smoke:
+            first.append(dict(one, cache=smallest, miss_mode="fetch", prefetch=top_k))
+        if variant == "default" and not smoke:  # then host mode (it has aborted XLA:GPU: last) and the other caches
+            later += [dict(one, cache=cache, miss_mode="fetch") for cache in larger if cache is not None]
+            later.append(dict(one, cache=smallest, miss_mode="host"))
+    return first + later
 
 
 def big_config(small: bool) -> dict:
@@ -163,7 +168,7 @@ def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
     if offloaded:
         caches = list(model.placement_plan.caches)
         row.update(cache=max(set(caches), key=caches.count), caches=model.placement_plan.describe_caches())
-        if model.engine.runs_ahead:
+        if model.engine.runs_ahead and setting["miss_mode"] == "fetch" and not setting.get("prefetch"):  # item 3
             row["tokens_per_s_read_back_first"] = jmoe_decode(model, tokens, run_ahead=False)[0]
     with step_timer(model) as times:
         counts = decode_step_counts(model, tokens)
@@ -326,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="tiny shapes: the same code paths, runs on CPU")
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"wall-clock budget (default {BUDGET_SECONDS} s; {SMOKE_BUDGET_SECONDS} s with --smoke)")
-    p.add_argument("--tokens", type=int, default=None, help="decode tokens per measurement (default 64; small 4)")
+    p.add_argument("--tokens", type=int, default=None, help="decode tokens per measurement (default 32; small 4)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_gpu_check"),
                    help="where the random checkpoints are written (bench.gpu_check's, reused)")
     p.add_argument("--variants", default=None,
@@ -342,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.small = args.small or args.smoke
-    args.tokens = args.tokens or (4 if args.small else 64)
+    args.tokens = args.tokens or (4 if args.small else 32)
     if args.child is not None:
         run_variant(args)
         return 0
