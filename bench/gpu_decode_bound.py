@@ -1,32 +1,37 @@
 """Issue #54's decode bound, prepared for a lent GPU: every way jmoe can serve an offloaded decode step, side by
 side in one run, against the bounds the hardware sets, measured in the same run.
 
-  python -m bench.gpu_decode_bound --commit SHA   # on the GPU, 9 minutes -> bench/results/gpu_decode_bound.json, .md
-  python -m bench.gpu_decode_bound --small        # tiny shapes, the same code paths (runs on CPU)
-  python -m bench.gpu_decode_bound --smoke        # --small with fewer settings, in a temporary directory
+  python -m bench.gpu_decode_bound --commit SHA --out $OUT   # on the GPU, 8 minutes -> gpu_decode_bound.json, .md
+  python -m bench.gpu_decode_bound --small                   # tiny shapes, the same code paths (runs on CPU)
+  python -m bench.gpu_decode_bound --smoke                   # --small with fewer settings, in a temporary directory
 
 XLA_FLAGS take effect when a backend starts, so each variant runs in a child process of its own, one after
-another (VARIANTS: XLA's defaults, the latency-hiding scheduler, command buffers that hold loops and conditionals
-on the device). The default variant measures every setting of bench.gpu_check's decode models (Mixtral- and
-DeepSeek-shaped bf16, a few GB): first, for each model, resident, then its smallest cache with the misses copied
-(fetch), read in place (direct), and with router prefetch of top-k experts (issue #54 item 4: copies that could run
-beside the layer before); then the larger cache, and host mode last (it has aborted XLA:GPU before). The other
-variants: the first model's first settings, what the flags could change most. The
-last, issue #54 item 7: a GPT-OSS-120B-shaped model with MXFP4 experts (about 61 GB), built in memory with random
-weights (bench.gpu.in_memory: the lent machine's disk could not hold its checkpoint), resident on the device, then with
-what a 24 GB card holds there (device_budget_gb) in each miss mode; jmoe.plan's estimate for it is made afterwards on
-a CPU from the hit rate recorded here (bench.plan_calibration's way), so no GPU time goes to compiling for a target.
+another (VARIANTS, in order: XLA's defaults; the big shape; the latency-hiding scheduler; command buffers that hold
+loops and conditionals on the device), each with its share of the budget (SHARES, scaled over the variants run;
+cumulative deadlines, so time a variant leaves goes to the next). The default variant measures bench.gpu_check's
+decode models (Mixtral- and DeepSeek-shaped bf16, a few GB): first, for each model, resident, then its smallest cache
+with the misses copied (fetch), read in place (direct), and with router prefetch of top-k experts (issue #54 item 4:
+copies that could run beside the layer before); then the larger cache, and host mode last (it has aborted XLA:GPU
+before). The flag variants: the first model's first settings, what the flags could change most. The big shape,
+issue #54 item 7: a GPT-OSS-120B-shaped model with MXFP4 experts (about 61 GB), built in memory with random weights
+(bench.gpu.in_memory: the lent machine's disk could not hold its checkpoint), resident on the device, then with what a
+24 GB card holds there (device_budget_gb) in each miss mode; jmoe.plan's estimate for it is made afterwards on a CPU
+from the hit rate recorded here (bench.plan_calibration's way), so no GPU time goes to compiling for a target.
 
-Per setting (batch 1, greedy, --tokens new tokens): decode tokens/s (steps dispatched ahead, generate's default, and
-for fetch settings each step read back first, item 3), the device step (dispatch until its outputs are ready) and the host's work after it
-(finish_step), medians; per decode step the bytes copied to the device and, in miss mode "direct", the missed
-experts' bytes the kernel reads over the link. Per variant the link's GB/s (a plain pinned-host copy) and the resident
-step, in the same process. Bounds of an offloaded setting: no overlap = resident step + link bytes / link GB/s;
-overlap = the larger of the two; its share = bound / measured time per token. The default variant's first fetch
-setting and its prefetch settings are traced (jax.profiler): how much of the copies' time overlaps kernels.
+Per setting (batch 1, greedy, --tokens new tokens), after a warm-up generation: decode tokens/s (steps dispatched
+ahead, generate's default) with that generation's hit rate and link traffic per decode step (bytes copied to the
+device and, in miss mode "direct", the missed experts' bytes the kernel reads over the link); for fetch settings the
+same with each step read back first (item 3); the device step (dispatch until its outputs are ready) and the host's
+work after it (finish_step), medians; the compiled decode step's loops, conditionals and Triton kernels, as the real
+device's compiler made them. Per variant the link's GB/s (a plain pinned-host copy) and the resident step, in the
+same process. Bounds of an offloaded setting: no overlap = resident step + link bytes / link GB/s; overlap = the
+larger of the two; its share = bound / measured time per token. The default variant's first fetch setting and its
+prefetch settings are traced (jax.profiler): how much of the copies' time overlaps kernels.
 
 A child that dies (an XLA check failure) loses only the setting it was running, recorded as such; the parent starts
-it again for the rest while its share of the time lasts. Results are rewritten after every setting.
+it again for the rest while its share lasts; a child does not start a setting it would not finish (the longest so
+far as the guess). The report and JSON are rewritten after every variant, in --out too: a lent machine brings back
+only what its command wrote there, even when the command is stopped at its limit.
 """
 
 from __future__ import annotations
@@ -35,26 +40,26 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench.helpers.common import add_smoke_argument, smoke_run, write_result
-from jmoe.plan.resources import PINNED_POOL_ENV
 
 BIG = "gpt-oss-120b shape"  # issue #54 item 7: built in memory (bench.gpu.in_memory), experts past a 24 GB budget
 BIG_BUDGET_GB = 24.0  # what a 24 GB card holds on the device (the small run: a third of the experts cached instead)
-BIG_PINNED_POOL_GB = 100  # its ~61 GB of MXFP4 experts need more than XLA's default 64 GiB pinned-host pool
-BUDGET_SECONDS = 540  # the lent machine's 10 minutes a command, less a margin
+BUDGET_SECONDS = 480  # of the lent machine's 10 minutes a command: imports, the report and a margin fit in the rest
 SMOKE_BUDGET_SECONDS = 240  # a bound: a quiet machine's smoke run ends sooner
-VARIANTS = {  # name -> XLA_FLAGS added to the environment's
+KILL_GRACE_SECONDS = 30  # a child still running this long past its deadline is killed (within the whole budget)
+VARIANTS = {  # name -> XLA_FLAGS added to the environment's, in the order they run
     "default": "",
+    BIG: "",
     "latency-hiding scheduler": "--xla_gpu_enable_latency_hiding_scheduler=true",
     "command buffers with loops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
-    BIG: "",
 }
-SHARES = {"default": 0.4, "latency-hiding scheduler": 0.125, "command buffers with loops": 0.125, BIG: 0.35}
+SHARES = {"default": 0.4, BIG: 0.35, "latency-hiding scheduler": 0.125, "command buffers with loops": 0.125}
 MISS_MODES = ("fetch", "direct", "host")  # host last: its decode has aborted XLA:GPU before
 ROW_KEYS = ("model", "experts", "cache", "step_ms", "resident_step_ms", "mb_moved_per_token", "link_gbs",
             "tokens_per_s", "host_ms")  # the issue's fields of a setting, in its order
@@ -157,28 +162,33 @@ class Models:
 
 
 def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
-    """One setting: tokens/s both ways, the step / host split, hit rate and link traffic of its decode steps, and
-    with `trace_dir` a profile of one more generation."""
-    from bench.decode import jmoe_decode
+    """One setting: decode tokens/s and, from the same generation, its decode steps' hit rate and link traffic; the
+    same with each step read back first (fetch); the step / host split; what the compiled decode step does (the real
+    device's program); with `trace_dir` a profile of one more generation."""
     from bench.gpu.profile import step_split, step_timer, traced_steps
     from bench.gpu.speed import decode_step_counts, generate
+    from jmoe.plan.hlo import control_flow
 
     offloaded = setting["miss_mode"] != "resident"
-    row = dict(setting, tokens_per_s=jmoe_decode(model, tokens)[0])
+    generate(model, tokens)  # compiles, and warms the cache as a second generation of a conversation would find it
+    counts = decode_step_counts(model, tokens)
+    row = dict(setting, tokens_per_s=counts["tokens_per_s"], mb_moved_per_token=counts["bytes_moved"] / 1e6)
     if offloaded:
         caches = list(model.placement_plan.caches)
-        row.update(cache=max(set(caches), key=caches.count), caches=model.placement_plan.describe_caches())
+        row.update(cache=max(set(caches), key=caches.count), caches=model.placement_plan.describe_caches(),
+                   hit_rate=counts["hits"] / max(counts["hits"] + counts["misses"], 1e-9))
         if model.engine.runs_ahead and setting["miss_mode"] == "fetch" and not setting.get("prefetch"):  # item 3
-            row["tokens_per_s_read_back_first"] = jmoe_decode(model, tokens, run_ahead=False)[0]
-    with step_timer(model) as times:
-        counts = decode_step_counts(model, tokens)
-    split = step_split(times)
-    row.update(step_ms=split["step ms"], host_ms=split["host ms"], mb_moved_per_token=counts["bytes_moved"] / 1e6)
-    if offloaded:
-        row["hit_rate"] = counts["hits"] / max(counts["hits"] + counts["misses"], 1e-9)
+            row["tokens_per_s_read_back_first"] = decode_step_counts(model, tokens, run_ahead=False)["tokens_per_s"]
     read_in_place = counts["misses"] * model.placement_plan.expert_bytes if setting["miss_mode"] == "direct" else 0
     row["mb_read_in_place_per_token"] = read_in_place / 1e6
     row["mb_over_link_per_token"] = row["mb_moved_per_token"] + row["mb_read_in_place_per_token"]
+    with step_timer(model) as times:
+        generate(model, tokens)
+    split = step_split(times)
+    row.update(step_ms=split["step ms"], host_ms=split["host ms"])
+    decode = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
+    if decode:
+        row["decode_program"] = control_flow(decode[0]).as_dict()
     if trace_dir is not None:
         summary = traced_steps(lambda: generate(model, tokens), trace_dir, tokens)
         row["profile"] = {key: value for key, value in summary.items() if key != "top device events"}
@@ -193,6 +203,8 @@ def run_variant(args) -> None:
     recorded with its error, and the next one runs."""
     import traceback
 
+    if args.child == BIG:  # before JAX's GPU client starts
+        raise_pinned_pool_for_big(args)
     import jax
 
     from bench.gpu.speed import plain_copy_gbs
@@ -203,17 +215,19 @@ def run_variant(args) -> None:
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": [], "died_in": [], "failed": {}}
     if state.get("running"):  # the last process died in it
         state["died_in"].append(state.pop("running"))
-    state.setdefault("link_gbs", plain_copy_gbs(args.small))
+    if "link_gbs" not in state:
+        state["link_gbs"] = plain_copy_gbs(args.small)
     path.write_text(json.dumps(state, indent=1))
     done = {label_of(row) for row in state["rows"]} | set(state["died_in"]) | set(state["failed"])
     resident = {row["model"]: row["step_ms"] for row in state["rows"] if row["miss_mode"] == "resident"}
-    models, traced = Models(args), False
+    models, traced, longest = Models(args), False, 0.0
     for setting in settings_of(args.child, args.small, args.smoke):
         label = label_of(setting)
         if label in done:
             continue
-        if time.time() > args.deadline:
+        if time.time() + longest > args.deadline:  # one more like the longest so far would outrun the share
             break
+        began = time.time()
         state["running"] = label
         path.write_text(json.dumps(state, indent=1))
         print(f"  running: {args.child}: {label}", file=sys.stderr, flush=True)
@@ -232,6 +246,22 @@ def run_variant(args) -> None:
             state["rows"].append({**row, **bounds(row)})
         state.pop("running")
         path.write_text(json.dumps(state, indent=1))
+        longest = max(longest, time.time() - began)
+
+
+def raise_pinned_pool_for_big(args) -> None:
+    """The big shape's pinned experts need more than XLA's default pool (61 GB): raised as the command lines raise it
+    (jmoe.plan.planner.raise_pinned_pool_for, from a header-only copy of its config), a limit the user set standing."""
+    from bench.plan import write_header_only_checkpoint
+    from jmoe.offload.options import OffloadOptions
+    from jmoe.plan.planner import raise_pinned_pool_for
+
+    offloaded = next(s for s in settings_of(BIG, args.small, args.smoke) if s["miss_mode"] != "resident")
+    placing = {key: offloaded[key] for key in ("cache", "device_budget_gb") if offloaded.get(key)}
+    headers = write_header_only_checkpoint(args.workdir / "big_headers", big_config(args.small))
+    setting = raise_pinned_pool_for(headers, OffloadOptions(**placing, expert_dtype="mxfp4"))
+    if setting:
+        print(f"  {BIG}: set {setting}", file=sys.stderr, flush=True)
 
 
 def results_path(workdir: Path, variant: str) -> Path:
@@ -240,31 +270,33 @@ def results_path(workdir: Path, variant: str) -> Path:
 
 # ---- the parent: the variants one after another, then the report ----
 
-def run_all(args) -> dict[str, dict]:
-    """Each variant's results, its child started again after a death while its share of the budget lasts."""
+def run_all(args, after_variant=lambda results: None) -> dict[str, dict]:
+    """Each variant's results, its child started again after a death while its share lasts; the shares of the
+    variants run are scaled to the whole budget, each deadline cumulative (a variant that ends early leaves its time
+    to the next), and no child outlives the budget. `after_variant(results)` after each."""
     began, allotted, results = time.time(), 0.0, {}
+    total_share = sum(SHARES[variant] for variant in args.variants)
     for variant in args.variants:
-        allotted += SHARES[variant]
-        deadline = max(time.time() + SHARES[variant] * args.budget_s, began + allotted * args.budget_s)
-        deadline = min(deadline, began + args.budget_s)
+        allotted += SHARES[variant] / total_share
+        deadline = began + allotted * args.budget_s
+        kill_at = min(deadline + KILL_GRACE_SECONDS, began + args.budget_s)
         path = results_path(args.workdir, variant)
         path.unlink(missing_ok=True)
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {VARIANTS[variant]}".strip()}
-        if variant == BIG:  # a limit the user set stands (jmoe.plan.resources reads it the same way)
-            env.setdefault(PINNED_POOL_ENV, str(BIG_PINNED_POOL_GB))
         command = [sys.executable, "-m", "bench.gpu_decode_bound", "--child", variant, "--workdir", str(args.workdir),
                    "--tokens", str(args.tokens), "--deadline", str(deadline)] + ["--small"] * args.small + [
                    "--smoke"] * args.smoke
         exits = []
         while time.time() < deadline:
             try:
-                exits.append(subprocess.run(command, env=env, timeout=deadline + 60 - time.time()).returncode)
+                exits.append(subprocess.run(command, env=env, timeout=max(kill_at - time.time(), 1)).returncode)
             except subprocess.TimeoutExpired:
                 exits.append("killed at its deadline")
             state = json.loads(path.read_text()) if path.exists() else {}
             if exits[-1] == 0 or not state.get("running"):  # finished, out of time, or died before a setting
                 break
         results[variant] = {**(json.loads(path.read_text()) if path.exists() else {"rows": []}), "exits": exits}
+        after_variant(results)
     return results
 
 
@@ -275,9 +307,10 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
     shipped = [{key: row.get(key) for key in ROW_KEYS} for variant in ("default", BIG)
                for row in results.get(variant, {}).get("rows", [])
                if row["miss_mode"] in ("resident", "fetch") and not row.get("prefetch")]
-    payload = {"date": datetime.date.today().isoformat(), "commit": args.commit, "device": default.get("device"),
-               "jax": default.get("jax"), "settings": shipped, "variants": results}
-    lines = [f"Device `{default.get('device')}` (jax {default.get('jax')}), commit {args.commit}, {args.tokens} decode "
+    ran = default if default.get("device") else next((r for r in results.values() if r.get("device")), {})
+    payload = {"date": datetime.date.today().isoformat(), "commit": args.commit, "device": ran.get("device"),
+               "jax": ran.get("jax"), "settings": shipped, "variants": results}
+    lines = [f"Device `{ran.get('device')}` (jax {ran.get('jax')}), commit {args.commit}, {args.tokens} decode "
              f"tokens a setting, budget {args.budget_s:.0f} s" + (" (small: tiny shapes, the logic only)"
                                                                    if args.small else ""), ""]
     for variant, result in results.items():
@@ -287,11 +320,12 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
                   *[f"- **failed**: {label}: {error}" for label, error in result.get("failed", {}).items()],
                   *[f"- not run (out of time): {label}" for label in not_reached(args, variant, result)],
                   *([""] if result.get("failed") or not_reached(args, variant, result) else []),
-                  "| setting | tokens/s | read back first | step ms | host ms | MB copied / token | MB read in place "
-                  "| bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 11 + "|"]
+                  "| setting | caches | hit rate | tokens/s | read back first | step ms | host ms | MB copied / token "
+                  "| MB read in place | bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 13 + "|"]
         for row in result.get("rows", []):
             lines.append(f"| {label_of(row)} | " + " | ".join(fmt(row.get(key)) for key in (
-                "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "host_ms", "mb_moved_per_token",
+                "caches", "hit_rate", "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "host_ms",
+                "mb_moved_per_token",
                 "mb_read_in_place_per_token", "no_overlap_bound_ms", "share_of_no_overlap_bound", "overlap_bound_ms",
                 "share_of_overlap_bound")) + " |")
         for row in result.get("rows", []):
@@ -312,6 +346,20 @@ def not_reached(args, variant: str, result: dict) -> list[str]:
     seen = {label_of(row) for row in result.get("rows", [])} | set(result.get("died_in", [])) | set(
         result.get("failed", {}))
     return [label for label in map(label_of, settings_of(variant, args.small, args.smoke)) if label not in seen]
+
+
+def write_report(args, results: dict[str, dict]) -> dict:
+    """The report and JSON under bench/results (a smoke run's directory), and in --out too (a lent machine brings
+    back only what its command wrote there, even when the command is stopped at its limit); returns the JSON."""
+    payload, text = report(args, results)
+    name = "gpu_decode_bound_small" if args.small else "gpu_decode_bound"
+    path = write_result(f"{name}.md", "Offloaded decode against its bound, every variant", text)
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for written in (path, path.with_suffix(".json")):
+            (args.out / written.name).write_text(written.read_text())
+    return payload
 
 
 def fmt(value) -> str:
@@ -337,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=None,
                    help=f"comma-separated subset of: {', '.join(VARIANTS)} (default all; a smoke run: default, command "
                         f"buffers with loops, {BIG})")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the report and JSON here, after every variant (on a lent GPU: $OUT)")
     p.add_argument("--commit", default=None, help="the commit measured, 40 hex (default: git rev-parse HEAD)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a variant's process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
@@ -353,17 +403,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.budget_s = args.budget_s or (SMOKE_BUDGET_SECONDS if args.smoke else BUDGET_SECONDS)
     args.commit = args.commit or head_commit()
+    if not args.small and not re.fullmatch(r"[0-9a-f]{40}", args.commit):
+        raise SystemExit(f"error: --commit must be the 40-hex commit measured (the GPU machine's copy has no git "
+                         f"history to read it from), found {args.commit!r}")
     args.variants = (args.variants.split(",") if args.variants else
                      ["default", "command buffers with loops", BIG] if args.smoke else list(VARIANTS))
     if unknown := sorted(set(args.variants) - set(VARIANTS)):
         raise SystemExit(f"error: unknown variants {unknown}; expected a subset of: {', '.join(VARIANTS)}")
     with smoke_run(args):
         args.workdir.mkdir(parents=True, exist_ok=True)
-        payload, text = report(args, run_all(args))
-        name = "gpu_decode_bound_small.md" if args.small else "gpu_decode_bound.md"
-        path = write_result(name, "Offloaded decode against its bound, every variant", text)
-        path.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-        print(path.with_suffix(".json").read_text() if args.smoke else path)
+        payload = write_report(args, run_all(args, after_variant=lambda partial: write_report(args, partial)))
+        print(json.dumps(payload, indent=1) if args.smoke else "written: gpu_decode_bound report and JSON")
     broken = [variant for variant, result in payload["variants"].items()
               if result.get("died_in") or result.get("failed") or not result.get("rows")]
     return 1 if broken and args.small else 0  # on a CPU every setting must run; on a GPU a failure is a result

@@ -49,8 +49,10 @@ class InMemoryModel:
         placed = {}
         for index, (path, leaf) in enumerate(abstract.items()):
             drawn = random_parameter(path, leaf.shape, jnp.dtype(leaf.dtype), jax.random.fold_in(key, index))
-            placed[path] = jax.device_put(drawn, sharding_for(self.placement.memory_kind_of(path)))
-            del drawn  # on the device only until placed: one parameter at a time
+            # Waited for: the draws must not pile up on the device while their copies to the host are in flight.
+            where = sharding_for(self.placement.memory_kind_of(path))
+            placed[path] = jax.block_until_ready(jax.device_put(drawn, where))
+            del drawn
         nnx.replace_by_pure_dict(state, nest_params(placed))
         self.module = nnx.merge(graphdef, state)
 

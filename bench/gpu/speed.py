@@ -331,9 +331,10 @@ def _bytes_moved(model) -> int:
     return sum(layer["bytes_moved"] for layer in model.stats())
 
 
-def decode_step_counts(model, tokens: int) -> dict[str, float]:
+def decode_step_counts(model, tokens: int, run_ahead: bool = True) -> dict[str, float]:
     """A generation's hits, misses and bytes copied to the device per decode step (batch 1: a missed choice is one
-    expert read), its prompt step's left out (counted when the first token is seen; prefill streams its misses in)."""
+    expert read), its prompt step's left out (counted when the first token is seen; prefill streams its misses in),
+    and its decode tokens/s."""
     from jmoe.decode.sampling import SamplingParams
 
     def counts() -> dict[str, int]:
@@ -341,8 +342,10 @@ def decode_step_counts(model, tokens: int) -> dict[str, float]:
 
     after_prompt = []
     result = model.generate_detailed([PROMPT], tokens, SamplingParams(),  # jmoe_decode's length: no new compile
-                                     on_tokens=lambda _: after_prompt or after_prompt.append(counts()))
-    return {key: (value - after_prompt[0][key]) / result.decode_steps for key, value in counts().items()}
+                                     on_tokens=lambda _: after_prompt or after_prompt.append(counts()),
+                                     run_ahead=run_ahead)
+    per_step = {key: (value - after_prompt[0][key]) / result.decode_steps for key, value in counts().items()}
+    return {**per_step, "tokens_per_s": result.decode_steps / result.decode_seconds}
 
 
 def _disk_reads(model) -> int:
