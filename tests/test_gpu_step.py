@@ -16,7 +16,7 @@ from jmoe.kernels import ExpertKernel, ExpertWeights
 from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slots, fetch_and_compute, needed_experts,
                                rows_as_slots, rows_marked, scatter_leading, scatter_slots, slot_ids_of,
                                stream_and_compute)
-from jmoe.plan.hlo import control_flow, copied_arrays
+from jmoe.plan.hlo import computations, control_flow, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -111,7 +111,7 @@ def test_decode_updates_slot_buffers_in_place(many_experts, options):
 def scatters(hlo_text: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(operand dims, updates dims) of every scatter in the program, fused or not."""
     out = []
-    for body in re.findall(r"\n%\S+ \(.*?\n(.*?)\n}", hlo_text, re.S):
+    for body in computations(hlo_text).values():
         dims = {name: tuple(int(n) for n in shape.split(",") if n)
                 for name, shape in re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", body)}
         out += [(dims[operand], dims[updates]) for operand, updates in

@@ -8,7 +8,7 @@ import pytest
 
 import jmoe
 from hf_models import FAMILY_CASES
-from jmoe.plan.hlo import Collective, copied_arrays
+from jmoe.plan.hlo import Collective, computations, copied_arrays
 from jmoe.plan.programs import PLUGIN_HINT, compile_programs, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -78,9 +78,9 @@ HOST_SLICE = re.compile(r"\{[^}]*:S\(5\)\}[^=]*\), (\w+)\[([\d,]*)\]\S*, u32\[\]
 def host_slices_by_loop(hlo_text: str) -> dict[str, list[int]]:
     """{while loop: the bytes of each slice of a host-memory (S(5)) array its body starts}: one trip's copies."""
     bodies = dict(re.findall(r"%(\S+) = .* while\(.*\bbody=%([^,\s]+)", hlo_text))
-    computations = dict(re.findall(r"\n%(\S+) \(.*?\n(.*?)\n}", hlo_text, re.S))
+    by_name = computations(hlo_text)
     return {loop: [{"f32": 4, "bf16": 2}[dtype] * int(np.prod([int(n) for n in dims.split(",")]))
-                   for dtype, dims in HOST_SLICE.findall(computations[body])] for loop, body in bodies.items()}
+                   for dtype, dims in HOST_SLICE.findall(by_name[body])] for loop, body in bodies.items()}
 
 
 def host_reads(hlo_text: str) -> list[str]:

@@ -17,7 +17,8 @@ import functools
 import jax
 import numpy as np
 
-INIT_STD = 0.02
+from jmoe.model.layers import INIT_STD  # jmoe.random_model's scale
+
 MXFP4_SCALE_BYTE = 127 - 7  # e8m0: 2^(byte - 127)
 
 

@@ -266,10 +266,10 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
                              f"{len(offloaded)} {'host-row' if disk_tier else 'parameter'} arrays with memory_kind "
                              f"{PINNED_HOST!r}, {sum(a.nbytes for a in offloaded) / 2**30:.2f} GiB (planned "
                              f"{plan.host_bytes / 2**30:.2f} GiB)")
-            before_moved, before_read = _bytes_moved(model), _disk_reads(model)
+            before_moved, before_read = stat_total(model, "bytes_moved"), stat_total(model, "disk_reads")
             tps, step = jmoe_decode(model, tokens)
             per_token = 2 * (tokens + 32)  # jmoe_decode's two generations, prompt tokens included
-            moved = (_bytes_moved(model) - before_moved) / per_token
+            moved = (stat_total(model, "bytes_moved") - before_moved) / per_token
             result.measurements[f"{label}: decode tokens/s"] = tps
             if cache is None:
                 resident_step = step
@@ -283,7 +283,7 @@ def decode_speed(workdir: Path, small: bool, tokens: int, copy_gbs: float | None
                     result.measurements[f"{label}: copy time overlapped (inferred)"] = min(1.0, max(0.0, overlap))
             if disk_tier:
                 result.measurements[f"{label}: experts read from disk per token"] = (
-                    (_disk_reads(model) - before_read) / per_token)
+                    (stat_total(model, "disk_reads") - before_read) / per_token)
             if model.engine.runs_ahead:  # issue #54 item 3: the same with each step read back before the next
                 result.measurements[f"{label}: decode tokens/s, each step read back first"] = jmoe_decode(
                     model, tokens, run_ahead=False)[0]
@@ -327,8 +327,9 @@ def _experts_and_top_k(directory: Path) -> tuple[int, int]:
     return cfg.num_experts, cfg.num_experts_per_tok
 
 
-def _bytes_moved(model) -> int:
-    return sum(layer["bytes_moved"] for layer in model.stats())
+def stat_total(model, key: str) -> int:
+    """`key` of Model.stats() summed over its layers (a layer without it, e.g. no disk tier's reads: 0)."""
+    return sum(layer.get(key, 0) for layer in model.stats())
 
 
 def decode_step_counts(model, tokens: int, run_ahead: bool = True) -> dict[str, float]:
@@ -338,7 +339,7 @@ def decode_step_counts(model, tokens: int, run_ahead: bool = True) -> dict[str, 
     from jmoe.decode.sampling import SamplingParams
 
     def counts() -> dict[str, int]:
-        return {key: sum(layer[key] for layer in model.stats()) for key in ("hits", "misses", "bytes_moved")}
+        return {key: stat_total(model, key) for key in ("hits", "misses", "bytes_moved")}
 
     after_prompt = []
     result = model.generate_detailed([PROMPT], tokens, SamplingParams(),  # jmoe_decode's length: no new compile
@@ -346,10 +347,6 @@ def decode_step_counts(model, tokens: int, run_ahead: bool = True) -> dict[str, 
                                      run_ahead=run_ahead)
     per_step = {key: (value - after_prompt[0][key]) / result.decode_steps for key, value in counts().items()}
     return {**per_step, "tokens_per_s": result.decode_steps / result.decode_seconds}
-
-
-def _disk_reads(model) -> int:
-    return sum(layer.get("disk_reads", 0) for layer in model.stats())
 
 
 def measured_copy_gbs(result: SectionResult) -> float | None:

@@ -19,6 +19,7 @@ _HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the hos
 _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
 _HOST_PARAMETER = re.compile(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* parameter\(")
 _OPERAND = re.compile(r"%([^,)\s]+)")
+_COMPUTATION = re.compile(r"\n%(\S+) \(.*?\n(.*?)\n}", re.S)
 # A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
 _KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
 _COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:copy|copy-start|fusion)\(")
@@ -68,6 +69,11 @@ def triton_kernels_reading_host(hlo_text: str) -> int:
     host = set(_HOST_PARAMETER.findall(hlo_text))
     return sum(bool(host & set(_OPERAND.findall(line.split("custom-call(", 1)[1].split(")", 1)[0])))
                for line in hlo_text.splitlines() if _TRITON_CALL in line)
+
+
+def computations(hlo_text: str) -> dict[str, str]:
+    """{computation name: its body's text} of an optimized HLO module (fused computations and loop bodies included)."""
+    return dict(_COMPUTATION.findall(hlo_text))
 
 
 def kernel_count(hlo_text: str) -> int:
