@@ -1,5 +1,5 @@
-"""The decode step shaped for a GPU: what its program does when compiled for an H100 (no conditionals, no
-loop with an unknown trip count beyond one demand-copy loop per offloaded layer, Triton kernels), and the
+"""The decode step shaped for a GPU: what its program does when compiled for an H100 (no conditionals, no loop
+with an unknown trip count, experts copied into slots by Triton kernels, Triton expert kernels), and the
 engine behaviours behind it (large batches use the cache, float32 partial sums, one set of slot buffers)."""
 
 import functools
@@ -16,7 +16,8 @@ from jmoe.kernels import ExpertKernel, ExpertWeights
 from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slots, fetch_and_compute, needed_experts,
                                rows_as_slots, rows_marked, scatter_leading, scatter_slots, slot_ids_of,
                                stream_and_compute)
-from jmoe.plan.hlo import computations, control_flow, copied_arrays
+from jmoe.kernels.expert_copy import CHUNK
+from jmoe.plan.hlo import computations, control_flow, copied_arrays, triton_grids
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -50,17 +51,24 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     decode = plan.programs["decode"]
     assert decode.error is None, decode.error
     flow = decode.control_flow
-    assert flow.conditionals == 0
-    # One copy loop per offloaded layer (the trip count is data: the misses, or with "direct" the planned
-    # admissions); nothing else.
-    assert flow.data_dependent_loops == offloaded and flow.host_loops == 0
-    assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
-    # "direct": each offloaded layer's two expert kernels (gate-up, down) are handed its pinned-host experts as
-    # they are, with no copy in between; the other modes' kernels read device memory only.
-    direct = options.get("miss_mode") == "direct"
-    assert flow.triton_kernels_reading_host == (2 * offloaded if direct else 0)
     cfg, placement = plan.config, plan.placement
+    # No host round trip inside the step (#54 item 1): no conditional and no loop whose trip count is data. Experts
+    # are copied into slots by one Triton kernel per copy site, over a static list of entries whose unwanted ones
+    # move nothing: the demand copies of "fetch" (at most min(scratch, batch x top-k) experts), the manager's
+    # planned admission of "direct" (one), router prefetch into every offloaded layer after the first.
+    assert flow.conditionals == 0 and flow.data_dependent_loops == 0 and flow.host_loops == 0
+    assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
+    direct = options.get("miss_mode") == "direct"
+    demand = [] if direct else [min(placement.scratch, batch * cfg.num_experts_per_tok)] * offloaded
+    planned = [1] * offloaded if direct else []
+    ahead = [options["prefetch"]] * (offloaded - 1) if "prefetch" in options else []
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    chunks = -(-d * 2 * f // CHUNK) + -(-f * d // CHUNK)  # gate_up's and down's
+    copies = triton_grids(decode.hlo_text, "copy_experts")
+    assert sorted(copies) == sorted((chunks, entries, 1) for entries in demand + planned + ahead)
+    # The copies read the pinned-host experts as they are (reshaped, no copy in between); so do, in "direct", each
+    # offloaded layer's two expert kernels (gate-up, down); the other modes' expert kernels read device memory only.
+    assert flow.triton_kernels_reading_host == len(copies) + (2 * offloaded if direct else 0)
     slot_arrays = {squeezed(shape) for slots in (*placement.caches, placement.scratch) if offloaded
                    for shape in ((slots, d, 2 * f), (slots, f, d))}
     assert not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode.hlo_text)}  # updated in place
@@ -73,7 +81,8 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
         assert max(rows for rows, *_ in admissions) <= min(placement.scratch, batch * cfg.num_experts_per_tok)
     prefill = plan.programs["prefill"]
     assert prefill.error is None, prefill.error
-    assert prefill.control_flow.conditionals == 0  # streamed chunks compute masked, never branch
+    # Streamed chunks compute masked, never branch, and are copied by the same kernel.
+    assert prefill.control_flow.conditionals == 0 and prefill.control_flow.data_dependent_loops == 0
 
 
 @pytest.mark.cpu_hlo

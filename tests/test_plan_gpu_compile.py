@@ -8,7 +8,8 @@ import pytest
 
 import jmoe
 from hf_models import FAMILY_CASES
-from jmoe.plan.hlo import Collective, computations, copied_arrays
+from jmoe.kernels.expert_copy import CHUNK
+from jmoe.plan.hlo import Collective, copied_arrays, triton_grids
 from jmoe.plan.programs import PLUGIN_HINT, compile_programs, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -64,39 +65,28 @@ def test_a_compiler_process_that_dies_becomes_an_error_of_that_program(hf_checkp
     assert plan.needs.device_bytes == max(plan.needs.estimate_bytes, plan.needs.program_bytes)
 
 
-def host_copies_every_step(hlo_text: str) -> int:
-    """Slices of host-memory arrays (S(5)) started by the entry computation: copies a step makes whatever
-    the data (the ones inside a loop run once per trip)."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}")]
-    return len(re.findall(r"\{[^}]*:S\(5\)\}[^=]*\) fusion-start\(", entry))
-
-
-HOST_SLICE = re.compile(r"\{[^}]*:S\(5\)\}[^=]*\), (\w+)\[([\d,]*)\]\S*, u32\[\]\) fusion-start\(")
-
-
-def host_slices_by_loop(hlo_text: str) -> dict[str, list[int]]:
-    """{while loop: the bytes of each slice of a host-memory (S(5)) array its body starts}: one trip's copies."""
-    bodies = dict(re.findall(r"%(\S+) = .* while\(.*\bbody=%([^,\s]+)", hlo_text))
-    by_name = computations(hlo_text)
-    return {loop: [{"f32": 4, "bf16": 2}[dtype] * int(np.prod([int(n) for n in dims.split(",")]))
-                   for dtype, dims in HOST_SLICE.findall(by_name[body])] for loop, body in bodies.items()}
-
-
-def host_reads(hlo_text: str) -> list[str]:
-    """Every instruction that takes a host-memory array, but for parameters, tuples and loops that pass it on."""
-    uses = re.findall(r"S\(5\)\}[^=\n]*\) ([a-z-]+)\(", hlo_text)
-    return [use for use in uses if use not in ("parameter", "tuple", "get-tuple-element", "while")]
+def host_array_readers(hlo_text: str) -> list[str]:
+    """What reads each pinned-host (S(5)) array of the program, other than a bitcast of it (a reshape that moves
+    nothing): the Pallas kernel's name for a Triton kernel (e.g. "copy_experts"), else the instruction."""
+    host = set(re.findall(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* (?:parameter|bitcast)\(", hlo_text))
+    readers = []
+    for name, op, operands, rest in re.findall(r"%(\S+) = [^=\n]*? ([a-z-]+)\(([^)]*)\)(.*)", hlo_text):
+        if name in host or op in ("tuple", "get-tuple-element", "while") or not host & set(re.findall(r"%([^,\s]+)",
+                                                                                                 operands)):
+            continue
+        kernel = re.search(r'op_name="[^"]*/(\w+)/pallas_call"', rest)
+        readers.append(kernel.group(1) if op == "custom-call" and kernel else op)
+    return readers
 
 
 def test_h100_prefill_streams_each_missing_expert_once_per_chunk(hf_checkpoints):
     """Issue #57: a prefill chunk of an offloaded layer copies each expert it needs and no slot holds from host memory
     once, whatever the chunk's length. Compiled for an H100 (cache 2 of 8, 4 scratch slots: each layer streams its
-    experts in two groups of 4, jmoe.offload.slots.stream_and_compute): host memory is read by nothing but one loop
-    per group and layer, each trip copying one expert (its gate_up and down); a group's loop runs once per missing
-    expert of that group (its trip count, clip(misses - first, 0, 4), is data the HLO does not show), so a program
-    copies the missing experts once: at most the 6 of 8 no slot holds, whatever the chunk's length (nothing in the
-    loops is per token; 16 tokens compiled the same program here, 20 s each)."""
+    experts in two groups of 4, jmoe.offload.slots.stream_and_compute): host memory is read by nothing but one
+    expert-copy kernel per group and layer (jmoe.kernels.expert_copy), whose 4 entries are the group's experts (the
+    missing experts ranked in it, -1 past the last: those move nothing) and whose programs each move one chunk of one
+    expert's gate_up or down, so a program copies the missing experts once: at most the 6 of 8 no slot holds,
+    whatever the chunk's length (nothing in the kernel is per token), with no loop."""
     tokens = 64
     plan = jmoe.plan(hf_checkpoints[QUICK_CASE][0], target="h100", compile=False, cache=2, scratch_rows=1,
                      backend="xla", context=tokens)
@@ -105,11 +95,13 @@ def test_h100_prefill_streams_each_missing_expert_once_per_chunk(hf_checkpoints)
     (prefill,) = compile_programs(cfg, plan.headers.dtype, plan.options, "xla", 1, tokens, plan.target.config_text,
                                   programs=("prefill",)).values()
     assert prefill.error is None, prefill.error
-    streaming = [trip for trip in host_slices_by_loop(prefill.hlo_text).values() if trip]
     groups = -(-cfg.num_experts // placement.scratch)
-    assert len(streaming) == len(placement.offloaded_layers) * groups == prefill.control_flow.data_dependent_loops
-    assert all(sum(trip) == placement.expert_bytes and len(trip) == 2 for trip in streaming)
-    assert host_reads(prefill.hlo_text) == ["fusion-start"] * sum(map(len, streaming))  # no other host read
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    chunks = -(-d * 2 * f // CHUNK) + -(-f * d // CHUNK)
+    copies = [(chunks, placement.scratch, 1)] * len(placement.offloaded_layers) * groups
+    assert triton_grids(prefill.hlo_text, "copy_experts") == copies
+    assert prefill.control_flow.data_dependent_loops == 0 and prefill.control_flow.conditionals == 0
+    assert host_array_readers(prefill.hlo_text) == ["copy_experts"] * len(copies)  # no other host read
 
 
 def routing_trace(cfg, tokens: int = 64) -> np.ndarray:
@@ -130,28 +122,27 @@ def decode_for_h100(path, backend: str, **options):
 
 @pytest.mark.parametrize("prefetch", ["router", "history"])
 def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, hf_checkpoints):
-    """Cache 4 of 8 experts, prefetch=2 or prefetch_trace, compiled for an H100: no conditional. Router prefetch
-    copies 2 experts into every offloaded layer after the first, unrolled (all wanted), next to one demand copy
-    loop per layer. History prefetch copies nothing unconditionally: its copies run in a loop per layer whose
-    trip count is the number its rule takes, the layer's second data-dependent loop (issue 33)."""
+    """Cache 4 of 8 experts, prefetch=2 or prefetch_trace, compiled for an H100: no conditional and no loop. Every
+    copy into slots is an expert-copy kernel (jmoe.kernels.expert_copy) whose unwanted entries move nothing: per
+    offloaded layer the demand copies (min(scratch, batch x top-k) = 2 entries) and the prefetch, router prefetch's
+    2 picks into every offloaded layer after the first, history prefetch's budget (4) into every one. Nothing
+    slices host memory outside those kernels (issue 33, #54 item 1)."""
     path = hf_checkpoints["qwen3_moe_headdim_tied"][0]
     cfg = jmoe.load_config(path)
     options = dict(prefetch=2) if prefetch == "router" else dict(prefetch_trace=routing_trace(cfg))
-    # backend "xla": no Triton kernels to compile; the copies and loops are the same for every backend.
+    # backend "xla": no expert kernels to compile; the copies are the same for every backend.
     plan, decode = decode_for_h100(path, "xla", context=32, cache=4, **options)
     assert decode.error is None, decode.error
     offloaded = len(plan.placement.offloaded_layers)
     flow = decode.control_flow
-    assert flow.conditionals == 0 and flow.host_loops == 0
-    leaves = 2  # w_gate_up and w_down: one slice each per expert copied
-    if prefetch == "router":
-        assert flow.data_dependent_loops == offloaded
-        assert host_copies_every_step(decode.hlo_text) == 2 * (offloaded - 1) * leaves
-    else:
-        assert flow.data_dependent_loops == 2 * offloaded
-        assert host_copies_every_step(decode.hlo_text) == 0
-    # The loops write the donated cache slots in place: no slot buffer is copied whole.
+    assert flow.conditionals == 0 and flow.host_loops == 0 and flow.data_dependent_loops == 0
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    chunks = -(-d * 2 * f // CHUNK) + -(-f * d // CHUNK)
+    ahead = [2] * (offloaded - 1) if prefetch == "router" else [4] * offloaded
+    expected = [(chunks, entries, 1) for entries in [2] * offloaded + ahead]
+    assert sorted(triton_grids(decode.hlo_text, "copy_experts")) == sorted(expected)
+    assert host_array_readers(decode.hlo_text) == ["copy_experts"] * len(expected)
+    # The kernels write the donated cache slots in place: no slot buffer is copied whole.
     slot_arrays = {(slots, d, 2 * f) for slots in (4, plan.placement.scratch)} | {
         (slots, f, d) for slots in (4, plan.placement.scratch)}
     assert not slot_arrays & set(copied_arrays(decode.hlo_text))

@@ -211,7 +211,8 @@ jax.config.update("jax_platforms", "cpu")
 import jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
-from jmoe.kernels import moe_ffn, quantize
+from jmoe.kernels import ExpertWeights, moe_ffn, quantize
+from jmoe.kernels.expert_copy import copy_experts
 from jmoe.kernels.quantized import QuantizedTensor
 from jmoe.kernels.target import compiling_for_gpu
 from jmoe.plan.hlo import control_flow
@@ -228,23 +229,31 @@ for fmt in sys.argv[1:]:
     q_gate_up, q_down = (jax.tree.map(shaped, q) for q in (q_gate_up, q_down))
     args = (shaped(jnp.zeros((4, 128), jnp.bfloat16)), shaped(jnp.zeros((4, 2), jnp.int32)),
             shaped(jnp.zeros((4, 2), jnp.float32)), q_gate_up, q_down)
+    experts = ExpertWeights(q_gate_up, q_down)
+    slots = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape[1:]), a.dtype, sharding=on_gpu), experts)
+    entries = shaped(jnp.zeros((2,), jnp.int32))
     with jax.set_mesh(mesh), compiling_for_gpu(compute_capability(target.config_text)):
         hlo = jax.jit(functools.partial(moe_ffn, backend="pallas")).trace(*args).lower().compile().as_text()
-    out[fmt] = control_flow(hlo).as_dict()
+        copy = jax.jit(functools.partial(copy_experts, on_gpu=True)).trace(slots, experts, entries, entries)
+        copy_hlo = copy.lower().compile().as_text()
+    out[fmt] = control_flow(hlo).as_dict(), control_flow(copy_hlo).as_dict()
 print(__import__("json").dumps(out))
 """
 
 
 @pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
 def test_quantized_pallas_kernels_compile_to_triton_for_an_h100():
-    """The dequantizing Pallas kernels lower to Triton for a GPU (compiled here, for an H100, in a child
+    """The dequantizing Pallas kernels and the expert copies lower to Triton for a GPU (compiled here, for an H100, in a child
     process whose JAX starts on the CPU platform; running them needs a GPU)."""
     result = subprocess.run([sys.executable, "-c", GPU_KERNEL_COMPILE, *FORMATS], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     flows = json.loads(result.stdout.strip().splitlines()[-1])
     for fmt in FORMATS:
-        assert flows[fmt]["triton_kernels"] == 2 and flows[fmt]["conditionals"] == 0, (fmt, flows[fmt])
+        ffn, copy = flows[fmt]
+        assert ffn["triton_kernels"] == 2 and ffn["conditionals"] == 0, (fmt, ffn)
+        # Quantized experts are copied into slots by one kernel too, values and scales alike (tests/test_expert_copy.py).
+        assert copy["triton_kernels"] == 1 and copy["data_dependent_loops"] == 0, (fmt, copy)
 
 
 # ---- the engine ----

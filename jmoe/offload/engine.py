@@ -6,13 +6,13 @@ back updated; between steps the SlotManager reads the step's routing and the new
 the step's single device-to-host read) and writes the next victim order and plan.
 
 A decode step (one token per row) serves a layer's experts from its cache slots and, for the misses,
-by miss mode: "fetch" copies them in (a copy loop whose trip count is the number of misses; a batch
-that misses more than the scratch slots hold computes the rest on the host); "host" computes them on
-the host and the manager admits them at the start of the next step (`plan`, a loop over the planned
-copies that admit something); "direct" is "host" with the device computing them from host memory.
-History prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) copies the experts its rule takes, by a
-loop per layer; router prefetch a fixed number, unrolled. Longer steps (prompts) stream every missing expert
-through chunked step-local buffers.
+by miss mode: "fetch" copies them in (a batch that misses more than the scratch slots hold computes the rest
+on the host); "host" computes them on the host and the manager admits them at the start of the next step
+(`plan`, the planned copies that admit something); "direct" is "host" with the device computing them from host
+memory. History prefetch (`prefetch_trace`, jmoe.offload.history_prefetch) copies the experts its rule takes,
+router prefetch the router's picks. Longer steps (prompts) stream every missing expert through chunked
+step-local buffers. Every such copy moves only the experts wanted (`jmoe.offload.slots.copy_into_slots`: on a
+GPU one kernel, no loop).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ steps. Between steps, `HistoryPrefetch` keeps each row's recent routing and comp
 the token starts (`base`: prior, evidence from earlier tokens, recency; NumPy). Inside the step, as each
 layer routes, the engine adds the evidence of this token's layers that ran before the predicted one
 (`in_step_scores`) and `jmoe.offload.slots.prefetch_by_score` copies the experts the replay's rule takes (at
-most `budget`, by a loop of that many trips) into the layer's cache. Several rows: an expert's score is its
+most `budget`, `copy_into_slots`: only those move) into the layer's cache. Several rows: an expert's score is its
 best over the rows.
 """
 

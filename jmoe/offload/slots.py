@@ -8,12 +8,14 @@ every step a `victim_order[S]`: the cache slots it may overwrite, first choice f
 Everything here runs inside the jitted step with static shapes; the only data read from host memory are
 slices of the pinned-host expert arrays.
 
-Control flow, as a GPU sees it: a copy from host memory moves its bytes whether its write is kept or
-dropped, so copies whose number is data run in a loop over the wanted ones only, its trip count their
-number (`copy_wanted`: history prefetch, the manager's planned admissions in miss modes "host" and "direct"; and the
-demand copy loop of a decode step in miss mode "fetch", `fetch_and_compute`). Router prefetch
-(`prefetch`) copies a number known when the step is traced, unrolled (`copy_fixed`): its picks are all
-wanted unless fewer uncached experts or victims than its count exist. No step has a `conditional`.
+Control flow, as a GPU sees it: a loop whose trip count is data makes the GPU copy its predicate to the host and
+wait for it every iteration, and an unrolled copy from host memory moves its bytes whether its write is kept or
+dropped. Every copy of experts into slots therefore goes through `copy_into_slots`: a list of (expert, slot) entries
+with -1 for the unwanted ones, on a GPU one Triton kernel whose programs of unwanted entries move nothing
+(`jmoe.kernels.expert_copy`), elsewhere a loop over the wanted ones (a CPU has no round trip to avoid). The demand
+copies of a decode step in miss mode "fetch" (`fetch_and_compute`), the streamed chunks of a prefill, router and
+history prefetch and the manager's planned admissions (`copy_wanted`) all take it, so no step has a `conditional` or,
+on a GPU, a loop with an unknown trip count (but the disk tier's reads, `host_tier`, which wait for the host anyway).
 Admitting a fetched expert into the cache is a device-to-device scatter from the scratch slots, after
 the layer has read them. Partial outputs are float32 and summed before the one rounding to the
 activation dtype.
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 
 from jmoe.errors import InputError
 from jmoe.kernels import ExpertKernel, ExpertWeights
+from jmoe.kernels.expert_copy import copy_experts
 from jmoe.kernels.pallas_grouped import GPU_MIN_BLOCK, gpu_shapes_supported
 from jmoe.kernels.target import platform_dependent
 from jmoe.memory import to_device
@@ -75,9 +78,28 @@ def put_slot(buffers: ExpertWeights, expert_weights: ExpertWeights, slot) -> Exp
     return jax.tree.map(lambda b, e: b.at[slot].set(e[0], mode="drop"), buffers, expert_weights)
 
 
-def copy_loop(buffers: ExpertWeights, host: ExpertWeights, experts, count) -> ExpertWeights:
-    """Copy experts[j] into slot j of `buffers` for j < count: a loop whose trip count is data."""
-    return jax.lax.fori_loop(0, count, lambda j, b: put_slot(b, device_copy(host, experts[j]), j), buffers)
+def copy_into_slots(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
+    """`buffers` with slot destinations[j] holding host expert experts[j] for every j whose destination and expert
+    are >= 0; the others move nothing (the wanted experts and destinations distinct). On a GPU one Triton kernel
+    (`jmoe.kernels.expert_copy`): no loop, no host round trip, the buffers updated in place; elsewhere
+    `copy_by_loop`."""
+    return platform_dependent(buffers, host.stacked(), experts, destinations,
+                              cuda=functools.partial(copy_experts, on_gpu=True), default=copy_by_loop)
+
+
+def copy_by_loop(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
+    """copy_into_slots as a loop over the wanted copies, its trip count their number."""
+    wanted = (destinations >= 0) & (experts >= 0)
+    order = jnp.argsort(~wanted, stable=True)  # the wanted copies first
+    experts, destinations = experts[order], destinations[order]
+    return jax.lax.fori_loop(0, jnp.sum(wanted, dtype=jnp.int32),
+                             lambda j, b: put_slot(b, device_copy(host, experts[j]), destinations[j]), buffers)
+
+
+def first_slots(count, size: int) -> jax.Array:
+    """int32 [size]: j for j < count, else -1: the destinations that fill slots 0 .. count - 1 in order."""
+    j = jnp.arange(size, dtype=jnp.int32)
+    return jnp.where(j < count, j, -1)
 
 
 def needed_experts(ids: jax.Array, num_experts: int) -> jax.Array:
@@ -179,22 +201,10 @@ def written_marker(buffers: ExpertWeights) -> jax.Array:
     return sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(buffers))
 
 
-def copy_fixed(slots: LayerSlots, host: ExpertWeights, experts, destinations) -> tuple[LayerSlots, jax.Array]:
-    """Copy experts[j] (int32 [n], n known when tracing) from host memory into cache slot destinations[j]:
-    n unrolled copies, no loop. A destination of -1 admits nothing (a static number of copies cannot be
-    skipped; its write is dropped). Returns the slots and the number of cached experts evicted."""
-    if not slots.expert_in_slot.shape[0] or not experts.shape[0]:
-        return slots, jnp.int32(0)
-    pieces = [device_copy(host, experts[j]) for j in range(experts.shape[0])]
-    sources = jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *pieces)
-    return admit(slots, experts, destinations, sources)
-
-
 def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -> tuple[LayerSlots, jax.Array,
                                                                                          jax.Array]:
     """Copy experts[j] from host memory into cache slot destinations[j] for the j that have one (-1 = not
-    wanted): one loop over the wanted copies, its trip count their number, so an unwanted one moves
-    nothing (unrolled, it would move its bytes and drop its write). The experts must be distinct; a cached one is
+    wanted; `copy_into_slots`, so an unwanted one moves nothing). The experts must be distinct; a cached one is
     not wanted. Returns the slots, the number of cached experts evicted and the number of experts copied."""
     if not slots.expert_in_slot.shape[0] or not experts.shape[0]:
         return slots, jnp.int32(0), jnp.int32(0)
@@ -202,13 +212,9 @@ def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -
     # an expert that the step in between admitted.
     wanted = (destinations >= 0) & (slots.slot_of_expert[jnp.maximum(experts, 0)] < 0)
     destinations = jnp.where(wanted, destinations, -1)
-    order = jnp.argsort(~wanted, stable=True)  # the wanted copies first
-    experts, destinations = experts[order], destinations[order]
-    count = jnp.sum(wanted, dtype=jnp.int32)
-    buffers = jax.lax.fori_loop(
-        0, count, lambda j, b: put_slot(b, device_copy(host, experts[j]), destinations[j]), slots.buffers)
+    buffers = copy_into_slots(slots.buffers, host, experts, destinations)
     slots, evicted = admitted_tables(slots._replace(buffers=buffers), experts, destinations)
-    return slots, evicted, count
+    return slots, evicted, jnp.sum(wanted, dtype=jnp.int32)
 
 
 def usable_victims(slots: LayerSlots, victim_order, protected) -> jax.Array:
@@ -222,7 +228,7 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
                       weights, *, kernel: ExpertKernel, host_rows=None,
                       disk=None) -> tuple[jax.Array, LayerSlots, Scratch, StepCounts]:
     """Decode path, miss mode "fetch": the missed experts (lowest ids first, up to M) are copied into the
-    shared scratch slots by one loop, computed from there, and then admitted into victim cache slots by a
+    shared scratch slots (`copy_into_slots`), computed from there, and then admitted into victim cache slots by a
     device-to-device scatter, never over an expert this step needs. A batch that misses more than M
     experts computes the rest on the host. Returns (float32 y [T, d], slots, scratch, counts)."""
     num_experts, num_scratch = slots.slot_of_expert.shape[0], scratch.buffers.num_experts
@@ -236,8 +242,13 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
         y_disk = disk(x, ids, weights, on_disk)
     n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), num_scratch)
     miss_ids = jnp.nonzero(missing, size=num_scratch, fill_value=0)[0].astype(jnp.int32)
-    copies = n_miss if scratch.free is None else ordered_after(n_miss, scratch.free)
-    buffers = copy_loop(scratch.buffers, host, miss_ids if host_rows is None else host_rows[miss_ids], copies)
+    # The step misses at most `most_missed` experts (its choices, distinct): only that many scratch slots can be
+    # filled, so only those are copy entries (a GPU launches no programs for the others) and, below, admitted.
+    most_missed = min(num_scratch, ids.size, num_experts)
+    into = first_slots(n_miss, most_missed)
+    into = into if scratch.free is None else ordered_after(into, scratch.free)
+    sources = miss_ids if host_rows is None else host_rows[miss_ids]
+    buffers = copy_into_slots(scratch.buffers, host, sources[:most_missed], into)
     # Scratch slot of each expert: its rank among the misses, while it is among the first M.
     rank = rank_among(missing)
     scratch_slot = jnp.where(rank < num_scratch, rank, -1)
@@ -251,12 +262,10 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     evicted = jnp.int32(0)
     if slots.expert_in_slot.shape[0]:
         victims = usable_victims(slots, victim_order, needed)
-        # Scratch slot j goes to victims[j]; its slots past the misses or the victims are dropped writes. The step
-        # misses at most `most_missed` experts (its choices, distinct), so only that many scratch slots can be
-        # admitted: on a GPU the scatter reads only those (admit's `leading`).
+        # Scratch slot j goes to victims[j]; its slots past the misses or the victims are dropped writes. Only the
+        # first `most_missed` can be admitted: on a GPU the scatter reads only those (admit's `leading`).
         victims = jnp.pad(victims, (0, max(0, num_scratch - victims.shape[0])), constant_values=-1)[:num_scratch]
         j = jnp.arange(num_scratch)
-        most_missed = min(num_scratch, ids.size, num_experts)
         # Admit after the layer has read its slots, so that the update is in place.
         destinations = ordered_after(jnp.where(j < n_miss, victims, -1), y)
         slots, evicted = admit(slots, miss_ids, destinations, buffers, leading=most_missed)
@@ -280,15 +289,13 @@ def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel:
 
 def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int):
     """Copy the `count` highest-scoring experts (scores [E]) that are not cached into the first `count`
-    victim cache slots, ahead of the layer that will use them: always `count` copies, unrolled. All are
-    wanted unless fewer than `count` experts are uncached or the policy offers fewer victims, so a loop
-    (`copy_wanted`) would save nothing and add a second data-dependent loop to each layer. Returns (slots,
-    the victim order left, evicted)."""
+    victim cache slots, ahead of the layer that will use them (`copy_wanted`: fewer when fewer than `count`
+    experts are uncached or the policy offers fewer victims). Returns (slots, the victim order left, evicted)."""
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
     # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already
     # and admit nothing.
     destinations = jnp.where(slots.slot_of_expert[wanted] < 0, victim_order[:count], -1)
-    slots, evicted = copy_fixed(slots, host, wanted, destinations)
+    slots, evicted, _ = copy_wanted(slots, host, wanted, destinations)
     remaining = jnp.concatenate([victim_order[count:], jnp.full((count,), -1, victim_order.dtype)])
     return slots, remaining, evicted
 
@@ -400,8 +407,8 @@ def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, 
 
     for c in range(num_chunks):
         first = c * chunk_size
-        count = jnp.clip(n_miss - first, 0, chunk_size)
-        buffer = copy_loop(empty_slots(host, chunk_size), host, miss_ids[first:first + chunk_size], count)
+        into = first_slots(n_miss - first, chunk_size)
+        buffer = copy_into_slots(empty_slots(host, chunk_size), host, miss_ids[first:first + chunk_size], into)
         # Chunks past the last missing expert copy nothing and compute nothing, masked (every slot id is -1)
         # rather than branched on: a branch makes a GPU wait for the host.
         y = y + compute(buffer, first)

@@ -17,7 +17,9 @@ _CONDITIONAL = re.compile(r"\sconditional\(")
 _KNOWN_TRIP_COUNT = '"known_trip_count":{"n":"'
 _HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on)
 _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
-_HOST_PARAMETER = re.compile(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* parameter\(")
+# A pinned-host (memory space S(5)) parameter, or a bitcast of one (a reshape that moves nothing).
+_HOST_ARRAY = re.compile(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* (?:parameter|bitcast)\(")
+_GRID = re.compile(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32")
 _OPERAND = re.compile(r"%([^,)\s]+)")
 _COMPUTATION = re.compile(r"\n%(\S+) \(.*?\n(.*?)\n}", re.S)
 # A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
@@ -39,8 +41,9 @@ class ControlFlow:
     data_dependent_loops: int  # on the device: each iteration waits for the host to read its condition
     host_loops: int  # data-dependent loops that run on the host (host computations), not on the device
     triton_kernels: int  # Pallas kernels lowered to Triton
-    # Of those, the ones handed a pinned-host array as it is: they read host memory over the link (miss mode
-    # "direct"), and XLA copied nothing to the device for them.
+    # Of those, the ones handed a pinned-host array as it is (or reshaped, a bitcast): they read host memory over
+    # the link (the expert copies into slots, the expert kernels of miss mode "direct"), and XLA copied nothing to
+    # the device for them.
     triton_kernels_reading_host: int = 0
 
     def as_dict(self) -> dict:
@@ -65,10 +68,17 @@ def control_flow(hlo_text: str) -> ControlFlow:
 
 
 def triton_kernels_reading_host(hlo_text: str) -> int:
-    """Triton kernels whose operands include a pinned-host (memory space S(5)) parameter."""
-    host = set(_HOST_PARAMETER.findall(hlo_text))
+    """Triton kernels whose operands include a pinned-host (memory space S(5)) parameter, or a bitcast of one."""
+    host = set(_HOST_ARRAY.findall(hlo_text))
     return sum(bool(host & set(_OPERAND.findall(line.split("custom-call(", 1)[1].split(")", 1)[0])))
                for line in hlo_text.splitlines() if _TRITON_CALL in line)
+
+
+def triton_grids(hlo_text: str, name: str) -> list[tuple[int, int, int]]:
+    """The launch grid (x, y, z) of every Triton kernel lowered from the Pallas kernel called `name` (its
+    `pallas_call(name=...)`, e.g. "copy_experts"), each loop body counted once."""
+    return [tuple(int(n) for n in _GRID.search(line).groups()) for line in hlo_text.splitlines()
+            if _TRITON_CALL in line and f'/{name}/pallas_call"' in line]
 
 
 def computations(hlo_text: str) -> dict[str, str]:

@@ -1,0 +1,66 @@
+"""jmoe.kernels.expert_copy: whole experts copied into slots by one kernel, interpreted here, against the loop a CPU
+runs (jmoe.offload.slots.copy_by_loop) and a NumPy reference; its H100 compile is in tests/test_quantized.py (every
+format) and tests/test_gpu_step.py (the steps' copy sites)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmoe.kernels import FORMATS, ExpertWeights, quantize
+from jmoe.kernels.expert_copy import CHUNK, copy_experts
+from jmoe.offload.slots import copy_by_loop
+
+# (expert, destination) entries: wanted ones, an expert of -1, a destination of -1 (neither moves anything).
+EXPERTS = [5, -1, 0, 7, 3]
+DESTINATIONS = [2, 1, -1, 0, 3]
+
+
+def expected(buffers, sources):
+    """NumPy: the buffers with slot d holding expert e for every entry whose e and d are both >= 0."""
+    out = [np.array(leaf) for leaf in jax.tree.leaves(buffers)]
+    for e, d in zip(EXPERTS, DESTINATIONS):
+        if e >= 0 and d >= 0:
+            for leaf, source in zip(out, jax.tree.leaves(sources)):
+                leaf[d] = np.asarray(source)[e]
+    return out
+
+
+def bits(leaf) -> np.ndarray:
+    """The leaf's bytes, so that equal NaNs compare equal in every dtype (bfloat16's too)."""
+    return np.ascontiguousarray(leaf).view(np.uint8)
+
+
+def copied_both_ways(buffers, sources):
+    experts, destinations = jnp.asarray(EXPERTS, jnp.int32), jnp.asarray(DESTINATIONS, jnp.int32)
+    by_kernel = jax.jit(lambda b, s: copy_experts(b, s, experts, destinations, on_gpu=False))(buffers, sources)
+    by_loop = jax.jit(lambda b, s: copy_by_loop(b, s, experts, destinations))(buffers, sources)
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(by_kernel)], [np.asarray(leaf) for leaf in
+                                                                        jax.tree.leaves(by_loop)]
+
+
+@pytest.mark.quick
+def test_the_kernel_copies_the_wanted_entries_and_nothing_else():
+    """bfloat16 and float32 leaves, one of them longer than a chunk and not a multiple of it (its last program is
+    masked); slots not written keep their bytes (NaN here, so a write of anything else would show)."""
+    rng = np.random.default_rng(0)
+    sources = ExpertWeights(jnp.asarray(rng.standard_normal((8, 3, CHUNK + 5)), jnp.bfloat16),
+                            jnp.asarray(rng.standard_normal((8, 20, 24)), jnp.float32))
+    buffers = jax.tree.map(lambda a: jnp.full((4, *a.shape[1:]), jnp.nan, a.dtype), sources)
+    by_kernel, by_loop = copied_both_ways(buffers, sources)
+    for kernel_leaf, loop_leaf, want in zip(by_kernel, by_loop, expected(buffers, sources)):
+        np.testing.assert_array_equal(bits(kernel_leaf), bits(want))  # NaN where nothing was written, in both
+        np.testing.assert_array_equal(bits(loop_leaf), bits(want))
+    assert np.isnan(by_kernel[0][1]).all()  # slot 1's entry had no expert
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_experts_are_copied_values_and_scales_alike(fmt):
+    rng = np.random.default_rng(1)
+    sources = ExpertWeights(quantize(rng.standard_normal((8, 128, 256)).astype(np.float32), fmt),
+                            quantize(rng.standard_normal((8, 128, 128)).astype(np.float32), fmt))
+    buffers = jax.tree.map(lambda a: jnp.zeros((4, *a.shape[1:]), a.dtype), sources)
+    by_kernel, by_loop = copied_both_ways(buffers, sources)
+    for kernel_leaf, loop_leaf, want in zip(by_kernel, by_loop, expected(buffers, sources)):
+        np.testing.assert_array_equal(bits(kernel_leaf), bits(want))
+        np.testing.assert_array_equal(bits(loop_leaf), bits(want))
