@@ -14,8 +14,9 @@ budget does not reach is recorded as "not run: out of time", never skipped silen
   families     every family's logits on the device against JAX's CPU backend (a child process)
   offload      tokens and logits at caches 0, 2, E-1, E (fetch, host and direct misses), the disk tier (host rows),
                prefetch, layer groups
-  bandwidth    host-to-device GB/s: the step's in-program expert copies, jax.device_put, a plain 1 GiB copy;
-               a decode step's slot admission four ways (time, and the same slots written)
+  bandwidth    host-to-device GB/s: in-program expert copies (unrolled, a data-dependent loop, and the expert-copy
+               kernel every step's copies take on a GPU, at three chunk sizes, checked against the loop),
+               jax.device_put, a plain 1 GiB copy
   decode       tokens/s of Mixtral- and DeepSeek-shaped bf16 models of a few GB, resident and at caches (the
                smallest also with misses computed on the host and read in place by the expert kernel), with
                device memory held against jmoe.plan and experts checked to be in pinned host memory, and the

@@ -29,7 +29,7 @@ TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
 def copy_experts(buffers, sources, experts, destinations, *, on_gpu: bool, chunk: int = CHUNK):
     """`buffers` (a pytree of [S, ...] leaves) with slot destinations[j] replaced by expert experts[j] of `sources`
     (the same pytree structure, [E, ...] leaves) for every j where both are >= 0. Interpreted where not on_gpu
-    (tests); destinations must be distinct among the wanted entries. `chunk`: elements a program moves (a power of
+    (tests); the wanted entries' destinations must be distinct. `chunk`: elements a program moves (a power of
     two; bench.gpu_check times a few)."""
     leaves, treedef = jax.tree.flatten(buffers)
     source_leaves = treedef.flatten_up_to(sources)

@@ -11,9 +11,9 @@ from jmoe.kernels import FORMATS, ExpertWeights, quantize
 from jmoe.kernels.expert_copy import CHUNK, copy_experts
 from jmoe.offload.slots import copy_by_loop
 
-# (expert, destination) entries: wanted ones, an expert of -1, a destination of -1 (neither moves anything).
-EXPERTS = [5, -1, 0, 7, 3]
-DESTINATIONS = [2, 1, -1, 0, 3]
+# (expert, destination) entries: the wanted ones first, then a destination of -1 (moves nothing).
+EXPERTS = [5, 7, 3, 0, 1]
+DESTINATIONS = [2, 0, 3, -1, -1]
 
 
 def expected(buffers, sources):
@@ -51,7 +51,7 @@ def test_the_kernel_copies_the_wanted_entries_and_nothing_else():
     for kernel_leaf, loop_leaf, want in zip(by_kernel, by_loop, expected(buffers, sources)):
         np.testing.assert_array_equal(bits(kernel_leaf), bits(want))  # NaN where nothing was written, in both
         np.testing.assert_array_equal(bits(loop_leaf), bits(want))
-    assert np.isnan(by_kernel[0][1]).all()  # slot 1's entry had no expert
+    assert np.isnan(by_kernel[0][1]).all()  # no entry wanted slot 1
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

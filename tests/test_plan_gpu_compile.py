@@ -124,7 +124,8 @@ def decode_for_h100(path, backend: str, **options):
 def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, hf_checkpoints):
     """Cache 4 of 8 experts, prefetch=2 or prefetch_trace, compiled for an H100: no conditional and no loop. Every
     copy into slots is an expert-copy kernel (jmoe.kernels.expert_copy) whose unwanted entries move nothing: per
-    offloaded layer the demand copies (min(scratch, batch x top-k) = 2 entries) and the prefetch, router prefetch's
+    offloaded layer the demand copies (min(scratch, batch x top-k) = 2 entries, into the cache slots that admit
+    them and into scratch for the rest) and the prefetch, router prefetch's
     2 picks into every offloaded layer after the first, history prefetch's budget (4) into every one. Nothing
     slices host memory outside those kernels (issue 33, #54 item 1)."""
     path = hf_checkpoints["qwen3_moe_headdim_tied"][0]
@@ -139,7 +140,7 @@ def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, 
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
     chunks = -(-d * 2 * f // CHUNK) + -(-f * d // CHUNK)
     ahead = [2] * (offloaded - 1) if prefetch == "router" else [4] * offloaded
-    expected = [(chunks, entries, 1) for entries in [2] * offloaded + ahead]
+    expected = [(chunks, entries, 1) for entries in [2] * 2 * offloaded + ahead]
     assert sorted(triton_grids(decode.hlo_text, "copy_experts")) == sorted(expected)
     assert host_array_readers(decode.hlo_text) == ["copy_experts"] * len(expected)
     # The kernels write the donated cache slots in place: no slot buffer is copied whole.

@@ -108,14 +108,6 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
                         f"(indices and trip count computed on the device), and by the kernel every step's copies "
                         f"now take on a GPU (jmoe.kernels.expert_copy: one launch, the entries computed on the "
                         f"device, no host round trip), with programs of its default chunk, a quarter and four times")
-    admission = admission_ms(host, count, expert_bytes)
-    same = admission.pop(SAME_ADMISSIONS)
-    result.check(SAME_ADMISSIONS, same, "every slot of the four forms' outputs equal (random slots and scratch)")
-    result.measurements.update(admission)
-    result.notes.append(f"admission: {ADMITTED} of {count} scratch slots written into {ADMISSION_SLOTS} cache slots "
-                        f"(the others dropped), as a decode step admits its misses; median ms of 10. The first "
-                        f"lent H100's trace spent ~3 ms a step in the scatter of every source "
-                        f"(bench/results/gpu_check_h100_2026-11-27.md); the current form scatters the leading ones")
     log("bandwidth done")
     return result
 
@@ -132,76 +124,6 @@ def plain_copy_gbs(small: bool) -> float:
     size = plain_copy_bytes(small)
     plain = jax.device_put(np.ones(size // 4, np.float32), sharding_for(PINNED_HOST))
     return size / median_seconds(lambda: jax.block_until_ready(jax.device_put(plain, sharding_for(DEVICE))), 5) / 1e9
-
-
-ADMISSION_SLOTS, ADMITTED = 2, 2  # a small cache, and a decode step's typical admissions into it
-SAME_ADMISSIONS = "admission: the four forms write the same slots"
-
-
-def admission_ms(host, scratch_count: int, expert_bytes: int) -> dict:
-    """Median ms of writing ADMITTED of `scratch_count` scratch slots into ADMISSION_SLOTS cache slots (the rest
-    dropped) four ways: jmoe.offload.slots.admit as a decode step of one row calls it (on a GPU its scatter takes only
-    the ADMITTED leading sources, the most a step of top-k choices can have filled), the scatter of every source
-    (admit before #54 item 2: out-of-range destinations dropped), the same with distinct out-of-range destinations
-    declared unique, and an unrolled dynamic-update-slice per scratch slot that rewrites a dropped one's target with
-    its own contents."""
-    import jax
-    import jax.numpy as jnp
-    from jmoe.offload.slots import LayerSlots, admit, empty_slots, scatter_slots
-
-    stacked = host.stacked()
-
-    def random_slots(count: int, seed: int):  # never zeros: a dropped write and a written one must differ
-        def leaf(a, key):
-            shape = (count, *a.shape[1:])
-            return (jax.random.normal(key, shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.floating)
-                    else jax.random.bits(key, shape, a.dtype))
-        leaves, tree = jax.tree.flatten(empty_slots(stacked, 0))
-        keys = jax.random.split(jax.random.key(seed), len(leaves))
-        return jax.tree.unflatten(tree, [leaf(a, k) for a, k in zip(leaves, keys)])
-
-    scratch = jax.jit(lambda: random_slots(scratch_count, 0))()
-    slots_of = jax.jit(lambda: random_slots(ADMISSION_SLOTS, 1))
-    experts = jnp.arange(scratch_count, dtype=jnp.int32)
-    destinations = jnp.full((scratch_count,), -1, jnp.int32).at[:ADMITTED].set(jnp.arange(ADMITTED))
-
-    def leading(buffers, sources, destinations):
-        slots = LayerSlots(buffers, jnp.full((scratch_count,), -1, jnp.int32),
-                           jnp.full((ADMISSION_SLOTS,), -1, jnp.int32))
-        return admit(slots, experts, destinations, sources, leading=ADMITTED)[0].buffers
-
-    def scatter(buffers, sources, destinations):
-        return scatter_slots(buffers, jnp.where(destinations >= 0, destinations, ADMISSION_SLOTS), sources)
-
-    def unique_scatter(buffers, sources, destinations):
-        where_to = jnp.where(destinations >= 0, destinations, ADMISSION_SLOTS + jnp.arange(scratch_count))
-        return jax.tree.map(lambda b, src: b.at[where_to].set(src, mode="drop", unique_indices=True), buffers, sources)
-
-    def updates(buffers, sources, destinations):
-        def one(b, src):
-            for j in range(scratch_count):
-                slot = jnp.clip(destinations[j], 0, ADMISSION_SLOTS - 1)
-                kept = jax.lax.dynamic_index_in_dim(b, slot, keepdims=False)
-                b = jax.lax.dynamic_update_index_in_dim(b, jnp.where(destinations[j] >= 0, src[j], kept), slot, 0)
-            return b
-        return jax.tree.map(one, buffers, sources)
-
-    timings, results = {}, []
-    for name, fn in (("scatter of the leading sources (current)", leading), ("scatter of every source", scatter),
-                     ("scatter, unique indices", unique_scatter), ("dynamic-update-slice per slot", updates)):
-        run = jax.jit(fn, donate_argnums=0)
-        state = {"buffers": slots_of()}
-
-        def admit_once():
-            state["buffers"] = jax.block_until_ready(run(state["buffers"], scratch, destinations))
-
-        timings[f"admission, {name}, ms"] = median_seconds(admit_once, repeats=10) * 1e3
-        results.append(jax.tree.map(np.asarray, run(slots_of(), scratch, destinations)))
-    timings["admission: bytes admitted, MB"] = ADMITTED * expert_bytes / 1e6
-    same = all(np.array_equal(a, b) for r in results[1:] for a, b in zip(jax.tree.leaves(results[0]),
-                                                                          jax.tree.leaves(r)))
-    timings[SAME_ADMISSIONS] = same
-    return timings
 
 
 def device_bytes_in_use() -> int | None:

@@ -16,8 +16,8 @@ with -1 for the unwanted ones, on a GPU one Triton kernel whose programs of unwa
 copies of a decode step in miss mode "fetch" (`fetch_and_compute`), the streamed chunks of a prefill, router and
 history prefetch and the manager's planned admissions (`copy_wanted`) all take it, so no step has a `conditional` or,
 on a GPU, a loop with an unknown trip count (but the disk tier's reads, `host_tier`, which wait for the host anyway).
-Admitting a fetched expert into the cache is a device-to-device scatter from the scratch slots, after
-the layer has read them. Partial outputs are float32 and summed before the one rounding to the
+A fetched expert is copied straight into the cache slot that admits it, so an admission moves its bytes once.
+Partial outputs are float32 and summed before the one rounding to the
 activation dtype.
 """
 
@@ -48,8 +48,8 @@ class Scratch(NamedTuple):
     """The M scratch slots all offloaded layers share, one after another."""
 
     buffers: ExpertWeights  # [M, ...] per leaf, on the device
-    # None, or an array computed after the last read of `buffers` (the previous layer's admission, or its
-    # compute): the next copies into them wait for it (ordered_after), so XLA updates them in place.
+    # None, or an array computed after the last read of `buffers` (the previous layer's compute): the next copies
+    # into them wait for it (ordered_after), so XLA updates them in place.
     free: jax.Array | None = None
 
 
@@ -79,20 +79,17 @@ def put_slot(buffers: ExpertWeights, expert_weights: ExpertWeights, slot) -> Exp
 
 
 def copy_into_slots(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
-    """`buffers` with slot destinations[j] holding host expert experts[j] for every j whose destination and expert
-    are >= 0; the others move nothing (the wanted experts and destinations distinct). On a GPU one Triton kernel
-    (`jmoe.kernels.expert_copy`): no loop, no host round trip, the buffers updated in place; elsewhere
-    `copy_by_loop`."""
+    """`buffers` with slot destinations[j] holding host expert experts[j] for every j whose destination is >= 0
+    (wanted), the others moving nothing. The wanted entries come first, their experts and destinations distinct.
+    On a GPU one Triton kernel (`jmoe.kernels.expert_copy`): no loop, no host round trip, the buffers updated in
+    place; elsewhere `copy_by_loop`."""
     return platform_dependent(buffers, host.stacked(), experts, destinations,
                               cuda=functools.partial(copy_experts, on_gpu=True), default=copy_by_loop)
 
 
 def copy_by_loop(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
     """copy_into_slots as a loop over the wanted copies, its trip count their number."""
-    wanted = (destinations >= 0) & (experts >= 0)
-    order = jnp.argsort(~wanted, stable=True)  # the wanted copies first
-    experts, destinations = experts[order], destinations[order]
-    return jax.lax.fori_loop(0, jnp.sum(wanted, dtype=jnp.int32),
+    return jax.lax.fori_loop(0, jnp.sum(destinations >= 0, dtype=jnp.int32),
                              lambda j, b: put_slot(b, device_copy(host, experts[j]), destinations[j]), buffers)
 
 
@@ -136,35 +133,6 @@ def chunk_slot_ids(token_rank, first, size: int) -> jax.Array:
     return jnp.where((token_rank >= 0) & (local >= 0) & (local < size), local, -1)
 
 
-def admit(slots: LayerSlots, experts, destinations, sources: ExpertWeights,
-          leading: int | None = None) -> tuple[LayerSlots, jax.Array]:
-    """Put expert experts[j], whose weights are slot j of `sources`, into cache slot destinations[j]
-    (-1 = not admitted: the write is dropped, the tables keep what they had). The experts must be distinct
-    and not cached. `leading`: only the first `leading` destinations can be >= 0 (known when tracing), so on a GPU
-    the scatter takes only those sources (`scatter_leading`). Returns the slots and the number of cached experts
-    evicted."""
-    where_to = jnp.where(destinations >= 0, destinations, slots.expert_in_slot.shape[0])  # out of range: dropped
-    if leading is None or leading >= where_to.shape[0]:
-        buffers = scatter_slots(slots.buffers, where_to, sources)
-    else:
-        buffers = platform_dependent(slots.buffers, where_to, sources, cuda=functools.partial(
-            scatter_leading, count=leading), default=scatter_slots)
-    return admitted_tables(slots._replace(buffers=buffers), experts, destinations)
-
-
-def scatter_slots(buffers: ExpertWeights, where_to, sources: ExpertWeights) -> ExpertWeights:
-    """Slot j of `sources` written into slot where_to[j] of `buffers` (out of range: dropped)."""
-    return jax.tree.map(lambda b, s: b.at[where_to].set(s, mode="drop"), buffers, sources)
-
-
-def scatter_leading(buffers: ExpertWeights, where_to, sources: ExpertWeights, *, count: int) -> ExpertWeights:
-    """scatter_slots of the first `count` sources only (the rest must be dropped writes). XLA:GPU fuses the slices
-    into the scatter, whose threads then cover `count` experts instead of every source slot (a decode step of one
-    row admits at most top-k of 16 scratch slots: the first lent H100 spent ~3 ms a step in admission scatters);
-    XLA:CPU would copy the slices first, so the CPU keeps the whole sources (`admit`)."""
-    return scatter_slots(buffers, where_to[:count], jax.tree.map(lambda s: s[:count], sources))
-
-
 def admitted_tables(slots: LayerSlots, experts, destinations) -> tuple[LayerSlots, jax.Array]:
     """`slots` with the tables saying that expert experts[j] sits in cache slot destinations[j] (-1 = not
     admitted), its buffers as given; and the number of cached experts evicted."""
@@ -195,12 +163,6 @@ def ordered_after(indices, value):
     return jnp.maximum(indices, low)
 
 
-def written_marker(buffers: ExpertWeights) -> jax.Array:
-    """A float32 scalar computed from one element of every leaf of `buffers`: whatever is ordered after it
-    (`ordered_after`) runs after the writes that produced them."""
-    return sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(buffers))
-
-
 def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -> tuple[LayerSlots, jax.Array,
                                                                                          jax.Array]:
     """Copy experts[j] from host memory into cache slot destinations[j] for the j that have one (-1 = not
@@ -212,6 +174,9 @@ def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -
     # an expert that the step in between admitted.
     wanted = (destinations >= 0) & (slots.slot_of_expert[jnp.maximum(experts, 0)] < 0)
     destinations = jnp.where(wanted, destinations, -1)
+    if experts.shape[0] > 1:  # the wanted copies first
+        order = jnp.argsort(~wanted, stable=True)
+        experts, destinations = experts[order], destinations[order]
     buffers = copy_into_slots(slots.buffers, host, experts, destinations)
     slots, evicted = admitted_tables(slots._replace(buffers=buffers), experts, destinations)
     return slots, evicted, jnp.sum(wanted, dtype=jnp.int32)
@@ -227,9 +192,11 @@ def usable_victims(slots: LayerSlots, victim_order, protected) -> jax.Array:
 def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: ExpertWeights, x, ids,
                       weights, *, kernel: ExpertKernel, host_rows=None,
                       disk=None) -> tuple[jax.Array, LayerSlots, Scratch, StepCounts]:
-    """Decode path, miss mode "fetch": the missed experts (lowest ids first, up to M) are copied into the
-    shared scratch slots (`copy_into_slots`), computed from there, and then admitted into victim cache slots by a
-    device-to-device scatter, never over an expert this step needs. A batch that misses more than M
+    """Decode path, miss mode "fetch": the missed experts (lowest ids first, up to M) are copied from host memory
+    straight into the cache slots the manager offers (its victim order, never a slot holding an expert this step
+    needs), which admits them, and computed there; the misses past the offered slots are copied into the shared
+    scratch slots and computed from there, not admitted. So an admission moves an expert's bytes once, from the
+    host into its slot (`copy_into_slots`), with no device-to-device copy after. A batch that misses more than M
     experts computes the rest on the host. Returns (float32 y [T, d], slots, scratch, counts)."""
     num_experts, num_scratch = slots.slot_of_expert.shape[0], scratch.buffers.num_experts
     needed = needed_experts(ids, num_experts)
@@ -240,39 +207,38 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
         on_disk = missing & (host_rows < 0)
         missing = missing & ~on_disk
         y_disk = disk(x, ids, weights, on_disk)
-    n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), num_scratch)
-    miss_ids = jnp.nonzero(missing, size=num_scratch, fill_value=0)[0].astype(jnp.int32)
-    # The step misses at most `most_missed` experts (its choices, distinct): only that many scratch slots can be
-    # filled, so only those are copy entries (a GPU launches no programs for the others) and, below, admitted.
+    # The step misses at most `most_missed` experts (its choices, distinct), the first M of them on the device:
+    # only that many copy entries (a GPU launches no programs for more).
     most_missed = min(num_scratch, ids.size, num_experts)
-    into = first_slots(n_miss, most_missed)
-    into = into if scratch.free is None else ordered_after(into, scratch.free)
+    n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), most_missed)
+    miss_ids = jnp.nonzero(missing, size=most_missed, fill_value=0)[0].astype(jnp.int32)
     sources = miss_ids if host_rows is None else host_rows[miss_ids]
-    buffers = copy_into_slots(scratch.buffers, host, sources[:most_missed], into)
-    # Scratch slot of each expert: its rank among the misses, while it is among the first M.
-    rank = rank_among(missing)
-    scratch_slot = jnp.where(rank < num_scratch, rank, -1)
-    y = kernel(x, slot_ids_of(scratch_slot, ids), weights, buffers, out_dtype=jnp.float32)
+    rank = rank_among(missing)  # of each expert among the misses
+    evicted, admitted = jnp.int32(0), jnp.int32(0)
     if slots.expert_in_slot.shape[0]:
-        y = y + kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
+        victims = usable_victims(slots, victim_order, needed)
+        victims = jnp.pad(victims, (0, max(0, most_missed - victims.shape[0])), constant_values=-1)[:most_missed]
+        into_cache = jnp.where(first_slots(n_miss, most_missed) >= 0, victims, -1)  # compacted: wanted first
+        admitted = jnp.sum(into_cache >= 0, dtype=jnp.int32)
+        slots, evicted = admitted_tables(slots._replace(buffers=copy_into_slots(slots.buffers, host, sources,
+                                                                                 into_cache)), miss_ids, into_cache)
+        y = kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
+    else:
+        y = jnp.zeros(x.shape, jnp.float32)
+    # The misses ranked past the admitted ones: scratch slot j holds the one ranked admitted + j.
+    shifted = jnp.minimum(admitted + jnp.arange(most_missed), most_missed - 1)
+    into = first_slots(n_miss - admitted, most_missed)
+    into = into if scratch.free is None else ordered_after(into, scratch.free)
+    buffers = copy_into_slots(scratch.buffers, host, sources[shifted], into)
+    scratch_slot = jnp.where((rank >= admitted) & (rank < n_miss), rank - admitted, -1)
+    y = y + kernel(x, slot_ids_of(scratch_slot, ids), weights, buffers, out_dtype=jnp.float32)
     if min(ids.size, num_experts) > num_scratch:  # this step's shape can miss more experts than M
         y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel, host_rows)
     if y_disk is not None:
         y = y + y_disk
-    evicted = jnp.int32(0)
-    if slots.expert_in_slot.shape[0]:
-        victims = usable_victims(slots, victim_order, needed)
-        # Scratch slot j goes to victims[j]; its slots past the misses or the victims are dropped writes. Only the
-        # first `most_missed` can be admitted: on a GPU the scatter reads only those (admit's `leading`).
-        victims = jnp.pad(victims, (0, max(0, num_scratch - victims.shape[0])), constant_values=-1)[:num_scratch]
-        j = jnp.arange(num_scratch)
-        # Admit after the layer has read its slots, so that the update is in place.
-        destinations = ordered_after(jnp.where(j < n_miss, victims, -1), y)
-        slots, evicted = admit(slots, miss_ids, destinations, buffers, leading=most_missed)
-    # The scratch slots' last reader: the admission, else the layer's compute.
-    free = written_marker(slots.buffers) if slots.expert_in_slot.shape[0] else y
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)
-    return y, slots, Scratch(buffers, free), counts
+    # The scratch slots' last reader is the layer's compute: the next layer's copies into them wait for it.
+    return y, slots, Scratch(buffers, y), counts
 
 
 def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel,
