@@ -233,6 +233,9 @@ def decode_during_prefill(server: Server, workload: Workload, args) -> dict:
         return not prefilled.is_set()
 
     room = args.context - len(workload.decoder_prompt)
+    # A program still compiling behind the first requests would make the long prompt wait for it, and the decoding
+    # request could run out of room first (a smoke run's context is 128): every step here runs a compiled program.
+    server.wait_compiled(args.request_timeout)
     with httpx.Client() as decoder_client, httpx.Client() as long_client, ThreadPoolExecutor(1) as pool:
         decoder = pool.submit(complete, decoder_client, server, as_text(workload.decoder_prompt), room,
                               args.request_timeout, None, on_token)

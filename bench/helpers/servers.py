@@ -79,6 +79,18 @@ class Server:
             complete(client, self, prompt, 4, timeout=timeout)
         return time.monotonic() - began
 
+    def wait_compiled(self, timeout: float) -> None:
+        """jmoe: until /ready says every program is compiled (a server answers once the programs of small requests
+        exist and compiles the rest behind them); other servers: at once."""
+        began = time.monotonic()
+        while self.kind == "jmoe":
+            status = httpx.get(self.url + "/ready", timeout=5).json()
+            if status.get("compiled_programs", 0) >= status.get("programs", 0):
+                return
+            if time.monotonic() - began > timeout:
+                raise RuntimeError(f"{self.engine} server still compiling after {timeout} s: {status}")
+            time.sleep(0.5)
+
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
