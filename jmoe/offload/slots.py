@@ -6,7 +6,7 @@ leaf has the slot axis first), with tables (int32, -1 = empty) `slot_of_expert[E
 experts it missed (layers run one after another, so one scratch pool serves them all). The manager hands
 every step a `victim_order[S]`: the cache slots it may overwrite, first choice first (-1 = stop).
 Everything here runs inside the jitted step with static shapes; the only data read from host memory are
-slices of the pinned-host expert arrays.
+experts of the pinned-host expert arrays.
 
 Control flow, as a GPU sees it: a loop whose trip count is data makes the GPU copy its predicate to the host and
 wait for it every iteration, and an unrolled copy from host memory moves its bytes whether its write is kept or
@@ -17,8 +17,7 @@ copies of a decode step in miss mode "fetch" (`fetch_and_compute`), the streamed
 history prefetch and the manager's planned admissions (`copy_wanted`) all take it, so no step has a `conditional` or,
 on a GPU, a loop with an unknown trip count (but the disk tier's reads, `host_tier`, which wait for the host anyway).
 A fetched expert is copied straight into the cache slot that admits it, so an admission moves its bytes once.
-Partial outputs are float32 and summed before the one rounding to the
-activation dtype.
+Partial outputs are float32 and summed before the one rounding to the activation dtype.
 """
 
 from __future__ import annotations
