@@ -32,11 +32,10 @@ def copy_experts(buffers, sources, experts, destinations, *, on_gpu: bool, chunk
     (tests); the wanted entries' destinations must be distinct. `chunk`: elements a program moves (a power of
     two; bench.gpu_check times a few)."""
     leaves, treedef = jax.tree.flatten(buffers)
-    source_leaves = treedef.flatten_up_to(sources)
-    sizes = [math.prod(leaf.shape[1:]) for leaf in leaves]
+    flat = [as_words(leaf) for leaf in leaves]
+    flat_sources = [as_words(leaf) for leaf in treedef.flatten_up_to(sources)]
+    sizes = [leaf.shape[1] for leaf in flat]
     chunks = [pl.cdiv(size, chunk) for size in sizes]
-    flat = [leaf.reshape(leaf.shape[0], size) for leaf, size in zip(leaves, sizes)]
-    flat_sources = [leaf.reshape(leaf.shape[0], size) for leaf, size in zip(source_leaves, sizes)]
     n = len(leaves)
     out = pl.pallas_call(
         functools.partial(_copy_kernel, chunk=chunk, sizes=tuple(sizes),
@@ -51,7 +50,24 @@ def copy_experts(buffers, sources, experts, destinations, *, on_gpu: bool, chunk
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="copy_experts",
     )(experts, destinations, *flat_sources, *flat)
-    return treedef.unflatten([o.reshape(leaf.shape) for o, leaf in zip(out, leaves)])
+    return treedef.unflatten([from_words(o, leaf) for o, leaf in zip(out, leaves)])
+
+
+def as_words(leaf):
+    """[S, ...] -> [S, n]: one row per expert; one-byte values (quantized codes) as 32-bit words where a row's bytes
+    allow. Pallas' Triton lowering offsets an array of at most 4 GiB by 32-bit signed integers, which a 2-4 GiB
+    array of bytes (DeepSeek-V3's fp8 or int4 experts of one layer) would overflow past its 2^31st byte."""
+    size = math.prod(leaf.shape[1:])
+    if leaf.dtype.itemsize == 1 and size % 4 == 0:
+        return jax.lax.bitcast_convert_type(leaf.reshape(leaf.shape[0], size // 4, 4), jnp.uint32)
+    return leaf.reshape(leaf.shape[0], size)
+
+
+def from_words(words, like):
+    """as_words undone: `words` back to the shape and dtype of `like`."""
+    if words.dtype != like.dtype:
+        words = jax.lax.bitcast_convert_type(words, like.dtype)
+    return words.reshape(like.shape)
 
 
 def _copy_kernel(experts_ref, destinations_ref, *refs, chunk, sizes, first_chunks):

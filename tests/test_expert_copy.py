@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jmoe.kernels import FORMATS, ExpertWeights, quantize
-from jmoe.kernels.expert_copy import CHUNK, copy_experts
+from jmoe.kernels.expert_copy import CHUNK, as_words, copy_experts
 from jmoe.offload.slots import copy_by_loop
 
 # (expert, destination) entries: the wanted ones first, then a destination of -1 (moves nothing).
@@ -64,3 +64,20 @@ def test_quantized_experts_are_copied_values_and_scales_alike(fmt):
     for kernel_leaf, loop_leaf, want in zip(by_kernel, by_loop, expected(buffers, sources)):
         np.testing.assert_array_equal(bits(kernel_leaf), bits(want))
         np.testing.assert_array_equal(bits(loop_leaf), bits(want))
+
+
+def test_byte_leaves_move_as_32_bit_words_where_their_rows_allow():
+    """Pallas' Triton lowering offsets an array of at most 4 GiB with signed 32-bit integers: a 2-4 GiB array of bytes
+    (a layer's fp8 or int4 codes) would overflow, as words it cannot. A row whose bytes are no multiple of 4 stays
+    bytes; both copy the wanted experts exactly."""
+    words = as_words(jnp.zeros((3, 8, 6), jnp.uint8))
+    assert words.shape == (3, 12) and words.dtype == jnp.uint32
+    assert as_words(jnp.zeros((3, 3, 5), jnp.uint8)).dtype == jnp.uint8
+    rng = np.random.default_rng(2)
+    sources = ExpertWeights(jnp.asarray(rng.integers(0, 256, (8, 8, 6)), jnp.uint8),
+                            jnp.asarray(rng.integers(0, 256, (8, 3, 5)), jnp.uint8))
+    buffers = jax.tree.map(lambda a: jnp.zeros((4, *a.shape[1:]), a.dtype), sources)
+    by_kernel, by_loop = copied_both_ways(buffers, sources)
+    for kernel_leaf, loop_leaf, want in zip(by_kernel, by_loop, expected(buffers, sources)):
+        np.testing.assert_array_equal(kernel_leaf, want)
+        np.testing.assert_array_equal(loop_leaf, want)

@@ -103,8 +103,8 @@ SLOT_UPDATES = [dict(backend="auto"), dict(backend="gather"), dict(prefetch=1), 
 @pytest.mark.cpu_hlo
 @pytest.mark.parametrize("options", SLOT_UPDATES, ids=[str(o) for o in SLOT_UPDATES])
 def test_decode_updates_slot_buffers_in_place(many_experts, options):
-    """The decode program reads the cache and scratch slots and then admits into them in place: it copies
-    none of them whole, nor a slice of many slots (each such copy would move every slot of every offloaded
+    """The decode program copies missed experts into the cache and scratch slots and reads them, in place: it
+    copies none of them whole, nor a slice of many slots (each such copy would move every slot of every offloaded
     layer each step)."""
     model = jmoe.load(many_experts, cache=2, progress=False, **options)
     model.generate([[1, 2, 3], [4, 5, 6]], max_new_tokens=3)
@@ -154,18 +154,20 @@ def test_bfloat16_results_do_not_depend_on_which_experts_are_cached():
     kernel = ExpertKernel("gather", "swiglu")
     resident = kernel(x, ids, weights, host)
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def layer_with_cached(cached: tuple):
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def layer_with_cached(cached: tuple, victims: tuple):
         slots = LayerSlots(jax.tree.map(lambda a: a[jnp.asarray(cached)], host),
                            jnp.full((e,), -1, jnp.int32).at[jnp.asarray(cached)].set(jnp.arange(len(cached))),
                            jnp.asarray(cached, jnp.int32))
-        y, *_ = fetch_and_compute(slots, Scratch(empty_slots(host, e)), jnp.full((3,), -1, jnp.int32), host, x, ids, weights,
-                                  kernel=kernel)
+        y, *_ = fetch_and_compute(slots, Scratch(empty_slots(host, e)), jnp.asarray(victims, jnp.int32), host, x, ids,
+                                  weights, kernel=kernel)
         return y.astype(jnp.bfloat16)
 
-    for cached in [(0, 1, 2), (int(ids[0, 0]), int(ids[1, 1]), int(ids[2, 2])), (5, 6, 7)]:
-        np.testing.assert_array_equal(np.asarray(layer_with_cached(cached), np.float32),
-                                      np.asarray(resident, np.float32), err_msg=f"cached {cached}")
+    # Victims offered or not: misses computed from the cache slots that admit them, or from scratch.
+    for victims in [(-1, -1, -1), (2, 0, 1)]:
+        for cached in [(0, 1, 2), (int(ids[0, 0]), int(ids[1, 1]), int(ids[2, 2])), (5, 6, 7)]:
+            np.testing.assert_array_equal(np.asarray(layer_with_cached(cached, victims), np.float32),
+                                          np.asarray(resident, np.float32), err_msg=f"cached {cached}, {victims}")
 
 
 @pytest.mark.quick

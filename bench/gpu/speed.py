@@ -70,10 +70,10 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     expert_bytes = sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(host))
 
     @jax.jit
-    def copy_experts(host):  # what a step does per missed expert: slice the host array, device_put the slice
+    def copy_unrolled(host):  # what a step did per missed expert: slice the host array, device_put the slice
         return [device_copy(host, np.int32(e)) for e in range(count)]
 
-    seconds = median_seconds(lambda: jax.block_until_ready(copy_experts(host)), repeats=10)
+    seconds = median_seconds(lambda: jax.block_until_ready(copy_unrolled(host)), repeats=10)
     result.measurements["in-program expert copies, GB/s"] = count * expert_bytes / seconds / 1e9
 
     @jax.jit

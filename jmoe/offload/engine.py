@@ -34,8 +34,8 @@ from jmoe.offload.options import COMPUTED_WHERE_THEY_LIE, OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-from jmoe.offload.slots import (LayerSlots, Scratch, compute_misses_where_they_lie, copy_wanted, device_copy,
-                                empty_slots, fetch_and_compute, prefetch, prefetch_by_score, prefill_experts, put_slot)
+from jmoe.offload.slots import (LayerSlots, Scratch, compute_misses_where_they_lie, copy_into_slots, copy_wanted,
+                                empty_slots, fetch_and_compute, prefetch, prefetch_by_score, prefill_experts)
 
 
 def steps_run_ahead(placement: Placement, options: OffloadOptions) -> bool:
@@ -228,9 +228,9 @@ class OffloadEngine(ResidentEngine):
                 # A layer group may not have fetched that router yet: to_device is a no-op if it has.
                 probs = self.own_scores(router_probabilities(cfg, to_device(upcoming.router), x))
                 scores = jnp.max(jnp.where((routed >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
-                layer_slots[nxt], victim_order[nxt], ahead_evicted = prefetch(
+                layer_slots[nxt], victim_order[nxt], ahead_evicted, ahead_copied = prefetch(
                     layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, count=prefetch_count)
-                copied[nxt] = copied[nxt] + prefetch_count
+                copied[nxt] = copied[nxt] + ahead_copied
                 evicted[nxt] = evicted[nxt] + ahead_evicted
             host, tier = layer.experts, {}
             if self.tier is not None:  # host rows, and the experts in none of them read from disk
@@ -324,10 +324,8 @@ class OffloadEngine(ResidentEngine):
         buffers, slot_of_expert = [], []
         num_experts = state.slot_of_expert.shape[1]
         for layer_buffers, layer_host, layer_experts in zip(state.buffers, host, experts):
-            for s in range(layer_experts.shape[0]):
-                layer_buffers = put_slot(layer_buffers, device_copy(layer_host, layer_experts[s]), s)
-            buffers.append(layer_buffers)
             slots_range = jnp.arange(layer_experts.shape[0], dtype=jnp.int32)
+            buffers.append(copy_into_slots(layer_buffers, layer_host, layer_experts, slots_range))
             slot_of_expert.append(jnp.full((num_experts,), -1, jnp.int32).at[layer_experts].set(slots_range))
         return state._replace(buffers=tuple(buffers), slot_of_expert=jnp.stack(slot_of_expert),
                               expert_in_slot=experts)

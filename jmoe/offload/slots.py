@@ -72,14 +72,16 @@ def device_copy(host: ExpertWeights, expert) -> ExpertWeights:
 
 
 def put_slot(buffers: ExpertWeights, expert_weights: ExpertWeights, slot) -> ExpertWeights:
-    """`buffers` with slot `slot` replaced by the single expert in `expert_weights` (a slot out of range
+    """`buffers` with slot `slot` replaced by the single expert in `expert_weights` (a slot out of range, -1 too,
     drops the write)."""
+    slot = jnp.where(slot >= 0, slot, buffers.num_experts)  # .at[] would count -1 from the end
     return jax.tree.map(lambda b, e: b.at[slot].set(e[0], mode="drop"), buffers, expert_weights)
 
 
 def copy_into_slots(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
-    """`buffers` with slot destinations[j] holding host expert experts[j] for every j whose destination is >= 0
-    (wanted), the others moving nothing. The wanted entries come first, their experts and destinations distinct.
+    """`buffers` with slot destinations[j] holding host expert experts[j] for every j whose destination and expert
+    are >= 0 (wanted), the others moving nothing. The wanted entries come first, their experts and destinations
+    distinct.
     On a GPU one Triton kernel (`jmoe.kernels.expert_copy`): no loop, no host round trip, the buffers updated in
     place; elsewhere `copy_by_loop`."""
     return platform_dependent(buffers, host.stacked(), experts, destinations,
@@ -88,7 +90,7 @@ def copy_into_slots(buffers: ExpertWeights, host: ExpertWeights, experts, destin
 
 def copy_by_loop(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
     """copy_into_slots as a loop over the wanted copies, its trip count their number."""
-    return jax.lax.fori_loop(0, jnp.sum(destinations >= 0, dtype=jnp.int32),
+    return jax.lax.fori_loop(0, jnp.sum((destinations >= 0) & (experts >= 0), dtype=jnp.int32),
                              lambda j, b: put_slot(b, device_copy(host, experts[j]), destinations[j]), buffers)
 
 
@@ -255,14 +257,15 @@ def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel:
 def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int):
     """Copy the `count` highest-scoring experts (scores [E]) that are not cached into the first `count`
     victim cache slots, ahead of the layer that will use them (`copy_wanted`: fewer when fewer than `count`
-    experts are uncached or the policy offers fewer victims). Returns (slots, the victim order left, evicted)."""
+    experts are uncached or the policy offers fewer victims). Returns (slots, the victim order left, evicted, the
+    experts copied)."""
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
     # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already
     # and admit nothing.
     destinations = jnp.where(slots.slot_of_expert[wanted] < 0, victim_order[:count], -1)
-    slots, evicted, _ = copy_wanted(slots, host, wanted, destinations)
+    slots, evicted, copied = copy_wanted(slots, host, wanted, destinations)
     remaining = jnp.concatenate([victim_order[count:], jnp.full((count,), -1, victim_order.dtype)])
-    return slots, remaining, evicted
+    return slots, remaining, evicted, copied
 
 
 def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: int, min_score: float,
@@ -353,7 +356,8 @@ def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, 
     """GPU prefill path: cached experts from their slots, every other needed expert streamed from host
     memory in chunks of `chunk_size`, each copied into a step-local buffer of its own and then computed. The
     chunks are unrolled (at most E / chunk_size of them), so chunk c + 1's copy does not depend on chunk c's
-    compute and XLA can overlap them, with two chunk buffers alive at once (double buffering). Exact for
+    compute (both are kernels on one GPU stream now, the copy jmoe.kernels.expert_copy's: whether they overlap is
+    unmeasured), with two chunk buffers alive at once. Exact for
     any number of distinct experts; the cache is left unchanged. Returns float32 y [T, d]."""
     num_experts = slots.slot_of_expert.shape[0]
     num_chunks = -(-num_experts // chunk_size)
@@ -384,7 +388,7 @@ def compute_misses_where_they_lie(slots: LayerSlots, host: ExpertWeights, x, ids
                                   miss_mode: str) -> tuple[jax.Array, StepCounts]:
     """Miss modes "host" and "direct", decode path: cached experts run on the device from their slots; every
     other needed expert runs where its weights lie (`experts_on_host_where`, `experts_read_in_place`), so the
-    device runs no copy loop for them. This step's misses are admitted into the cache by the manager's plan for
+    device makes no demand copies for them. This step's misses are admitted into the cache by the manager's plan for
     the next step (OffloadEngine), copied as that step starts. Returns float32 y [T, d]."""
     num_experts = slots.slot_of_expert.shape[0]
     hits = count_hits(slots.slot_of_expert, ids)
@@ -401,7 +405,7 @@ def experts_read_in_place(missing, x, ids, weights, host: ExpertWeights, kernel:
     """float32 [T, d]: the contribution of the experts marked in `missing` (bool [E]), miss mode "direct". On a
     GPU the Pallas grouped GEMM (Triton) is handed the pinned-host expert arrays as they are (XLA copies nothing
     first: tests/test_gpu_step.py) and reads the missed experts' weight tiles over the host link: only their
-    bytes, with no copy loop and no host round trip. Elsewhere host and device memory are one RAM, and the host
+    bytes, with no demand copies and no host round trip. Elsewhere host and device memory are one RAM, and the host
     computes them (`experts_on_host_where`)."""
     return platform_dependent(missing, x, ids, weights, host,
                               cuda=functools.partial(missed_experts_by_kernel, activation=kernel.activation),
