@@ -216,6 +216,30 @@ def test_calibration_reads_the_settings_a_gpu_check_run_measured(tmp_path):
         measured_settings({**results, "mode": "small"})
 
 
+def test_calibration_reads_the_resident_and_fetch_settings_of_a_decode_bound_run():
+    """bench.gpu_decode_bound's JSON: the default variant's and the big shape's resident and fetch rows without
+    prefetch (what jmoe.plan estimates), each with its measured hit rate; the big shape's placement a device budget."""
+    from bench.gpu_decode_bound import BIG
+    from bench.plan_calibration import decode_bound_settings, settings_of
+
+    def row(model, miss_mode, **more):
+        return {"model": model, "miss_mode": miss_mode, "tokens_per_s": 10.0, **more}
+
+    results = {"settings": [], "variants": {
+        "default": {"rows": [row("mixtral", "resident", cache=None), row("mixtral", "fetch", cache=2, hit_rate=0.5),
+                             row("mixtral", "direct", cache=2, hit_rate=0.5),
+                             row("mixtral", "fetch", cache=2, prefetch=2, hit_rate=0.6)]},
+        BIG: {"rows": [row(BIG, "resident", cache=None),
+                       row(BIG, "fetch", cache=41, device_budget_gb=24.0, hit_rate=0.4)]},
+        "latency-hiding scheduler": {"rows": [row("mixtral", "fetch", cache=2, hit_rate=0.5)]}}}
+    settings = settings_of(results)
+    assert settings == decode_bound_settings(results)
+    assert [(s["model"], s["cache"], s["device_budget_gb"], s["hit_rate"]) for s in settings] == [
+        ("mixtral", None, None, None), ("mixtral", 2, None, 0.5), (BIG, None, None, None), (BIG, None, 24.0, 0.4)]
+    with pytest.raises(SystemExit, match="gpu_decode_bound's JSON"):
+        decode_bound_settings({"mode": "full"})
+
+
 # ---- the disk tier (host_budget_gb): what a decoded token reads from disk, and its time in the estimate ----
 
 def test_disk_reads_per_token_by_hand():
