@@ -84,6 +84,8 @@ def copy_into_slots(buffers: ExpertWeights, host: ExpertWeights, experts, destin
     distinct.
     On a GPU one Triton kernel (`jmoe.kernels.expert_copy`): no loop, no host round trip, the buffers updated in
     place; elsewhere `copy_by_loop`."""
+    if not experts.shape[0] or not buffers.num_experts:  # no entries (a static policy's layer of no slots)
+        return buffers
     return platform_dependent(buffers, host.stacked(), experts, destinations,
                               cuda=functools.partial(copy_experts, on_gpu=True), default=copy_by_loop)
 
