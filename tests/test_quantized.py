@@ -243,8 +243,8 @@ print(__import__("json").dumps(out))
 
 @pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
 def test_quantized_pallas_kernels_compile_to_triton_for_an_h100():
-    """The dequantizing Pallas kernels and the expert copies lower to Triton for a GPU (compiled here, for an H100, in a child
-    process whose JAX starts on the CPU platform; running them needs a GPU)."""
+    """The dequantizing Pallas kernels and the expert copies lower to Triton for a GPU (compiled here, for an H100,
+    in a child process whose JAX starts on the CPU platform; running them needs a GPU)."""
     result = subprocess.run([sys.executable, "-c", GPU_KERNEL_COMPILE, *FORMATS], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -252,7 +252,8 @@ def test_quantized_pallas_kernels_compile_to_triton_for_an_h100():
     for fmt in FORMATS:
         ffn, copy = flows[fmt]
         assert ffn["triton_kernels"] == 2 and ffn["conditionals"] == 0, (fmt, ffn)
-        # Quantized experts are copied into slots by one kernel too, values and scales alike (tests/test_expert_copy.py).
+        # Quantized experts are copied into slots by one kernel too, values and scales alike
+        # (tests/test_expert_copy.py).
         assert copy["triton_kernels"] == 1 and copy["data_dependent_loops"] == 0, (fmt, copy)
 
 
