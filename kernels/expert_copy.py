@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jmoe.kernels.pallas_grouped import triton_addressable
+
 # Elements a program moves (its last chunk masked): 16 KiB of bfloat16, large enough to keep loads in flight.
 CHUNK = 8192
 # A copy is memory-bound: one stage, no software pipelining to set up.
@@ -34,6 +36,10 @@ def copy_experts(buffers, sources, experts, destinations, *, on_gpu: bool, chunk
     leaves, treedef = jax.tree.flatten(buffers)
     flat = [as_words(leaf) for leaf in leaves]
     flat_sources = [as_words(leaf) for leaf in treedef.flatten_up_to(sources)]
+    if not all(map(triton_addressable, flat_sources)):
+        raise ValueError(f"copy_experts cannot address source arrays of {[a.shape for a in flat_sources]} "
+                         f"{[str(a.dtype) for a in flat_sources]}: Pallas' Triton lowering offsets an array of 2-4 GiB "
+                         f"of one-byte elements with 32-bit integers (rows of a multiple of 4 bytes go as words)")
     sizes = [leaf.shape[1] for leaf in flat]
     chunks = [pl.cdiv(size, chunk) for size in sizes]
     n = len(leaves)

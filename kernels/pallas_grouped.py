@@ -29,11 +29,19 @@ TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def gpu_shapes_supported(w_gate_up, w_down) -> bool:
-    """Whether the Triton lowering can tile these weights (blocks of at least GPU_MIN_BLOCK)."""
+    """Whether the Triton lowering can tile these weights (blocks of at least GPU_MIN_BLOCK) and address them."""
     d, f = w_down.shape[2], w_down.shape[1]
     blocks = (grouping.largest_pow2_divisor(d, 128), grouping.largest_pow2_divisor(f, 128),
               contraction_block(w_gate_up, 128), contraction_block(w_down, 128))
-    return min(blocks) >= GPU_MIN_BLOCK
+    return min(blocks) >= GPU_MIN_BLOCK and all(map(triton_addressable, jax.tree.leaves((w_gate_up, w_down))))
+
+
+def triton_addressable(array) -> bool:
+    """Whether Pallas' Triton lowering reaches every element of `array` (a real or abstract array): it offsets an
+    array of at most 4 GiB with signed 32-bit integers, so one of more than 2^31 one-byte elements (2-4 GiB of
+    quantized codes, e.g. DeepSeek-V3's fp8 w_down of one layer, 3.76 GB) would wrap to negative offsets."""
+    size = math.prod(array.shape)
+    return size <= 2**31 or size * jnp.dtype(array.dtype).itemsize > 2**32
 
 
 def contraction_block(weight, cap: int) -> int:

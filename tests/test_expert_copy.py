@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmoe.kernels import FORMATS, ExpertWeights, quantize
+from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor, quantize
 from jmoe.kernels.expert_copy import CHUNK, as_words, copy_experts
+from jmoe.kernels.pallas_grouped import gpu_shapes_supported, triton_addressable
 from jmoe.offload.slots import copy_by_loop
 
 # (expert, destination) entries: the wanted ones first, then a destination of -1 (moves nothing).
@@ -81,3 +82,19 @@ def test_byte_leaves_move_as_32_bit_words_where_their_rows_allow():
     for kernel_leaf, loop_leaf, want in zip(by_kernel, by_loop, expected(buffers, sources)):
         np.testing.assert_array_equal(kernel_leaf, want)
         np.testing.assert_array_equal(loop_leaf, want)
+
+
+def test_arrays_triton_cannot_address_are_known_before_a_gpu_reads_them():
+    """More than 2^31 one-byte elements in at most 4 GiB (a DeepSeek-V3 layer's fp8 w_down, 3.76 GB) wrap Pallas'
+    32-bit offsets: the grouped GEMM falls back to XLA's kernel for them (miss mode "direct" refuses), and the
+    copy kernel takes them as 32-bit words, which it can address. Checked on shapes alone, nothing allocated."""
+    codes = jax.ShapeDtypeStruct((256, 2048, 7168), jnp.uint8)
+    assert not triton_addressable(codes)
+    assert triton_addressable(jax.ShapeDtypeStruct((256, 2048, 7168), jnp.bfloat16))  # > 4 GiB: 64-bit offsets
+    assert triton_addressable(jax.ShapeDtypeStruct((8, 128, 128), jnp.uint8))
+    assert triton_addressable(jax.eval_shape(as_words, codes))
+    scales = jax.ShapeDtypeStruct((256, 16, 56), jnp.float32)
+    fp8 = QuantizedTensor(codes, scales, "fp8", 128)
+    small = QuantizedTensor(jax.ShapeDtypeStruct((8, 128, 256), jnp.uint8), jax.ShapeDtypeStruct((8, 1, 2), jnp.float32),
+                            "fp8", 128)
+    assert not gpu_shapes_supported(small, fp8) and gpu_shapes_supported(small, small)
