@@ -419,10 +419,11 @@ def missed_experts_by_kernel(missing, x, ids, weights, experts: ExpertWeights, a
     of an expert marked in `missing` (bool [E]); the other choices read nothing."""
     experts = experts.stacked()
     if not gpu_shapes_supported(experts.w_gate_up, experts.w_down):  # XLA's kernels cannot read host memory
+        leaves = jax.tree.leaves(experts)
         raise InputError(f'miss_mode="direct" computes missed experts with the Triton expert kernel, whose blocks '
                          f'need the hidden size and the expert width divisible by {GPU_MIN_BLOCK} and which cannot '
                          f'address a layer of 2-4 GiB of one-byte codes; found hidden size {x.shape[-1]}, expert width '
-                         f'{experts.w_down.shape[1]}, arrays of shapes {[leaf.shape for leaf in jax.tree.leaves(experts)]} '
-                         f'{[str(leaf.dtype) for leaf in jax.tree.leaves(experts)]}. Use miss_mode="host" or "fetch" for this model')
+                         f'{experts.w_down.shape[1]}, arrays of shapes {[leaf.shape for leaf in leaves]} '
+                         f'{[str(leaf.dtype) for leaf in leaves]}. Use miss_mode="host" or "fetch" for this model')
     missed = jnp.where(missing[jnp.maximum(ids, 0)] & (ids >= 0), ids, -1)
     return ExpertKernel("pallas", activation)(x, missed, weights, experts, out_dtype=jnp.float32)
