@@ -32,21 +32,21 @@ def host_experts(model):
     return model.module().moe_blocks()[0].experts.weights()
 
 
-def expert_copy_kernel(host, ids, count: int, expert_bytes: int) -> dict[int, tuple[float, object]]:
+def expert_copy_kernel(host, ids, destinations, expert_bytes: int) -> dict[int, tuple[float, object]]:
     """{elements a program moves: (GB/s, the slots filled)} of jmoe.kernels.expert_copy copying experts ids[j] of
-    `host` into device slot j (interpreted where no GPU runs it)."""
+    `host` into device slot destinations[j] (interpreted where no GPU runs it)."""
     import functools
 
     import jax
-    import jax.numpy as jnp
     from jmoe.kernels.expert_copy import CHUNK, copy_experts
+    from jmoe.offload.slots import empty_slots
 
     on_gpu = jax.default_backend() == "gpu"
-    destinations = jnp.arange(count, dtype=jnp.int32)
+    count = ids.shape[0]
     out = {}
     for chunk in (CHUNK // 4, CHUNK, CHUNK * 4):  # elements a program moves: its default, a quarter, four times
         copy = jax.jit(functools.partial(copy_experts, on_gpu=on_gpu, chunk=chunk), donate_argnums=0)
-        slots = [jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), host)]
+        slots = [empty_slots(host, count)]
 
         def run():  # the slots donated and handed back, as a step's are
             slots[0] = jax.block_until_ready(copy(slots[0], host, ids, destinations))
@@ -61,7 +61,7 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     import jax.numpy as jnp
     import jmoe
     from jmoe.memory import DEVICE, PINNED_HOST, sharding_for
-    from jmoe.offload.slots import device_copy
+    from jmoe.offload.slots import copy_by_loop, device_copy, empty_slots
 
     result = SectionResult()
     model = jmoe.load(speed_checkpoint(workdir, "mixtral", small), cache=0, progress=False, check_finite=False)
@@ -77,19 +77,15 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     result.measurements["in-program expert copies, GB/s"] = count * expert_bytes / seconds / 1e9
 
     @jax.jit
-    def copy_listed(host, ids):  # as a step's miss loop: experts the device chose, a trip count it computed
-        def copy_one(i, out):
-            return jax.tree.map(lambda o, piece: jax.lax.dynamic_update_slice_in_dim(o, piece, i, 0), out,
-                                device_copy(host, ids[i]))
-
-        empty = jax.tree.map(lambda a: jnp.zeros((count, *a.shape[1:]), a.dtype), host.stacked())
-        return jax.lax.fori_loop(0, jnp.sum(ids >= 0), copy_one, empty)
+    def copy_listed(host, ids, destinations):  # a step's miss loop (a CPU's copies): a trip count the device computed
+        return copy_by_loop(empty_slots(host, count), host, ids, destinations)
 
     ids = jax.device_put(np.arange(count, dtype=np.int32)[::-1].copy(), sharding_for(DEVICE))
-    seconds = median_seconds(lambda: jax.block_until_ready(copy_listed(host, ids)), repeats=10)
+    destinations = jax.device_put(np.arange(count, dtype=np.int32), sharding_for(DEVICE))
+    seconds = median_seconds(lambda: jax.block_until_ready(copy_listed(host, ids, destinations)), repeats=10)
     result.measurements["in-program copies in a data-dependent loop, GB/s"] = count * expert_bytes / seconds / 1e9
-    looped = copy_listed(host, ids)
-    for chunk, (gbs, copied) in expert_copy_kernel(host, ids, count, expert_bytes).items():
+    looped = copy_listed(host, ids, destinations)
+    for chunk, (gbs, copied) in expert_copy_kernel(host, ids, destinations, expert_bytes).items():
         result.measurements[f"expert-copy kernel, {chunk} elements a program, GB/s"] = gbs
         same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(looped)))
         result.check(f"expert-copy kernel ({chunk}) copies what the loop copies", same,

@@ -262,10 +262,9 @@ def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, co
     experts are uncached or the policy offers fewer victims). Returns (slots, the victim order left, evicted, the
     experts copied)."""
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
-    # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already
-    # and admit nothing.
-    destinations = jnp.where(slots.slot_of_expert[wanted] < 0, victim_order[:count], -1)
-    slots, evicted, copied = copy_wanted(slots, host, wanted, destinations)
+    # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already, and
+    # copy_wanted admits nothing for them.
+    slots, evicted, copied = copy_wanted(slots, host, wanted, victim_order[:count])
     remaining = jnp.concatenate([victim_order[count:], jnp.full((count,), -1, victim_order.dtype)])
     return slots, remaining, evicted, copied
 
