@@ -11,8 +11,9 @@ loops and conditionals on the device), each with its share of the budget (SHARES
 cumulative deadlines, so time a variant leaves goes to the next). The default variant measures bench.gpu_check's
 decode models (Mixtral- and DeepSeek-shaped bf16, a few GB): first, for each model, resident, then its smallest cache
 with the misses copied (fetch), read in place (direct), and with router prefetch of top-k experts (issue #54 item 4:
-copies that could run beside the layer before); then the larger cache, and host mode last (it has aborted XLA:GPU
-before). The flag variants: the first model's first settings, what the flags could change most. The big shape,
+copies that could run beside the layer before), direct again with side_stream_copies (its planned admissions on a
+second stream); then the larger cache, router prefetch with side_stream_copies, and host mode last (it has aborted
+XLA:GPU before). The flag variants: the first model's first settings, what the flags could change most. The big shape,
 issue #54 item 7: a GPT-OSS-120B-shaped model with MXFP4 experts (about 61 GB), built in memory with random weights
 (bench.gpu.in_memory: the lent machine's disk could not hold its checkpoint), resident on the device, then with what a
 24 GB card holds there (device_budget_gb) in each miss mode; jmoe.plan's estimate for it is made afterwards on a CPU
@@ -92,8 +93,12 @@ def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
                   dict(one, cache=smallest, miss_mode="direct")]
         if not smoke:
             first.append(dict(one, cache=smallest, miss_mode="fetch", prefetch=top_k))
-        if variant == "default" and not smoke:  # then host mode (it has aborted XLA:GPU: last) and the other caches
+        # The copies made ahead of need on a second stream (item 4): direct's planned admissions (every variant, the
+        # smoke run too), then router prefetch's.
+        first.append(dict(one, cache=smallest, miss_mode="direct", side_stream_copies=True))
+        if variant == "default" and not smoke:  # then the other caches, and host mode (it has aborted XLA:GPU: last)
             later += [dict(one, cache=cache, miss_mode="fetch") for cache in larger if cache is not None]
+            later.append(dict(one, cache=smallest, miss_mode="fetch", prefetch=top_k, side_stream_copies=True))
             later.append(dict(one, cache=smallest, miss_mode="host"))
     return first + later
 
@@ -114,7 +119,8 @@ def label_of(setting: dict) -> str:
     where = (f"device budget {setting['device_budget_gb']:g} GB" if setting.get("device_budget_gb")
              else f"cache {setting['cache']}")
     ahead = f", prefetch {setting['prefetch']}" if setting.get("prefetch") else ""
-    return f"{setting['model']}, {where}, {setting['miss_mode']}{ahead}"
+    beside = ", side stream" if setting.get("side_stream_copies") else ""
+    return f"{setting['model']}, {where}, {setting['miss_mode']}{ahead}{beside}"
 
 
 def bounds(row: dict) -> dict:
@@ -140,8 +146,8 @@ class Models:
 
     def load(self, setting: dict):
         resident = setting["miss_mode"] == "resident"
-        placing = {} if resident else {key: setting[key] for key in ("cache", "device_budget_gb", "prefetch")
-                                       if setting.get(key)}
+        placing = {} if resident else {key: setting[key] for key in ("cache", "device_budget_gb", "prefetch",
+                                                                     "side_stream_copies") if setting.get(key)}
         if setting["model"] != BIG:
             import jmoe
             from bench.gpu.speed import speed_checkpoint
@@ -167,7 +173,7 @@ def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
     device's program); with `trace_dir` a profile of one more generation."""
     from bench.gpu.profile import step_split, step_timer, traced_steps
     from bench.gpu.speed import decode_step_counts, generate
-    from jmoe.plan.hlo import control_flow
+    from jmoe.plan.hlo import control_flow, side_stream_overlaps
 
     offloaded = setting["miss_mode"] != "resident"
     generate(model, tokens)  # compiles, and warms the cache as a second generation of a conversation would find it
@@ -188,7 +194,8 @@ def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
     row.update(step_ms=split["step ms"], host_ms=split["host ms"])
     decode = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
     if decode:
-        row["decode_program"] = control_flow(decode[0]).as_dict()
+        row["decode_program"] = dict(control_flow(decode[0]).as_dict(), side_stream_overlaps=side_stream_overlaps(
+            decode[0]))
     if trace_dir is not None:
         summary = traced_steps(lambda: generate(model, tokens), trace_dir, tokens)
         row["profile"] = {key: value for key, value in summary.items() if key != "top device events"}
@@ -333,6 +340,10 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
                 lines += ["", f"Profile of {label_of(row)}: " + ", ".join(
                     f"{key} {fmt(value)}" for key, value in row["profile"].items())]
                 lines += [f"- {event}" for event in row["profile_top_events"]]
+            beside = row.get("decode_program", {}).get("side_stream_overlaps")
+            if beside:
+                lines += ["", f"Copies on a second stream in the decode program of {label_of(row)}: the compute "
+                          f"stream's kernels scheduled beside each, {beside}"]
         lines.append("")
     lines += ["Bounds: no overlap = resident step + link bytes / link GB/s; overlap = the larger of the two; share = "
               "bound / measured ms per token (1000 / tokens/s, steps dispatched ahead). Link bytes per decode token: "

@@ -16,6 +16,7 @@ from pathlib import Path
 import jmoe
 from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 from bench.plan import write_header_only_checkpoint
+from jmoe.plan.hlo import side_stream_overlaps
 
 # (label, jmoe.plan options, batch)
 CONFIGURATIONS = [
@@ -30,6 +31,10 @@ CONFIGURATIONS = [
     ("cache 4, host", dict(cache=4, miss_mode="host"), 8),
     ("cache 4, direct", dict(cache=4, miss_mode="direct"), 1),
     ("cache 4, direct", dict(cache=4, miss_mode="direct"), 8),
+    ("cache 4, fetch, prefetch 2, side stream", dict(cache=4, prefetch=2, side_stream_copies=True), 1),
+    ("cache 4, direct, side stream", dict(cache=4, miss_mode="direct", side_stream_copies=True), 1),
+    ("cache 4, direct, prefetch 2, side stream", dict(cache=4, miss_mode="direct", prefetch=2,
+                                                      side_stream_copies=True), 1),
 ]
 SMOKE_CONFIGURATIONS = [("cache 4, fetch", dict(cache=4), 1)]  # the offload engine's decode and prefill
 SMOKE_LAYERS = 1  # XLA:GPU's compile grows by seconds a layer; one layer has every kernel of the offloaded step
@@ -38,10 +43,11 @@ SMOKE_LAYERS = 1  # XLA:GPU's compile grows by seconds a layer; one layer has ev
 def row(label: str, batch: int, name: str, program) -> str:
     if program.error is not None:
         reason = program.error.strip().splitlines()[-1][:90]
-        return f"| {label} | {batch} | {name} | not compiled: {reason} | | | | | |"
+        return f"| {label} | {batch} | {name} | not compiled: {reason} | | | | | | |"
     flow = program.control_flow
+    beside = ", ".join(map(str, side_stream_overlaps(program.hlo_text))) or "-"
     return (f"| {label} | {batch} | {name} | {flow.conditionals} | {flow.loops_with_known_trip_count} | "
-            f"{flow.data_dependent_loops} | {flow.triton_kernels} | {flow.triton_kernels_reading_host} | "
+            f"{flow.data_dependent_loops} | {flow.triton_kernels} | {flow.triton_kernels_reading_host} | {beside} | "
             f"{program.device_bytes / 2**20:.1f} |")
 
 
@@ -62,7 +68,8 @@ def main() -> int:
 
 def report(args, configurations: list) -> None:
     lines = ["| configuration | batch | program | conditionals | loops, known trip count | loops, data-dependent "
-             "| Triton kernels | of them reading host memory | device MiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "| Triton kernels | of them reading host memory | kernels beside each side-stream call | device MiB |",
+             "|---" * 10 + "|"]
     for label, options, batch in configurations:
         plan = jmoe.plan(args.model, target="h100", batch=batch, context=args.context, **options)
         for name in ("decode", "prefill"):
@@ -88,6 +95,13 @@ def report(args, configurations: list) -> None:
             "handed the layer's pinned-host experts as they are too, so the misses are computed without demand "
             "copies; its copy kernels are the manager's planned admissions (at most one expert a layer and "
             "step).\n\n"
+            "Side stream (`side_stream_copies=True`): the decode's copies made ahead of need (router prefetch into "
+            "the next layer, direct's planned admissions at the step's start) are asynchronous calls on a second "
+            "stream; the column lists, for each, the compute stream's kernels XLA scheduled between its start and "
+            "its done (`jmoe.plan.hlo.side_stream_overlaps`), which it can run beside. The demand copies and "
+            "prefill's chunks stay on the compute stream (on a second one XLA's scheduler still ran each chunk's "
+            "copy alone). Whether the overlap shortens a step is for a GPU to measure "
+            "(`python -m bench.gpu_decode_bound`).\n\n"
             "Host miss mode's decode cannot be compiled for a GPU target with jax 0.10 (XLA:CPU's thunk emitter "
             "rejects the host computation's `async-start` in compile-only mode); its CPU-compiled program has no "
             "conditional and every data-dependent loop inside the host computation "

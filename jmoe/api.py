@@ -265,7 +265,8 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
          backend: str = "auto", progress: bool = True, compile_cache: bool | str | Path | None = None,
          check_memory: bool = True, check_finite: bool | None = None, devices: int | None = None,
          mesh: jax.sharding.Mesh | None = None, host_budget_gb: float | None = None,
-         read_ahead: int = 0, scratch_rows: int = 8, direct_reads: bool | None = None) -> Model:
+         read_ahead: int = 0, scratch_rows: int = 8, direct_reads: bool | None = None,
+         side_stream_copies: bool = False) -> Model:
     """Load a MoE checkpoint: a Hugging Face safetensors directory or one made by `python -m jmoe.convert`.
 
     cache: experts per MoE layer kept on the device; None (or >= the number of experts) keeps all. One
@@ -329,11 +330,17 @@ def load(path: str | Path, cache: int | Sequence[int | None] | None = None, *, p
         per byte, no page cache hits). None = when the page cache has room for under a quarter of them (its room:
         the machine's available memory, or the process's memory cgroup limit, less the host budget); the choice
         is printed with the placement summary. Results are the same.
+    side_stream_copies: on a GPU, run the decode step's copies made ahead of need (prefetch, prefetch_trace, and
+        the admissions miss modes "host" and "direct" plan for the next step) as asynchronous calls on a second
+        stream, so that the kernels XLA schedules between a copy's start and its done (the layers before the one
+        it fills, as XLA's scheduler chooses) run beside it. Results are the same; other platforms are unchanged.
+        Needs one of those copies (InputError otherwise). Off by default until a GPU has measured it against the
+        copies on the compute stream (python -m bench.gpu_decode_bound).
     """
     options = OffloadOptions(cache, policy, offload_params, device_budget_gb, prefetch, miss_mode,
                              offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers,
                              prefetch_trace, expert_dtype, expert_group_size, devices, mesh, host_budget_gb,
-                             read_ahead, scratch_rows, direct_reads)
+                             read_ahead, scratch_rows, direct_reads, side_stream_copies)
     return load_with_options(path, options, dtype=dtype, backend=backend, progress=progress,
                              compile_cache=compile_cache, check_memory=check_memory, check_finite=check_finite)
 

@@ -56,15 +56,24 @@ def computed_on_host(fn):
     return on_host
 
 
-def transformed_at_each_call(fn, compute_on):
-    """jax 0.11: `fn` under the function transform `compute_on`, applied afresh at every call. The transform caches
-    its trace by the function it wraps, so one transformed function called at several places of a step (each
-    layer's host misses) lowered to one host computation with several callers, and XLA:GPU aborted compiling it
-    ("HLO opcode `async-start` is not supported by XLA:CPU", jax 0.11.2 on a lent H100, 2026-11-27). A fresh
-    wrapper per call gives every call site its own computation, the form that ran there on 2026-11-26."""
+def transformed_at_each_call(fn, compute_on, compute_type: str = "device_host",
+                              out_memory_space=jax.memory.Space.Host):
+    """`fn` under the function transform `compute_on` (jax 0.11's compute_on, jax 0.10's compute_on2), applied
+    afresh at every call. The transform caches its trace by the function it wraps, so one transformed function
+    called at several places of a step (each layer's host misses) lowered to one host computation with several
+    callers, and XLA:GPU aborted compiling it ("HLO opcode `async-start` is not supported by XLA:CPU", jax 0.11.2 on
+    a lent H100, 2026-11-27). A fresh wrapper per call gives every call site its own computation, the form that ran
+    there on 2026-11-26. Every output goes to `out_memory_space`."""
 
-    def on_host(*args):
-        return compute_on(functools.partial(fn), compute_type="device_host",
-                          out_memory_spaces=jax.memory.Space.Host)(*args)
+    def transformed(*args):
+        return compute_on(functools.partial(fn), compute_type=compute_type, out_memory_spaces=out_memory_space)(*args)
 
-    return on_host
+    return transformed
+
+
+def on_second_stream(fn):
+    """`fn` as a function that, called inside a jitted program for a GPU, runs as an asynchronous call on a stream
+    of its own (XLA:GPU's stream annotation, compute_on "gpu_stream:1"): the compute stream's kernels that XLA
+    schedules between the call's start and its done run beside it. Its outputs stay on the device."""
+    transform = compute_on_module.compute_on if _COMPUTE_ON_IS_A_TRANSFORM else compute_on_module.compute_on2
+    return transformed_at_each_call(fn, transform, "gpu_stream:1", jax.memory.Space.Device)

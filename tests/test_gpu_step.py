@@ -17,7 +17,7 @@ from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slot
                                rows_as_slots, rows_marked, slot_ids_of,
                                stream_and_compute)
 from jmoe.kernels.expert_copy import CHUNK
-from jmoe.plan.hlo import computations, control_flow, copied_arrays, triton_grids
+from jmoe.plan.hlo import computations, control_flow, copied_arrays, side_stream_overlaps, triton_grids
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -34,12 +34,13 @@ def many_experts(tmp_path_factory):
 
 
 # (load options, batch): resident; offloaded with demand fetch, with router prefetch, at batch 1 and 8; the misses
-# read in place (miss mode "direct").
+# read in place (miss mode "direct"), also with its planned admissions on a second stream.
 H100_DECODES = [
     (dict(backend="auto"), 8),
     (dict(cache=2, backend="pallas"), 1),
     (dict(cache=2, prefetch=1, backend="auto"), 8),
     (dict(cache=2, miss_mode="direct", backend="auto"), 1),
+    (dict(cache=2, miss_mode="direct", side_stream_copies=True, backend="auto"), 1),
 ]
 
 
@@ -67,6 +68,10 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     chunks = -(-d * 2 * f // CHUNK) + -(-f * d // CHUNK)  # gate_up's and down's
     copies = triton_grids(decode.hlo_text, "copy_experts")
     assert sorted(copies) == sorted((chunks, entries, 1) for entries in demand + planned + ahead)
+    # Copies made ahead of need on a second stream with side_stream_copies (#54 item 4): one asynchronous call each,
+    # the compute stream's kernels scheduled beside it (the attention and the layers before the one they fill).
+    overlaps = side_stream_overlaps(decode.hlo_text)
+    assert len(overlaps) == (len(planned + ahead) if options.get("side_stream_copies") else 0) and all(overlaps)
     # The copies read the pinned-host experts as they are (reshaped, no copy in between); so do, in "direct", each
     # offloaded layer's two expert kernels (gate-up, down); the other modes' expert kernels read device memory only.
     assert flow.triton_kernels_reading_host == len(copies) + (2 * offloaded if direct else 0)
@@ -80,6 +85,32 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     assert prefill.error is None, prefill.error
     # Streamed chunks compute masked, never branch, and are copied by the same kernel.
     assert prefill.control_flow.conditionals == 0 and prefill.control_flow.data_dependent_loops == 0
+
+
+# An optimized module's text as XLA:GPU prints it: a side-stream call beside a host computation and a kernel, a second
+# call beside nothing, then a command buffer; a computation before the entry has kernels of its own.
+SIDE_STREAM_HLO = """HloModule m
+%copy (a: f32[4]) -> f32[4] {
+  ROOT %fusion.9 = f32[4]{0} fusion(%a), kind=kLoop, calls=%g
+}
+ENTRY %main (p: f32[4]) -> (f32[4], f32[4]) {
+  %p = f32[4]{0} parameter(0)
+  %call-start = ((f32[4]), f32[4]) call-start(%p), to_apply=%copy, frontend_attributes={_xla_stream_annotation="1"}
+  %host-start = ((f32[4]), f32[4]) async-start(%p), calls=%host, frontend_attributes={_xla_compute_type="host"}
+  %fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%f
+  %host-done = f32[4]{0} async-done(%host-start)
+  %call-done = f32[4]{0} call-done(%call-start), frontend_attributes={_xla_stream_annotation="1"}
+  %call-start.1 = ((f32[4]), f32[4]) call-start(%fusion), to_apply=%c, frontend_attributes={_xla_stream_annotation="1"}
+  %call-done.1 = f32[4]{0} call-done(%call-start.1)
+  %command_buffer = f32[4]{0} call(%call-done.1), to_apply=%cb
+  ROOT %tuple = (f32[4]{0}, f32[4]{0}) tuple(%command_buffer, %call-done)
+}
+"""
+
+
+def test_side_stream_overlaps_counts_the_work_between_each_calls_start_and_done():
+    assert side_stream_overlaps(SIDE_STREAM_HLO) == [2, 0]  # the host computation's start and the fusion; nothing
+    assert side_stream_overlaps(SIDE_STREAM_HLO.replace("_xla_stream_annotation", "_xla_other")) == []
 
 
 @pytest.mark.cpu_hlo

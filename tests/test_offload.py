@@ -258,6 +258,20 @@ def test_offload_arguments_are_checked_even_when_everything_is_resident(olmoe_di
         jmoe.load(olmoe_dir, policy="fifo", progress=False)
     with pytest.raises(jmoe.InputError, match="prefetch must be a whole number >= 0"):
         jmoe.load(olmoe_dir, prefetch=-1, progress=False)
+    with pytest.raises(jmoe.InputError, match="side_stream_copies is True or False, found 'yes'"):
+        jmoe.load(olmoe_dir, side_stream_copies="yes", progress=False)
+    with pytest.raises(jmoe.InputError, match="these settings make none: turn on prefetch"):
+        jmoe.load(olmoe_dir, cache=2, side_stream_copies=True, progress=False)
+
+
+def test_the_command_lines_take_side_stream_copies():
+    from jmoe.cli.common import offload_options
+    from jmoe.cli.generate import build_parser
+
+    assert offload_options(build_parser().parse_args(["--prefetch", "1", "--side-stream-copies"])).side_stream_copies
+    assert not offload_options(build_parser().parse_args(["--miss-mode", "direct"])).side_stream_copies
+    with pytest.raises(jmoe.InputError, match="these settings make none"):
+        offload_options(build_parser().parse_args(["--side-stream-copies"]))
 
 
 # Host compute differs between families only in the expert FFN: plain SwiGLU (Mixtral), biases and clamped
@@ -276,12 +290,14 @@ def test_host_miss_mode_and_prefetch_match_resident(name, hf_checkpoints, reside
 
 def test_direct_miss_mode_matches_resident_and_admits_its_misses(hf_checkpoints, resident):
     """Miss mode "direct" (the device reads missed experts in host memory; on this CPU the host computes them, as
-    "host" does), alone and with prefetch; the manager admits the misses for later steps (hits at decode)."""
+    "host" does), alone and with prefetch, its copies ahead of need on a second stream (on a GPU); the manager admits
+    the misses for later steps (hits at decode)."""
     name = "mixtral_e4k2_gqa2"
     cfg, ref_logits, ref_tokens = resident(name)
     k = cfg.num_experts_per_tok
     for cache, prefetch in ((1, 0), (k, k)):
-        model = jmoe.load(hf_checkpoints[name][0], cache=cache, miss_mode="direct", prefetch=prefetch, progress=False)
+        model = jmoe.load(hf_checkpoints[name][0], cache=cache, miss_mode="direct", prefetch=prefetch,
+                          side_stream_copies=bool(prefetch), progress=False)
         np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
         assert model.generate(PROMPTS, max_new_tokens=10) == ref_tokens, f"cache={cache} prefetch={prefetch}"
         assert all(layer["hits"] > 0 for layer in model.stats())

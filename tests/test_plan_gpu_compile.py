@@ -9,7 +9,7 @@ import pytest
 import jmoe
 from hf_models import FAMILY_CASES
 from jmoe.kernels.expert_copy import CHUNK
-from jmoe.plan.hlo import Collective, copied_arrays, triton_grids
+from jmoe.plan.hlo import Collective, copied_arrays, side_stream_overlaps, triton_grids
 from jmoe.plan.programs import PLUGIN_HINT, compile_programs, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -120,19 +120,23 @@ def decode_for_h100(path, backend: str, **options):
     return plan, programs["decode"]
 
 
-@pytest.mark.parametrize("prefetch", ["router", "history"])
-def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, hf_checkpoints):
+@pytest.mark.parametrize("prefetch,side_stream", [("router", False), ("history", True)])
+def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, side_stream, hf_checkpoints):
     """Cache 4 of 8 experts, prefetch=2 or prefetch_trace, compiled for an H100: no conditional and no loop. Every
     copy into slots is an expert-copy kernel (jmoe.kernels.expert_copy) whose unwanted entries move nothing: per
     offloaded layer the demand copies (min(scratch, batch x top-k) = 2 entries, into the cache slots that admit
     them and into scratch for the rest) and the prefetch, router prefetch's
     2 picks into every offloaded layer after the first, history prefetch's budget (4) into every one. Nothing
-    slices host memory outside those kernels (issue 33, #54 item 1)."""
+    slices host memory outside those kernels (issue 33, #54 item 1). With side_stream_copies (#54 item 4) each
+    prefetch copy is an asynchronous call on a second stream with the compute stream's kernels scheduled beside
+    it; the demand copies stay on the compute stream."""
     path = hf_checkpoints["qwen3_moe_headdim_tied"][0]
     cfg = jmoe.load_config(path)
     options = dict(prefetch=2) if prefetch == "router" else dict(prefetch_trace=routing_trace(cfg))
-    # backend "xla": no expert kernels to compile; the copies are the same for every backend.
-    plan, decode = decode_for_h100(path, "xla", context=32, cache=4, **options)
+    options["side_stream_copies"] = side_stream
+    # backend "xla": no expert kernels to compile; the copies are the same for every backend. With side streams the
+    # GPU's own ("auto", Triton): XLA's scheduler ran the copies beside nothing between the xla backend's fusions.
+    plan, decode = decode_for_h100(path, "auto" if side_stream else "xla", context=32, cache=4, **options)
     assert decode.error is None, decode.error
     offloaded = len(plan.placement.offloaded_layers)
     flow = decode.control_flow
@@ -143,6 +147,8 @@ def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, 
     expected = [(chunks, entries, 1) for entries in [2] * 2 * offloaded + ahead]
     assert sorted(triton_grids(decode.hlo_text, "copy_experts")) == sorted(expected)
     assert host_array_readers(decode.hlo_text) == ["copy_experts"] * len(expected)
+    overlaps = side_stream_overlaps(decode.hlo_text)
+    assert len(overlaps) == (len(ahead) if side_stream else 0) and all(overlaps), overlaps
     # The kernels write the donated cache slots in place: no slot buffer is copied whole.
     slot_arrays = {(slots, d, 2 * f) for slots in (4, plan.placement.scratch)} | {
         (slots, f, d) for slots in (4, plan.placement.scratch)}
@@ -150,6 +156,7 @@ def test_prefetching_decode_copies_what_it_keeps_without_conditionals(prefetch, 
 
 
 @pytest.mark.parametrize("case,options", [("mixtral_e4k2_gqa2", dict(cache=1, devices=2, prefetch=1,
+                                                                            side_stream_copies=True,
                                                                             extrapolate_layers=True)),
                                           ("deepseek_v3_qlora_groups", dict(cache=1, devices=4, expert_dtype="int4",
                                                                                expert_group_size=16))])
@@ -158,7 +165,7 @@ def test_expert_parallel_programs_carry_only_activations_between_devices(case, o
     layer's float32 output for the step's tokens, and nothing else crosses between the devices (no expert
     weight, no gather); each device's program holds its own share of the pinned experts, and with router
     prefetch writes its slots in place (XLA:CPU copies a device's next-layer cache buffer there; the GPU does
-    not)."""
+    not), with side_stream_copies in an asynchronous call on a second stream, inside the device's program."""
     path = hf_checkpoints[case][0]
     cfg = jmoe.load_config(path)
     devices = options["devices"]
@@ -180,6 +187,8 @@ def test_expert_parallel_programs_carry_only_activations_between_devices(case, o
     slot_arrays = {squeezed((n, d, 2 * f)) for n in slots} | {squeezed((n, f, d)) for n in slots}
     if "expert_dtype" not in options:  # quantized slots hold codes; their dequantized copies have these shapes
         assert not slot_arrays & {squeezed(dims) for dims in copied_arrays(plan.programs["decode"].hlo_text)}
+    side_calls = len(side_stream_overlaps(plan.programs["decode"].hlo_text))
+    assert side_calls == (cfg.num_moe_layers - 1 if options.get("side_stream_copies") else 0)  # prefetch's copies
     assert plan.as_dict()["programs"]["decode"]["collectives"] == [
         {"op": "all-reduce", "shapes": [f"f32[2,{cfg.hidden_size}]"], "bytes": 8 * cfg.hidden_size,
          "count": cfg.num_moe_layers}]

@@ -60,6 +60,9 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                         "(default) does when the page cache has room for under a quarter of them")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="copy up to N experts per layer ahead of need, guessed from the next layer's router")
+    g.add_argument("--side-stream-copies", action="store_true",
+                   help="on a GPU, run the copies made ahead of need (--prefetch, --prefetch-trace, the admissions "
+                        "of --miss-mode host/direct) on a second stream beside the compute (results unchanged)")
     g.add_argument("--prefetch-trace", default=None, metavar="TRACE.npy",
                    help="copy experts ahead of need as predicted from routing history, by the predictor the "
                         "replay recommends fitted on this routing trace of the model ([tokens, MoE layers, k]); "
@@ -131,7 +134,8 @@ def offload_options(args: argparse.Namespace) -> OffloadOptions:
                           args.offload_prefetch_step, args.cpu_moe_layers, args.prefetch_trace, args.expert_dtype,
                           args.expert_group_size, args.devices, host_budget_gb=args.host_budget_gb,
                           read_ahead=args.read_ahead, scratch_rows=args.scratch_rows,
-                          direct_reads=DIRECT_READS[args.direct_reads])
+                          direct_reads=DIRECT_READS[args.direct_reads],
+                          side_stream_copies=args.side_stream_copies)
 
 
 def load_for_cli(model_dir: Path, options: OffloadOptions, distributed: DistributedOptions | None = None,

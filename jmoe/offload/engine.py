@@ -72,6 +72,7 @@ class OffloadEngine(ResidentEngine):
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str = "auto"):
         super().__init__(config, placement, backend)
         self.prefetch = options.prefetch  # experts per layer copied ahead from the next layer's router guess
+        self.side_stream = options.side_stream_copies  # those copies, and the others made ahead, on a second stream
         # "fetch": a missed expert is copied to the device and computed there; "host": computed on the host;
         # "direct": computed by the device reading its weights in host memory.
         self.miss_mode = options.miss_mode
@@ -174,11 +175,12 @@ class OffloadEngine(ResidentEngine):
         counts = [None] * lo
         scratch = [Scratch(state.scratch)]  # threaded through the layers: each uses it in turn
         if decode and self.plan_width:
-            # The manager's planned admissions, copied as the step starts: they overlap the attention and
-            # the layers before theirs.
+            # The manager's planned admissions, copied as the step starts: on a second stream (side_stream_copies)
+            # they can overlap the attention and the layers before theirs.
             for i, moe in enumerate(self.layers):
                 layer_slots[i], evicted[i], copied[i] = copy_wanted(layer_slots[i], layers[moe].experts,
-                                                                    state.plan_experts[i], state.plan_slots[i])
+                                                                    state.plan_experts[i], state.plan_slots[i],
+                                                                    side_stream=self.side_stream)
         token_ids = {}  # MoE layer -> this token's expert ids [B, k], as the layers route (history prefetch)
         by_history = decode and self.history is not None
         copies_ahead = by_history and not self.history_reads_ahead  # into the device's slots
@@ -191,7 +193,7 @@ class OffloadEngine(ResidentEngine):
                 return
             scores = self.history.in_step_scores(state.predict_base[moe_index], moe_index, token_ids)
             layer_slots[i], ahead_evicted, ahead_copied = prefetch_by_score(
-                layer_slots[i], layers[moe_index].experts, scores, **BEST)
+                layer_slots[i], layers[moe_index].experts, scores, **BEST, side_stream=self.side_stream)
             copied[i] = copied[i] + ahead_copied
             evicted[i] = evicted[i] + ahead_evicted
 
@@ -229,7 +231,8 @@ class OffloadEngine(ResidentEngine):
                 probs = self.own_scores(router_probabilities(cfg, to_device(upcoming.router), x))
                 scores = jnp.max(jnp.where((routed >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
                 layer_slots[nxt], victim_order[nxt], ahead_evicted, ahead_copied = prefetch(
-                    layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, count=prefetch_count)
+                    layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, count=prefetch_count,
+                    side_stream=self.side_stream)
                 copied[nxt] = copied[nxt] + ahead_copied
                 evicted[nxt] = evicted[nxt] + ahead_evicted
             host, tier = layer.experts, {}

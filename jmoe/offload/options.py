@@ -70,6 +70,9 @@ class OffloadOptions:
     # The disk tier's reads past the page cache (O_DIRECT): True, False, or None = when the page cache has room for
     # under a quarter of the experts on disk only (jmoe.checkpoint.read_buffers.direct_reads_pay).
     direct_reads: bool | None = None
+    # On a GPU, the copies made ahead of need (prefetch, prefetch_trace, the planned admissions of miss modes host and
+    # direct) as asynchronous calls on a second stream, beside the kernels XLA schedules between their start and done.
+    side_stream_copies: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "cache", checked_cache(self.cache))
@@ -155,6 +158,14 @@ class OffloadOptions:
         object.__setattr__(self, "scratch_rows", whole_number("scratch_rows", self.scratch_rows, 1,
                                                               "decode rows whose missed experts all copy into the "
                                                               "scratch slots"))
+        if not isinstance(self.side_stream_copies, bool):
+            raise InputError(f"side_stream_copies is True or False, found {self.side_stream_copies!r}")
+        copies_ahead = (self.prefetch or self.miss_mode in COMPUTED_WHERE_THEY_LIE
+                        or (self.prefetch_trace is not None and self.host_budget_gb is None))
+        if self.side_stream_copies and not copies_ahead:
+            raise InputError("side_stream_copies=True puts the copies made ahead of need on a second stream, and these "
+                             "settings make none: turn on prefetch, prefetch_trace (without host_budget_gb) or "
+                             "miss_mode 'host' / 'direct', or leave side_stream_copies off")
         self.layer_groups  # checks the group settings
         checked_expert_dtype(self.expert_dtype)
         if self.expert_group_size is not None:

@@ -33,7 +33,7 @@ from jmoe.kernels import ExpertKernel, ExpertWeights
 from jmoe.kernels.expert_copy import copy_experts
 from jmoe.kernels.pallas_grouped import GPU_MIN_BLOCK, gpu_shapes_supported
 from jmoe.kernels.target import platform_dependent
-from jmoe.memory import to_device
+from jmoe.memory import on_second_stream, to_device
 from jmoe.offload.host_compute import experts_on_host
 
 
@@ -78,16 +78,19 @@ def put_slot(buffers: ExpertWeights, expert_weights: ExpertWeights, slot) -> Exp
     return jax.tree.map(lambda b, e: b.at[slot].set(e[0], mode="drop"), buffers, expert_weights)
 
 
-def copy_into_slots(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
+def copy_into_slots(buffers: ExpertWeights, host: ExpertWeights, experts, destinations, *,
+                    side_stream: bool = False) -> ExpertWeights:
     """`buffers` with slot destinations[j] holding host expert experts[j] for every j whose destination and expert
     are >= 0 (wanted), the others moving nothing. The wanted entries come first, their experts and destinations
     distinct.
     On a GPU one Triton kernel (`jmoe.kernels.expert_copy`): no loop, no host round trip, the buffers updated in
-    place; elsewhere `copy_by_loop`."""
+    place, on the compute stream or, with `side_stream` (copies made ahead of need), in an asynchronous call on a
+    second stream; elsewhere `copy_by_loop`."""
     if not experts.shape[0] or not buffers.num_experts:  # no entries (a static policy's layer of no slots)
         return buffers
+    kernel = functools.partial(copy_experts, on_gpu=True)
     return platform_dependent(buffers, host.stacked(), experts, destinations,
-                              cuda=functools.partial(copy_experts, on_gpu=True), default=copy_by_loop)
+                              cuda=on_second_stream(kernel) if side_stream else kernel, default=copy_by_loop)
 
 
 def copy_by_loop(buffers: ExpertWeights, host: ExpertWeights, experts, destinations) -> ExpertWeights:
@@ -166,11 +169,12 @@ def ordered_after(indices, value):
     return jnp.maximum(indices, low)
 
 
-def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -> tuple[LayerSlots, jax.Array,
-                                                                                         jax.Array]:
+def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations, *,
+                side_stream: bool = False) -> tuple[LayerSlots, jax.Array, jax.Array]:
     """Copy experts[j] from host memory into cache slot destinations[j] for the j that have one (-1 = not
-    wanted; `copy_into_slots`, so an unwanted one moves nothing). The experts must be distinct; a cached one is
-    not wanted. Returns the slots, the number of cached experts evicted and the number of experts copied."""
+    wanted; `copy_into_slots`, so an unwanted one moves nothing; `side_stream` passed on). The experts must be
+    distinct; a cached one is not wanted. Returns the slots, the number of cached experts evicted and the number of
+    experts copied."""
     if not slots.expert_in_slot.shape[0] or not experts.shape[0]:
         return slots, jnp.int32(0), jnp.int32(0)
     # An expert cached already is not copied again: a manager's plan one step old (Model.dispatch_step) may name
@@ -180,7 +184,7 @@ def copy_wanted(slots: LayerSlots, host: ExpertWeights, experts, destinations) -
     if experts.shape[0] > 1:  # the wanted copies first
         order = jnp.argsort(~wanted, stable=True)
         experts, destinations = experts[order], destinations[order]
-    buffers = copy_into_slots(slots.buffers, host, experts, destinations)
+    buffers = copy_into_slots(slots.buffers, host, experts, destinations, side_stream=side_stream)
     slots, evicted = admitted_tables(slots._replace(buffers=buffers), experts, destinations)
     return slots, evicted, jnp.sum(wanted, dtype=jnp.int32)
 
@@ -256,27 +260,28 @@ def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel:
                            activation=kernel.activation)
 
 
-def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int):
+def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int, side_stream: bool = False):
     """Copy the `count` highest-scoring experts (scores [E]) that are not cached into the first `count`
     victim cache slots, ahead of the layer that will use them (`copy_wanted`: fewer when fewer than `count`
-    experts are uncached or the policy offers fewer victims). Returns (slots, the victim order left, evicted, the
-    experts copied)."""
+    experts are uncached or the policy offers fewer victims; `side_stream` passed on). Returns (slots, the victim
+    order left, evicted, the experts copied)."""
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
     # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already, and
     # copy_wanted admits nothing for them.
-    slots, evicted, copied = copy_wanted(slots, host, wanted, victim_order[:count])
+    slots, evicted, copied = copy_wanted(slots, host, wanted, victim_order[:count], side_stream=side_stream)
     remaining = jnp.concatenate([victim_order[count:], jnp.full((count,), -1, victim_order.dtype)])
     return slots, remaining, evicted, copied
 
 
 def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: int, min_score: float,
-                      budget: int, min_gain: float) -> tuple[LayerSlots, jax.Array, jax.Array]:
+                      budget: int, min_gain: float, side_stream: bool = False) -> tuple[LayerSlots, jax.Array,
+                                                                                         jax.Array]:
     """Prefetch by predictor scores (float32 [E], higher = more likely next), the replay's rule
     (jmoe.traces.replay.prefetch_step) in static shapes: the predicted set is the `count` best-scored
     experts with score >= `min_score`; its uncached experts, best first, at most `budget`, fill the empty
     slots, then replace cached experts outside the predicted set, lowest score first, each only if it
     beats its victim's score by `min_gain`. At most `budget` copies, only those the rule takes
-    (`copy_wanted`). Returns (slots, evicted, experts copied)."""
+    (`copy_wanted`, `side_stream` passed on). Returns (slots, evicted, experts copied)."""
     num_experts, num_cache = scores.shape[0], slots.expert_in_slot.shape[0]
     budget = min(budget, num_cache, num_experts)
     if not budget:
@@ -303,7 +308,8 @@ def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: 
     passing = is_wanted & room & (gain >= min_gain)
     n_fetch = jnp.sum(passing)  # the replay takes this many, best first
     destinations = jnp.where(j < n_fetch, jnp.where(uses_free, free_slots[j], by_victim[victim]), -1)
-    return copy_wanted(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32))
+    return copy_wanted(slots, host, candidates.astype(jnp.int32), destinations.astype(jnp.int32),
+                       side_stream=side_stream)
 
 
 def rows_marked(host_rows, marked, num_rows: int) -> jax.Array:
@@ -357,8 +363,9 @@ def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, 
     """GPU prefill path: cached experts from their slots, every other needed expert streamed from host
     memory in chunks of `chunk_size`, each copied into a step-local buffer of its own and then computed. The
     chunks are unrolled (at most E / chunk_size of them), so chunk c + 1's copy does not depend on chunk c's
-    compute (both are kernels on one GPU stream now, the copy jmoe.kernels.expert_copy's: whether they overlap is
-    unmeasured), with two chunk buffers alive at once. Exact for
+    compute (both are kernels on one GPU stream, the copy jmoe.kernels.expert_copy's; on a second stream, as
+    side_stream_copies puts decode's copies ahead, XLA's scheduler still ran each chunk's copy with nothing beside
+    it in an H100 compile, so prefill keeps one stream), with two chunk buffers alive at once. Exact for
     any number of distinct experts; the cache is left unchanged. Returns float32 y [T, d]."""
     num_experts = slots.slot_of_expert.shape[0]
     num_chunks = -(-num_experts // chunk_size)

@@ -21,6 +21,12 @@ _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
 _HOST_ARRAY = re.compile(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* (?:parameter|bitcast)\(")
 _GRID = re.compile(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32")
 _OPERAND = re.compile(r"%([^,)\s]+)")
+# An instruction: its name, opcode, operands and the rest of its line (the type before the opcode may be a tuple).
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.-]+) = .*? ([a-z-]+)\(([^)]*)\)(.*)$", re.M)
+_STREAM_ANNOTATION = "_xla_stream_annotation="
+_ASYNC_STARTS, _ASYNC_DONES = ("call-start", "async-start"), ("call-done", "async-done")
+# What the compute stream launches: kernels, copies, loops, and command buffers (calls of captured kernels).
+_WORK = ("fusion", "custom-call", "copy", "copy-start", "while", "call", "conditional")
 _COMPUTATION = re.compile(r"\n%(\S+) \(.*?\n(.*?)\n}", re.S)
 # A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
 _KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
@@ -79,6 +85,26 @@ def triton_grids(hlo_text: str, name: str) -> list[tuple[int, int, int]]:
     `pallas_call(name=...)`, e.g. "copy_experts"), each loop body counted once."""
     return [tuple(int(n) for n in _GRID.search(line).groups()) for line in hlo_text.splitlines()
             if _TRITON_CALL in line and f'/{name}/pallas_call"' in line]
+
+
+def side_stream_overlaps(hlo_text: str) -> list[int]:
+    """For each asynchronous call of the entry computation that XLA:GPU runs on a stream of its own (annotated
+    `_xla_stream_annotation`, as `side_stream_copies`' copies are), in the order they start: the work the compute
+    stream launches between its start and its done (fusions, custom calls, copies, loops, and command buffers,
+    each counted once), which the call can run beside (0: none, it runs alone). Other asynchronous ops (host
+    computations, collectives) are not counted as calls, but as work beside one."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    running, overlaps = {}, []
+    for name, op, operands, rest in _INSTRUCTION.findall(entry[:entry.index("\n}")]):
+        if op in _ASYNC_STARTS and _STREAM_ANNOTATION in rest:
+            running[name] = len(overlaps)
+            overlaps.append(0)
+        elif op in _ASYNC_DONES and operands.strip().lstrip("%") in running:
+            running.pop(operands.strip().lstrip("%"))
+        elif op in _WORK or op in _ASYNC_STARTS:
+            for started in running.values():
+                overlaps[started] += 1
+    return overlaps
 
 
 def computations(hlo_text: str) -> dict[str, str]:

@@ -106,7 +106,7 @@ def plan(path: str | Path, cache=None, *, target: str | Path | None = None, batc
     path: a Hugging Face or jmoe-Orbax checkpoint directory; only config.json and the headers are read.
     cache, dtype, backend and `offload` (policy, offload_params, device_budget_gb, prefetch, miss_mode,
         offload_group_size, offload_num_in_group, offload_prefetch_step, cpu_moe_layers, expert_dtype,
-        expert_group_size): as jmoe.load.
+        expert_group_size, side_stream_copies, ...): as jmoe.load.
     target: a GPU to plan for: a shipped target name (jmoe.plan.targets.target_names()) or a target-config
         file; its device memory is the device memory available, and with `compile` the decode and prefill
         programs are compiled for it (needs the gpu-compile extra) and their memory is counted.
