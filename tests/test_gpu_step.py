@@ -59,6 +59,9 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # cache slots that admit them and into scratch for the rest), the manager's planned admission of "direct"
     # (one), router prefetch into every offloaded layer after the first.
     assert flow.conditionals == 0 and flow.data_dependent_loops == 0 and flow.host_loops == 0
+    # No loop at all (#54 item 5, launches): each iteration launches its body's kernels again; the grouped GEMM's tile
+    # layout searched its groups' ends with a 5-iteration loop of 5 launches, per expert kernel call and layer.
+    assert flow.loops_with_known_trip_count == 0
     assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
     direct = options.get("miss_mode") == "direct"
     demand = [] if direct else [min(placement.scratch, batch * cfg.num_experts_per_tok)] * 2 * offloaded
