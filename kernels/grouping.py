@@ -11,6 +11,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jmoe.kernels.target import gpu_available
+
 
 class TileLayout(NamedTuple):
     row_of_pair: jax.Array  # [T*k] int32: padded row of each pair; num_rows for -1 pairs
@@ -45,7 +47,45 @@ def sort_pairs(slot_ids, num_slots: int) -> SortedPairs:
     return SortedPairs(key, order, group_sizes, jnp.cumsum(group_sizes) - group_sizes)
 
 
+# On a GPU, up to this many (token, j) pairs (a decode step's) are laid out by comparing every pair with every pair
+# and every row instead of by a sort and scatters: compiled for an H100, 6 kernels instead of 13 (one row, top-2 of
+# 16 slots), 10 instead of 15 (8 rows, top-8 of 256). Its [rows, pairs] comparison grows with the square of the
+# pairs, and a CPU, which launches nothing, runs it slower (1.3 ms against 94 us at 256 pairs of 256 slots): a
+# prompt's pairs, and a CPU's, are sorted.
+COMPARED_PAIRS = 256
+
+
 def tile_layout(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
+    """The pairs' padded rows, sorted by slot (stable), each slot's rows padded to a multiple of block_m."""
+    num_tokens, top_k = slot_ids.shape
+    if gpu_available() and num_tokens * top_k <= COMPARED_PAIRS:
+        return tile_layout_by_comparison(slot_ids, weights, num_slots, block_m)
+    return tile_layout_by_sort(slot_ids, weights, num_slots, block_m)
+
+
+def tile_layout_by_comparison(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
+    """tile_layout for few pairs: each pair's rank among the earlier pairs of its slot, and each row's pair, found
+    by comparing all with all (the same layout as the sort's)."""
+    num_tokens, top_k = slot_ids.shape
+    num_pairs = num_tokens * top_k
+    num_rows = num_padded_rows(num_pairs, num_slots, block_m)
+    flat = slot_ids.reshape(-1)
+    key = jnp.where(flat >= 0, flat, num_slots)
+    group_sizes = jnp.sum(key[None, :] == jnp.arange(num_slots, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
+    pair = jnp.arange(num_pairs, dtype=jnp.int32)
+    rank = jnp.sum((key[None, :] == key[:, None]) & (pair[None, :] < pair[:, None]), axis=1, dtype=jnp.int32)
+    padded_ends = jnp.cumsum((group_sizes + block_m - 1) // block_m * block_m)
+    padded_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), padded_ends[:-1]])
+    row_of_pair = jnp.where(key < num_slots, padded_starts[jnp.minimum(key, num_slots - 1)] + rank,
+                            num_rows).astype(jnp.int32)
+    match = row_of_pair[None, :] == jnp.arange(num_rows, dtype=jnp.int32)[:, None]  # [rows, pairs]: at most one
+    row_token = jnp.where(match.any(axis=1), jnp.argmax(match, axis=1).astype(jnp.int32) // top_k, num_tokens)
+    row_weight = jnp.sum(jnp.where(match, weights.reshape(-1).astype(jnp.float32)[None, :], 0.0), axis=1)
+    return TileLayout(row_of_pair, row_token, row_weight, tile_groups(padded_ends, num_rows, num_slots, block_m))
+
+
+def tile_layout_by_sort(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
+    """tile_layout for many pairs (a prompt's): a stable sort by slot, the rows written by scatters."""
     num_tokens, top_k = slot_ids.shape
     num_pairs = num_tokens * top_k
     num_rows = num_padded_rows(num_pairs, num_slots, block_m)
@@ -66,14 +106,18 @@ def tile_layout(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
     row_weight = jnp.zeros(num_rows, jnp.float32).at[row_of_pair].set(
         weights.reshape(-1).astype(jnp.float32), mode="drop"
     )
+    return TileLayout(row_of_pair, row_token, row_weight, tile_groups(padded_ends, num_rows, num_slots, block_m))
+
+
+def tile_groups(padded_ends, num_rows: int, num_slots: int, block_m: int):
+    """int32 [num_rows / block_m]: the slot of each row tile, -1 past the last group."""
     tile_start = jnp.arange(num_rows // block_m, dtype=jnp.int32) * block_m
     # Every tile against every group's end at once: JAX's default search is a loop of log2(groups) iterations, which
     # on a GPU launched its body's 4 kernels and its condition each time (25 launches a grouped GEMM call, a resident
     # decode's 4 layers 100 of its ~250). On CPU the same: 7 us either way at 16 groups, 134 against 72 us at 256
     # groups x 2048 tiles (a prompt's), well inside a prefill step's noise.
     tile_group = jnp.searchsorted(padded_ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
-    tile_group = jnp.where(tile_group < num_slots, tile_group, -1)
-    return TileLayout(row_of_pair, row_token, row_weight, tile_group)
+    return jnp.where(tile_group < num_slots, tile_group, -1)
 
 
 def gather_rows(x, layout: TileLayout):

@@ -209,7 +209,8 @@ def test_auto_on_cpu_switches_to_expert_chunks_past_one_pair_per_slot_on_per_exp
     assert "sort" in lowered(9)
 
 
-_tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))
+_tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))  # on this CPU: by sort
+_tile_layout_by_comparison = jax.jit(grouping.tile_layout_by_comparison, static_argnums=(2, 3))
 
 
 @settings(max_examples=8, deadline=None)
@@ -238,6 +239,10 @@ def test_tile_layout_groups_rows_by_slot(num_tokens, top_k, num_slots, block_m, 
     assert all(tile_group[t] == -1 or t in used_tiles for t in range(len(tile_group)))
     token = np.asarray(layout.row_token)[valid_rows]
     assert (token == np.nonzero(flat >= 0)[0] // top_k).all()
+    # A GPU lays out few pairs (a decode step's) by comparisons instead: the same layout.
+    compared = _tile_layout_by_comparison(jnp.asarray(ids), jnp.asarray(weights), num_slots, block_m)
+    for name, by_comparison, by_sort in zip(grouping.TileLayout._fields, compared, layout):
+        np.testing.assert_array_equal(np.asarray(by_comparison), np.asarray(by_sort), err_msg=name)
     np.testing.assert_array_equal(np.asarray(layout.row_weight)[valid_rows], weights.reshape(-1)[flat >= 0])
 
 
