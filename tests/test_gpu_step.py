@@ -17,7 +17,8 @@ from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slot
                                rows_as_slots, rows_marked, slot_ids_of,
                                stream_and_compute)
 from jmoe.kernels.expert_copy import CHUNK
-from jmoe.plan.hlo import computations, control_flow, copied_arrays, side_stream_overlaps, triton_grids
+from jmoe.plan.hlo import (computations, control_flow, copied_arrays, kernel_count, side_stream_overlaps,
+                           triton_grids)
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -114,6 +115,39 @@ ENTRY %main (p: f32[4]) -> (f32[4], f32[4]) {
 def test_side_stream_overlaps_counts_the_work_between_each_calls_start_and_done():
     assert side_stream_overlaps(SIDE_STREAM_HLO) == [2, 0]  # the host computation's start and the fusion; nothing
     assert side_stream_overlaps(SIDE_STREAM_HLO.replace("_xla_stream_annotation", "_xla_other")) == []
+
+
+LOOP_HLO = """HloModule m
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%f, metadata={op_name="jit(step)/dot_general"}
+  %fusion.2 = s32[] fusion(%b), kind=kLoop, calls=%g
+  ROOT %tuple = (s32[], f32[4]) tuple(%fusion.2, %fusion.1)
+}
+%cond (p: (s32[], f32[4])) -> pred[] {
+  ROOT %fusion.3 = pred[] fusion(%c), kind=kLoop, calls=%h
+}
+%copy (a: f32[4]) -> f32[4] {
+  ROOT %custom-call.3 = f32[4]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"
+}
+%f (x: f32[4]) -> f32[4] {
+  ROOT %dot.9 = f32[4]{0} dot(%x, %x), lhs_contracting_dims={}
+}
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%f
+  %while = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %call-start = ((f32[4]), f32[4]) call-start(%fusion), to_apply=%copy, frontend_attributes={_xla_stream_annotation="1"}
+  %call-done = f32[4]{0} call-done(%call-start)
+  ROOT %sort = f32[4]{0} sort(%call-done), dimensions={0}, to_apply=%less
+}
+"""
+
+
+def test_kernel_count_counts_launches_a_run():
+    # The entry's fusion and sort, the async call's kernel, the loop's body (2) and condition (1) five times; not
+    # the dot inside the fused computation %f.
+    assert kernel_count(LOOP_HLO) == 2 + 1 + 5 * 3
+    assert kernel_count(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")) == 2 + 1 + 3
 
 
 @pytest.mark.cpu_hlo

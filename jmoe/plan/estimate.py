@@ -4,8 +4,9 @@ as a [low, high] range with the assumptions that make it.
 A step's time is its device time plus the host-to-device copies of the experts it misses:
 - device time, from the compiled program's own cost analysis (XLA's flops and bytes accessed,
   compile_worker.cost_analysis) against the target's memory bandwidth and peak, at an achieved fraction of
-  each, plus a launch cost per kernel the optimized program runs (XLA's cost analysis counts a while loop's
-  body once, so a loop's repeats are not in it). The analysis counts every operand whole: the stacked expert
+  each, plus a launch cost per kernel the optimized program launches (jmoe.plan.hlo.kernel_count: a loop's body
+  as often as its known trip count; XLA's cost analysis counts a while loop's body once, so a loop's repeats are
+  not in its flops and bytes). The analysis counts every operand whole: the stacked expert
   arrays (resident, slots, and the pinned-host ones the step slices) as if every expert were read, and an
   in-place update of a slot buffer as a whole read and write, while the grouped GEMM reads only the experts
   routed to and host arrays cross the link (the copies below), not HBM. So the slow end takes the analysis's

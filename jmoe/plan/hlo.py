@@ -28,8 +28,13 @@ _ASYNC_STARTS, _ASYNC_DONES = ("call-start", "async-start"), ("call-done", "asyn
 # What the compute stream launches: kernels, copies, loops, and command buffers (calls of captured kernels).
 _WORK = ("fusion", "custom-call", "copy", "copy-start", "while", "call", "conditional")
 _COMPUTATION = re.compile(r"\n%(\S+) \(.*?\n(.*?)\n}", re.S)
+# An instruction that launches a kernel on a GPU (the type before the opcode may be a tuple).
+_KERNEL = re.compile(r"= [^=\n]*? (?:fusion|custom-call|copy|copy-start|sort|scatter|dynamic-slice|dynamic-update-slice|"
+                     r"gather|dot|convolution)\(")
+_ASYNC_CALL = re.compile(r" (?:call|async)-start\([^\n]*?(?:to_apply|calls)=%([\w.-]+)")
+_LOOP = re.compile(r" while\([^\n]*?condition=%([\w.-]+), body=%([\w.-]+)([^\n]*)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # A copy instruction, or a fusion that materialises a (dynamic) slice: XLA:CPU copies every slice it reads.
-_KERNEL = re.compile(r"=\s*\S+\s+(?:fusion|custom-call|dynamic-slice|copy-start|dot|convolution)\(")
 _COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:copy|copy-start|fusion)\(")
 # A collective, synchronous or the start of an asynchronous one (its `-done` is the same transfer); the result
 # shape (a tuple when XLA combined several) says what crosses.
@@ -93,9 +98,8 @@ def side_stream_overlaps(hlo_text: str) -> list[int]:
     stream launches between its start and its done (fusions, custom calls, copies, loops, and command buffers,
     each counted once), which the call can run beside (0: none, it runs alone). Other asynchronous ops (host
     computations, collectives) are not counted as calls, but as work beside one."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
     running, overlaps = {}, []
-    for name, op, operands, rest in _INSTRUCTION.findall(entry[:entry.index("\n}")]):
+    for name, op, operands, rest in _INSTRUCTION.findall(entry_computation(hlo_text)):
         if op in _ASYNC_STARTS and _STREAM_ANNOTATION in rest:
             running[name] = len(overlaps)
             overlaps.append(0)
@@ -113,9 +117,28 @@ def computations(hlo_text: str) -> dict[str, str]:
 
 
 def kernel_count(hlo_text: str) -> int:
-    """Kernels an optimized XLA:GPU module launches, roughly: its fusions, custom calls (Triton, cuBLAS), slices,
-    asynchronous copies and unfused dots (each loop body counted once)."""
-    return len(_KERNEL.findall(hlo_text))
+    """Kernels an optimized XLA:GPU module launches a run, roughly: the entry computation's fusions, custom calls
+    (Triton, cuBLAS), copies, sorts, scatters, slices and unfused dots, with the computations its asynchronous calls
+    run, and each loop's body and condition as many times as its known trip count (once where it is data)."""
+    bodies = computations(hlo_text)
+
+    def launches(text: str) -> int:
+        total = len(_KERNEL.findall(text))
+        for called in _ASYNC_CALL.findall(text):
+            total += launches(bodies.get(called, ""))
+        for condition, body, rest in _LOOP.findall(text):
+            trips = _TRIP_COUNT.search(rest)
+            total += (int(trips.group(1)) if trips else 1) * (launches(bodies.get(body, "")) +
+                                                              launches(bodies.get(condition, "")))
+        return total
+
+    return launches(entry_computation(hlo_text))
+
+
+def entry_computation(hlo_text: str) -> str:
+    """The text of an optimized HLO module's entry computation."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    return entry[:entry.index("\n}")]
 
 
 def copied_arrays(hlo_text: str) -> list[tuple[int, ...]]:

@@ -84,7 +84,7 @@ class Program:
         """Kernels the program launches, roughly (jmoe.plan.hlo.kernel_count)."""
         if self.extrapolated_kernels is not None:
             return self.extrapolated_kernels
-        return kernel_count(self.hlo_text or "")
+        return kernel_count(self.hlo_text) if self.hlo_text else 0
 
     @property
     def collectives(self) -> dict[Collective, int]:
