@@ -74,10 +74,7 @@ def tile_layout_by_comparison(slot_ids, weights, num_slots: int, block_m: int) -
     group_sizes = jnp.sum(key[None, :] == jnp.arange(num_slots, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
     pair = jnp.arange(num_pairs, dtype=jnp.int32)
     rank = jnp.sum((key[None, :] == key[:, None]) & (pair[None, :] < pair[:, None]), axis=1, dtype=jnp.int32)
-    padded_ends = jnp.cumsum((group_sizes + block_m - 1) // block_m * block_m)
-    padded_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), padded_ends[:-1]])
-    row_of_pair = jnp.where(key < num_slots, padded_starts[jnp.minimum(key, num_slots - 1)] + rank,
-                            num_rows).astype(jnp.int32)
+    row_of_pair, padded_ends = padded_rows(key, rank, group_sizes, num_rows, block_m)
     match = row_of_pair[None, :] == jnp.arange(num_rows, dtype=jnp.int32)[:, None]  # [rows, pairs]: at most one
     row_token = jnp.where(match.any(axis=1), jnp.argmax(match, axis=1).astype(jnp.int32) // top_k, num_tokens)
     row_weight = jnp.sum(jnp.where(match, weights.reshape(-1).astype(jnp.float32)[None, :], 0.0), axis=1)
@@ -91,13 +88,8 @@ def tile_layout_by_sort(slot_ids, weights, num_slots: int, block_m: int) -> Tile
     num_rows = num_padded_rows(num_pairs, num_slots, block_m)
     key, order, group_sizes, group_starts = sort_pairs(slot_ids, num_slots)
     sorted_key = key[order]
-    padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
-    padded_ends = jnp.cumsum(padded_sizes)
-    padded_starts = padded_ends - padded_sizes
-    in_group = sorted_key < num_slots
-    key_c = jnp.minimum(sorted_key, num_slots - 1)
-    rank = jnp.arange(num_pairs, dtype=jnp.int32) - group_starts[key_c]
-    dest = jnp.where(in_group, padded_starts[key_c] + rank, num_rows).astype(jnp.int32)
+    rank = jnp.arange(num_pairs, dtype=jnp.int32) - group_starts[jnp.minimum(sorted_key, num_slots - 1)]
+    dest, padded_ends = padded_rows(sorted_key, rank, group_sizes, num_rows, block_m)
     row_of_pair = jnp.zeros(num_pairs, jnp.int32).at[order].set(dest)
     pair_token = jnp.arange(num_pairs, dtype=jnp.int32) // top_k
     row_token = jnp.full(num_rows, num_tokens, jnp.int32).at[row_of_pair].set(
@@ -107,6 +99,18 @@ def tile_layout_by_sort(slot_ids, weights, num_slots: int, block_m: int) -> Tile
         weights.reshape(-1).astype(jnp.float32), mode="drop"
     )
     return TileLayout(row_of_pair, row_token, row_weight, tile_groups(padded_ends, num_rows, num_slots, block_m))
+
+
+def padded_rows(key, rank, group_sizes, num_rows: int, block_m: int):
+    """(each pair's padded row: its slot's first row plus its rank among the slot's pairs, num_rows for a pair of no
+    slot (key = the number of slots); the end of each slot's rows), every slot's rows padded to a multiple of
+    block_m."""
+    num_slots = group_sizes.shape[0]
+    padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
+    padded_ends = jnp.cumsum(padded_sizes)
+    starts = padded_ends - padded_sizes
+    rows = jnp.where(key < num_slots, starts[jnp.minimum(key, num_slots - 1)] + rank, num_rows).astype(jnp.int32)
+    return rows, padded_ends
 
 
 def tile_groups(padded_ends, num_rows: int, num_slots: int, block_m: int):
