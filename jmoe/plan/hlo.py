@@ -25,12 +25,13 @@ _OPERAND = re.compile(r"%([^,)\s]+)")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.-]+) = .*? ([a-z-]+)\(([^)]*)\)(.*)$", re.M)
 _STREAM_ANNOTATION = "_xla_stream_annotation="
 _ASYNC_STARTS, _ASYNC_DONES = ("call-start", "async-start"), ("call-done", "async-done")
-# What the compute stream launches: kernels, copies, loops, and command buffers (calls of captured kernels).
-_WORK = ("fusion", "custom-call", "copy", "copy-start", "while", "call", "conditional")
 _COMPUTATION = re.compile(r"\n%(\S+) \(.*?\n(.*?)\n}", re.S)
-# An instruction that launches a kernel on a GPU (the type before the opcode may be a tuple).
-_KERNEL = re.compile(r"= [^=\n]*? (?:fusion|custom-call|copy|copy-start|sort|scatter|dynamic-slice|dynamic-update-slice|"
-                     r"gather|dot|convolution)\(")
+# The opcodes of instructions that launch a kernel on a GPU.
+_KERNEL_OPS = ("fusion", "custom-call", "copy", "copy-start", "sort", "scatter", "dynamic-slice", "dynamic-update-slice",
+               "gather", "dot", "convolution")
+_KERNEL = re.compile(rf"= [^=\n]*? (?:{'|'.join(_KERNEL_OPS)})\(")  # the type before the opcode may be a tuple
+# What the compute stream runs: kernels, loops, and command buffers (calls of captured kernels).
+_WORK = (*_KERNEL_OPS, "while", "call", "conditional")
 _ASYNC_CALL = re.compile(r" (?:call|async)-start\([^\n]*?(?:to_apply|calls)=%([\w.-]+)")
 _LOOP = re.compile(r" while\([^\n]*?condition=%([\w.-]+), body=%([\w.-]+)([^\n]*)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -95,7 +96,7 @@ def triton_grids(hlo_text: str, name: str) -> list[tuple[int, int, int]]:
 def side_stream_overlaps(hlo_text: str) -> list[int]:
     """For each asynchronous call of the entry computation that XLA:GPU runs on a stream of its own (annotated
     `_xla_stream_annotation`, as `side_stream_copies`' copies are), in the order they start: the work the compute
-    stream launches between its start and its done (fusions, custom calls, copies, loops, and command buffers,
+    stream launches between its start and its done (kernels as kernel_count sees them, loops, and command buffers,
     each counted once), which the call can run beside (0: none, it runs alone). Other asynchronous ops (host
     computations, collectives) are not counted as calls, but as work beside one."""
     running, overlaps = {}, []
