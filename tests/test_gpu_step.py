@@ -85,6 +85,12 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # Admissions cost what they move (#54 item 2): an admitted expert is copied from the host straight into its
     # cache slot by the copy kernel; nothing scatters into a slot buffer on the device.
     assert not slot_arrays & {squeezed(operand) for operand, _ in scatters(decode.hlo_text)}
+    # Each offloaded layer reads its row of the stacked tables (slot_of_expert, victim_order) at a position array of
+    # its own, never at a constant: a constant row made every layer's kernels its own, and XLA:GPU compiles a kernel
+    # once only for the places where it is identical.
+    if offloaded > 1:
+        reads = table_row_reads(decode.hlo_text, offloaded)
+        assert reads["dynamic-slice"] and not reads["slice"], reads
     prefill = plan.programs["prefill"]
     assert prefill.error is None, prefill.error
     # Streamed chunks compute masked, never branch, and are copied by the same kernel.
@@ -180,6 +186,17 @@ def test_decode_updates_slot_buffers_in_place(many_experts, options):
     state = model.engine.state
     slot_arrays = {squeezed(leaf.shape) for leaf in jax.tree.leaves((state.buffers, state.scratch))}
     assert slot_arrays and not slot_arrays & {squeezed(dims) for dims in copied_arrays(decode)}
+
+
+def table_row_reads(hlo_text: str, rows: int) -> dict[str, int]:
+    """How many times a computation reads one row of an int32 [rows, n] parameter, by a slice at a constant row and
+    by a dynamic-slice."""
+    reads = {"slice": 0, "dynamic-slice": 0}
+    for body in computations(hlo_text).values():
+        shapes = dict(re.findall(r"%([\w.-]+) = (s32\[\d+,\d+\])\{[^}]*\} parameter\(", body))
+        for kind, operand in re.findall(r"= s32\[1,\d+\]\S* (slice|dynamic-slice)\(%([\w.-]+)", body):
+            reads[kind] += shapes.get(operand, "").startswith(f"s32[{rows},")
+    return reads
 
 
 def scatters(hlo_text: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -59,6 +59,11 @@ class EngineState(NamedTuple):
     plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = no copy)
     predict_base: jax.Array  # float32 [L_moe, E]: history prefetch's scores known before the step ([0, E]: off)
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
+    # Per layer its position l, an int32 scalar array of its own, at which the step reads row l of the tables above:
+    # a row read at a constant position puts that constant in the kernels that read it, and XLA:GPU compiles a kernel
+    # once for all the places it occurs only where they are identical (a DeepSeek-V3 shape compiled for an H100 at
+    # 24 layers: decode 22.4 -> 18.5 s, prefill 60.8 -> 50.2 s; bench/results/depth.md).
+    layer_index: tuple
     # The disk tier (jmoe.offload.host_tier; () without a host budget): per layer ExpertWeights of its H host
     # rows in pinned host memory, and int32 [Lo, E] the row of each expert (-1 = on disk only).
     host_tier: tuple = ()
@@ -135,6 +140,7 @@ class OffloadEngine(ResidentEngine):
             expert_in_slot=tuple(jnp.full((cache,), -1, jnp.int32) for cache in self.caches),
             **{name: jnp.asarray(table) for name, table in self.manager_tables().items()},
             counts=jnp.zeros((lo, 4), jnp.int32),
+            layer_index=tuple(jnp.int32(i) for i in range(lo)),
             **self.tier_state(),
         )
 
@@ -167,9 +173,14 @@ class OffloadEngine(ResidentEngine):
         position = {moe: i for i, moe in enumerate(self.layers)}
         kernel = self.kernel
         decode = tokens_shape[1] == 1  # one new token per row; prompts stream
-        layer_slots = [LayerSlots(state.buffers[i], state.slot_of_expert[i], state.expert_in_slot[i])
+
+        def row(table, i):
+            """Row i of a per-layer table of the state, read at the layer's own position array (EngineState)."""
+            return jax.lax.dynamic_index_in_dim(table, state.layer_index[i], keepdims=False)
+
+        layer_slots = [LayerSlots(state.buffers[i], row(state.slot_of_expert, i), state.expert_in_slot[i])
                        for i in range(lo)]
-        victim_order = [state.victim_order[i, :cache] for i, cache in enumerate(self.caches)]
+        victim_order = [row(state.victim_order, i)[:cache] for i, cache in enumerate(self.caches)]
         copied = [jnp.int32(0)] * lo  # experts copied ahead of each layer (plan, prefetch)
         evicted = [jnp.int32(0)] * lo
         counts = [None] * lo
@@ -178,9 +189,9 @@ class OffloadEngine(ResidentEngine):
             # The manager's planned admissions, copied as the step starts: on a second stream (side_stream_copies)
             # they can overlap the attention and the layers before theirs.
             for i, moe in enumerate(self.layers):
-                layer_slots[i], evicted[i], copied[i] = copy_wanted(layer_slots[i], layers[moe].experts,
-                                                                    state.plan_experts[i], state.plan_slots[i],
-                                                                    side_stream=self.side_stream)
+                layer_slots[i], evicted[i], copied[i] = copy_wanted(
+                    layer_slots[i], layers[moe].experts, row(state.plan_experts, i), row(state.plan_slots, i),
+                    side_stream=self.side_stream)
         token_ids = {}  # MoE layer -> this token's expert ids [B, k], as the layers route (history prefetch)
         by_history = decode and self.history is not None
         copies_ahead = by_history and not self.history_reads_ahead  # into the device's slots
@@ -207,7 +218,7 @@ class OffloadEngine(ResidentEngine):
             if not reads_ahead or nxt is None:
                 return None
             scores = self.history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1, token_ids)
-            scores = jnp.where(state.host_row_of_expert[nxt] >= 0, -jnp.inf, scores)
+            scores = jnp.where(row(state.host_row_of_expert, nxt) >= 0, -jnp.inf, scores)
             best, experts = jax.lax.top_k(scores, min(self.read_ahead, scores.shape[-1]))  # at most all of them
             return jnp.where(best > -jnp.inf, experts, -1)
 
@@ -240,7 +251,7 @@ class OffloadEngine(ResidentEngine):
                 # One expert a round, the next k in flight: a round's buffers are host memory the size of its
                 # experts, so a round of k held k experts at once, and none computed before all k had arrived.
                 host = state.host_tier[i]
-                tier = {"host_rows": state.host_row_of_expert[i], "disk": functools.partial(
+                tier = {"host_rows": row(state.host_row_of_expert, i), "disk": functools.partial(
                     disk_experts, like=self.host_experts[i], read_expert=functools.partial(self.tier.read_expert, i),
                     kernel=kernel, ahead=read_ahead_guesses(moe_index))}
             if decode and self.miss_mode in COMPUTED_WHERE_THEY_LIE:
