@@ -14,7 +14,8 @@
    loop unrolled over per-layer arrays against `lax.scan` over stacked ones: the CPU step time (a dense-only
    layer, the product XLA:CPU runs from a slice of a stacked weight), and for an H100 (compile-only) the compile
    seconds and temporaries of three forms: unrolled, scanned over slices of the stacked experts, and scanned with
-   the expert ids offset into every layer's stack (`ids + l * E` over [L * E, ...]), which slices nothing.
+   the expert ids offset into every layer's stack (`ids + l * E` over [L * E, ...]), which slices nothing; and the
+   dense layers compiled for an H100 too, with what the scanned program copies out of the stack every layer.
 
 Writes bench/results/depth.md.
 """

@@ -6,11 +6,16 @@ CPU: L dense layers (x + tanh(x W1) W2) at batch 1, the loop unrolled over per-l
 stacked ones: XLA:CPU runs a product from a buffer, so it copies the slice of a stacked weight each iteration reads.
 H100 (compile-only): L stand-in MoE layers (x + tanh(x Wq), a router's top-k, jmoe.kernels.moe_ffn's Triton grouped
 GEMM): unrolled; scanned over slices of the stacked experts; scanned with the ids offset into every layer's experts.
+The dense layers for an H100 too: XLA:GPU also copies what a product reads of a stacked weight (a
+`dynamic_slice_fusion` a weight and layer), so a scan on a GPU reads weights in place only through kernels that take
+the layer as an offset.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import time
 
 import jax
@@ -66,21 +71,31 @@ def cpu_rows(shapes, layers: int, repeats: int) -> list[str]:
     return rows
 
 
-def h100_rows(depths, d: int, f: int, experts: int, top_k: int) -> list[str]:
+@contextlib.contextmanager
+def compiling_for_h100():
+    """Within it, programs trace and compile for a compile-only H100; yields a function making bfloat16 shape
+    structs on its one device."""
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jmoe.kernels import moe_ffn
     from jmoe.kernels.target import compiling_for_gpu
     from jmoe.plan.targets import compute_capability, load_target
 
     target = load_target("h100")
     topology = topologies.get_topology_desc(platform="cuda", target_config=target.config_text, topology="1x1x1")
     mesh = topologies.make_mesh(topology, (1,), ("x",))
-    dtype = jnp.bfloat16
 
     def struct(shape):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    with compiling_for_gpu(compute_capability(target.config_text)), jax.set_mesh(mesh):
+        yield struct
+
+
+def h100_rows(depths, d: int, f: int, experts: int, top_k: int) -> list[str]:
+    from jmoe.kernels import moe_ffn
+
+    dtype = jnp.bfloat16
 
     def moe_layer(x, wq, router, w_gate_up, w_down, offset=0):
         h = x + jnp.tanh(x @ wq)
@@ -106,7 +121,7 @@ def h100_rows(depths, d: int, f: int, experts: int, top_k: int) -> list[str]:
     shapes = ((d, d), (d, experts), (experts, d, 2 * f), (experts, f, d))
     rows = [f"| H100 compile-only, MoE layers (d {d}, f {f}, {experts} experts, top-{top_k}, bf16) | layers | "
             "compile s | temporaries MiB | fusions | Triton calls |", "|---|---|---|---|---|---|"]
-    with compiling_for_gpu(compute_capability(target.config_text)), jax.set_mesh(mesh):
+    with compiling_for_h100() as struct:
         for layers in depths:
             for name, fn in (("unrolled", unrolled), ("scanned over slices", scanned),
                              ("scanned, ids offset", offset_ids)):
@@ -123,13 +138,41 @@ def h100_rows(depths, d: int, f: int, experts: int, top_k: int) -> list[str]:
     return rows
 
 
+def h100_dense_rows(layers: int, d: int, f: int, batches) -> list[str]:
+    """Dense layers compiled for an H100, unrolled and scanned over stacked weights: what the scanned program
+    copies out of the stack every layer (XLA:GPU's `dynamic_slice_fusion`, a copy the product then reads)."""
+    rows = [f"| H100 compile-only, dense layers (d {d}, f {f}, bf16) | batch | layers | temporaries MiB | "
+            "weights a layer MiB | sliced out of the stack a layer: copies, MiB |", "|---|---|---|---|---|---|"]
+    with compiling_for_h100() as struct:
+        for batch in batches:
+            for name, fn in (("unrolled", unrolled_dense), ("scanned", scanned_dense)):
+                weights = ([[struct((d, f))] * layers, [struct((f, d))] * layers] if fn is unrolled_dense
+                           else [struct((layers, d, f)), struct((layers, f, d))])
+                compiled = jax.jit(fn).trace(struct((batch, d)), *weights).lower().compile()
+                copies = [line for line in compiled.as_text().splitlines() if '"dynamic_slice_fusion"' in line]
+                copied = sum(_array_bytes(line.split("=", 1)[1]) for line in copies) / 2**20
+                temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+                rows.append(f"| {name} | {batch} | {layers} | {temp:.1f} | {2 * d * f * 2 / 2**20:.1f} | "
+                            f"{len(copies)}, {copied:.1f} |")
+    return rows
+
+
+def _array_bytes(hlo_shape: str) -> int:
+    """Bytes of the first array shape in HLO text such as ` bf16[1,2048,8192]{2,1,0} fusion(...)`."""
+    dtype, dims = re.search(r"(\w+)\[([\d,]*)\]", hlo_shape).groups()
+    itemsize = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4}[dtype]
+    return itemsize * int(np.prod([int(n) for n in dims.split(",") if n]))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
-        rows = cpu_rows([(32, 64, jnp.float32)], 2, 2) + [""] + h100_rows((2,), 64, 32, 4, 2)
+        rows = (cpu_rows([(32, 64, jnp.float32)], 2, 2) + [""] + h100_rows((2,), 64, 32, 4, 2) + [""]
+                + h100_dense_rows(2, 64, 128, (1,)))
     else:
         shapes = [(192, 384, jnp.float32), (1024, 4096, jnp.float32), (1024, 4096, jnp.bfloat16)]
-        rows = cpu_rows(shapes, 8, 7) + [""] + h100_rows((8, 32, 61), 2048, 1024, 16, 2)
+        rows = (cpu_rows(shapes, 8, 7) + [""] + h100_rows((8, 32, 61), 2048, 1024, 16, 2) + [""]
+                + h100_dense_rows(8, 2048, 8192, (1, 64)))
     print("\n".join(rows))
