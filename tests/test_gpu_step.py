@@ -90,7 +90,7 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # once only for the places where it is identical.
     if offloaded > 1:
         reads = table_row_reads(decode.hlo_text, offloaded)
-        assert reads["dynamic-slice"] and not reads["slice"], reads
+        assert reads["dynamic-slice"] >= offloaded and not reads["slice"], reads  # slot_of_expert's, at least
     prefill = plan.programs["prefill"]
     assert prefill.error is None, prefill.error
     # Streamed chunks compute masked, never branch, and are copied by the same kernel.

@@ -6,9 +6,9 @@ CPU: L dense layers (x + tanh(x W1) W2) at batch 1, the loop unrolled over per-l
 stacked ones: XLA:CPU runs a product from a buffer, so it copies the slice of a stacked weight each iteration reads.
 H100 (compile-only): L stand-in MoE layers (x + tanh(x Wq), a router's top-k, jmoe.kernels.moe_ffn's Triton grouped
 GEMM): unrolled; scanned over slices of the stacked experts; scanned with the ids offset into every layer's experts.
-The dense layers for an H100 too: XLA:GPU also copies what a product reads of a stacked weight (a
-`dynamic_slice_fusion` a weight and layer), so a scan on a GPU reads weights in place only through kernels that take
-the layer as an offset.
+The dense layers for an H100 too: XLA:GPU also copies what a product reads of a stacked weight (one
+`dynamic_slice_fusion` per weight and layer), so a scan on a GPU reads weights in place only through kernels that
+take the layer as an offset.
 """
 
 from __future__ import annotations
@@ -149,19 +149,21 @@ def h100_dense_rows(layers: int, d: int, f: int, batches) -> list[str]:
                 weights = ([[struct((d, f))] * layers, [struct((f, d))] * layers] if fn is unrolled_dense
                            else [struct((layers, d, f)), struct((layers, f, d))])
                 compiled = jax.jit(fn).trace(struct((batch, d)), *weights).lower().compile()
-                copies = [line for line in compiled.as_text().splitlines() if '"dynamic_slice_fusion"' in line]
-                copied = sum(_array_bytes(line.split("=", 1)[1]) for line in copies) / 2**20
+                # The dynamic-slice fusions (not their bodies' copy) whose result is a whole weight of a layer.
+                copies = [line for line in compiled.as_text().splitlines()
+                          if '"dynamic_slice_fusion"' in line and " fusion(" in line
+                          and sorted(n for n in _dims(line) if n != 1) == sorted((d, f))]
                 temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
-                rows.append(f"| {name} | {batch} | {layers} | {temp:.1f} | {2 * d * f * 2 / 2**20:.1f} | "
-                            f"{len(copies)}, {copied:.1f} |")
+                weight_mib = d * f * jnp.dtype(jnp.bfloat16).itemsize / 2**20
+                rows.append(f"| {name} | {batch} | {layers} | {temp:.1f} | {2 * weight_mib:.1f} | "
+                            f"{len(copies)}, {len(copies) * weight_mib:.1f} |")
     return rows
 
 
-def _array_bytes(hlo_shape: str) -> int:
-    """Bytes of the first array shape in HLO text such as ` bf16[1,2048,8192]{2,1,0} fusion(...)`."""
-    dtype, dims = re.search(r"(\w+)\[([\d,]*)\]", hlo_shape).groups()
-    itemsize = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4}[dtype]
-    return itemsize * int(np.prod([int(n) for n in dims.split(",") if n]))
+def _dims(instruction: str) -> list[int]:
+    """The dimensions of an HLO instruction's (first) result, e.g. [1, 2048, 8192] of `%f = bf16[1,2048,8192]{...}`."""
+    dims = re.search(r"= \(?\w+\[([\d,]*)\]", instruction).group(1)
+    return [int(n) for n in dims.split(",") if n]
 
 
 def main(argv: list[str]) -> None:

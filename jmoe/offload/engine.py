@@ -59,10 +59,10 @@ class EngineState(NamedTuple):
     plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = no copy)
     predict_base: jax.Array  # float32 [L_moe, E]: history prefetch's scores known before the step ([0, E]: off)
     counts: jax.Array  # int32 [Lo, 4]: the last step's hits, misses, experts copied, evictions per layer
-    # Per layer its position l, an int32 scalar array of its own, at which the step reads row l of the tables above:
-    # a row read at a constant position puts that constant in the kernels that read it, and XLA:GPU compiles a kernel
-    # once for all the places it occurs only where they are identical (a DeepSeek-V3 shape compiled for an H100 at
-    # 24 layers: decode 22.4 -> 18.5 s, prefill 60.8 -> 50.2 s; bench/results/depth.md).
+    # Per offloaded layer its position l, an int32 scalar array of its own, at which the step reads row l of
+    # slot_of_expert, victim_order, plan_experts, plan_slots and host_row_of_expert: a row read at a constant puts the
+    # constant in the kernels that read it, and XLA:GPU compiles a kernel once for all its places only where they are
+    # identical (bench/results/depth.md: an H100 compile of 24 DeepSeek-V3 layers 17% shorter).
     layer_index: tuple
     # The disk tier (jmoe.offload.host_tier; () without a host budget): per layer ExpertWeights of its H host
     # rows in pinned host memory, and int32 [Lo, E] the row of each expert (-1 = on disk only).
