@@ -12,7 +12,8 @@
    and prefill compile side by side on their own threads).
 3. scan: a stand-in layer (a dense product, a router, jmoe.kernels.moe_ffn on its experts) repeated L times, the
    loop unrolled over per-layer arrays against `lax.scan` over stacked ones: the CPU step time (a dense-only
-   layer, the product XLA:CPU runs from a slice of a stacked weight), and for an H100 (compile-only) the compile
+   layer, the product XLA:CPU runs from a slice of a stacked weight; also a loop that picks each layer's own weight
+   arrays with lax.switch), and for an H100 (compile-only) the compile
    seconds and temporaries of three forms: unrolled, scanned over slices of the stacked experts, and scanned with
    the expert ids offset into every layer's stack (`ids + l * E` over [L * E, ...]), which slices nothing; and the
    dense layers compiled for an H100 too, with what the scanned program copies out of the stack every layer.

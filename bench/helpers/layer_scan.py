@@ -3,7 +3,8 @@ starts, so that the CUDA plugin offers compile-only H100 topologies (as jmoe.pla
 table rows.
 
 CPU: L dense layers (x + tanh(x W1) W2) at batch 1, the loop unrolled over per-layer weights against `lax.scan` over
-stacked ones: XLA:CPU runs a product from a buffer, so it copies the slice of a stacked weight each iteration reads.
+stacked ones: XLA:CPU runs a product from a buffer, so it copies the slice of a stacked weight each iteration reads;
+and against a loop over the per-layer weights that picks each layer's arrays with lax.switch, which slices nothing.
 H100 (compile-only): L stand-in MoE layers (x + tanh(x Wq), a router's top-k, jmoe.kernels.moe_ffn's Triton grouped
 GEMM): unrolled; scanned over slices of the stacked experts; scanned with the ids offset into every layer's experts.
 The dense layers for an H100 too: XLA:GPU also copies what a product reads of a stacked weight (one
@@ -40,6 +41,17 @@ def scanned_dense(x, w1, w2):
     return jax.lax.scan(lambda x, w: (dense_layer(x, *w), None), x, (w1, w2))[0]
 
 
+def switched_dense(x, w1s, w2s):
+    """The layer loop under lax.fori_loop over per-layer weights, each product taking its layer's own array through
+    lax.switch (a branch a layer, one product each): nothing is sliced out of a stack, so XLA:CPU reads them in
+    place."""
+
+    def product(layer, v, weights):
+        return jax.lax.switch(layer, [lambda v, w=w: v @ w for w in weights], v)
+
+    return jax.lax.fori_loop(0, len(w1s), lambda i, x: x + product(i, jnp.tanh(product(i, x, w1s)), w2s), x)
+
+
 def median_step_ms(compiled, args, repeats: int) -> float:
     compiled(*args).block_until_ready()
     times = []
@@ -52,22 +64,24 @@ def median_step_ms(compiled, args, repeats: int) -> float:
     return 1e3 * float(np.median(times))
 
 
-def cpu_rows(shapes, layers: int, repeats: int) -> list[str]:
+def cpu_rows(shapes, depths, repeats: int) -> list[str]:
     rows = ["| CPU, dense layers | layers | d x f | dtype | unrolled: compile s, step ms | scanned: compile s, "
-            "step ms | scanned / unrolled step |", "|---|---|---|---|---|---|---|"]
+            "step ms | looped, weights by switch: compile s, step ms | scanned / unrolled step | switch / unrolled "
+            "step |", "|---|---|---|---|---|---|---|---|---|"]
     rng = np.random.default_rng(0)
-    for d, f, dtype in shapes:
+    for layers, (d, f, dtype) in ((layers, shape) for layers in depths for shape in shapes):
         w1 = [jnp.asarray(rng.standard_normal((d, f)) * 0.02, dtype) for _ in range(layers)]
         w2 = [jnp.asarray(rng.standard_normal((f, d)) * 0.02, dtype) for _ in range(layers)]
         x = jnp.ones((1, d), dtype)
         results = []
-        for fn, weights in ((unrolled_dense, (w1, w2)), (scanned_dense, (jnp.stack(w1), jnp.stack(w2)))):
+        for fn, weights in ((unrolled_dense, (w1, w2)), (scanned_dense, (jnp.stack(w1), jnp.stack(w2))),
+                            (switched_dense, (w1, w2))):
             start = time.perf_counter()
             compiled = jax.jit(fn).lower(x, *weights).compile()
             results.append((time.perf_counter() - start, median_step_ms(compiled, (x, *weights), repeats)))
-        (cu, su), (cs, ss) = results
+        (cu, su), (cs, ss), (cw, sw) = results
         rows.append(f"| | {layers} | {d} x {f} | {jnp.dtype(dtype).name} | {cu:.2f}, {su:.3f} | {cs:.2f}, {ss:.3f} "
-                    f"| {ss / su:.2f}x |")
+                    f"| {cw:.2f}, {sw:.3f} | {ss / su:.2f}x | {sw / su:.2f}x |")
     return rows
 
 
@@ -171,10 +185,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
-        rows = (cpu_rows([(32, 64, jnp.float32)], 2, 2) + [""] + h100_rows((2,), 64, 32, 4, 2) + [""]
+        rows = (cpu_rows([(32, 64, jnp.float32)], (2,), 2) + [""] + h100_rows((2,), 64, 32, 4, 2) + [""]
                 + h100_dense_rows(2, 64, 128, (1,)))
     else:
         shapes = [(192, 384, jnp.float32), (1024, 4096, jnp.float32), (1024, 4096, jnp.bfloat16)]
-        rows = (cpu_rows(shapes, 8, 7) + [""] + h100_rows((8, 32, 61), 2048, 1024, 16, 2) + [""]
+        rows = (cpu_rows(shapes, (8,), 7) + cpu_rows(shapes[:2], (32,), 5)[2:] + [""]
+                + h100_rows((8, 32, 61), 2048, 1024, 16, 2) + [""]
                 + h100_dense_rows(8, 2048, 8192, (1, 64)))
     print("\n".join(rows))
