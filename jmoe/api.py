@@ -20,6 +20,7 @@ from jmoe.compile_cache import enable_compile_cache
 from jmoe.config import ModelConfig
 from jmoe.decode.generation import RoutingOverride, TokenCallback, as_rows, check_token_ids, generate_tokens
 from jmoe.decode.sampling import SamplingParams
+from jmoe.decode.chain import StepChain, chains
 from jmoe.decode.steps import make_logits_fn, make_step_fn
 from jmoe.decode.streaming import stdout_streamer
 from jmoe.errors import InputError, NonFiniteError
@@ -78,7 +79,9 @@ class Model:
         self.kv_dtype = module.embed[...].dtype
         self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
         self._step_fns = {greedy: make_step_fn(self.graphdef, engine, greedy) for greedy in (True, False)}
-        self._programs: dict[tuple, jax.stages.Compiled] = {}  # compiled steps by (greedy, input shapes)
+        self._chain = StepChain(module, engine, self._compiled) if chains(config, engine) else None
+        # compiled step programs by (name, tokens shape, greedy, jitted function, input structure and shapes)
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0  # spent compiling generation steps so far
 
     def close(self) -> None:
@@ -95,14 +98,16 @@ class Model:
 
     @property
     def compiled_programs(self) -> int:
-        """How many generation-step programs have been compiled (one per greedy/sampling mode and shape)."""
+        """How many generation-step programs have been compiled (one per greedy/sampling mode and shape; a deep
+        model's chained step, jmoe.decode.chain, is several)."""
         return len(self._programs)
 
     def compiled_steps(self) -> list[dict]:
-        """The generation steps compiled so far: per program its tokens shape [B, T], whether it is the
-        greedy one, and its optimized HLO text (jmoe.plan.hlo.control_flow reads what it does)."""
-        return [{"tokens": inputs[0][0], "greedy": greedy, "hlo": program.as_text()}
-                for (greedy, _, inputs), program in self._programs.items()]
+        """The generation-step programs compiled so far: per program its name ("step", or a chained step's
+        "embedding", "N layers" and "head"), its tokens shape [B, T], whether it is the greedy one (None: for
+        either), and its optimized HLO text (jmoe.plan.hlo.control_flow reads what it does)."""
+        return [{"program": name, "tokens": tokens, "greedy": greedy, "hlo": program.as_text()}
+                for (name, tokens, greedy, *_), program in self._programs.items()]
 
     def module(self) -> MoETransformer:
         """The Flax NNX module (for research code: inspect, fine-tune, call directly). It reads its stacked expert
@@ -168,7 +173,13 @@ class Model:
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
         args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
                 jnp.int32(step), arrays, forced)
-        outputs, routing, kv_cache, self.engine.state, readback = self._program(sampling.greedy, args)(*args)
+        if self._chain is not None:
+            results = self._chain(sampling.greedy, args)
+        else:
+            program = self._compiled("step", tokens.shape, jax.tree.leaves(kv_cache)[0].shape[1], sampling.greedy,
+                                     self._step_fns[sampling.greedy], args)
+            results = program(*args)
+        outputs, routing, kv_cache, self.engine.state, readback = results
         return DispatchedStep(step, outputs, routing, kv_cache, readback)
 
     def finish_dispatched(self, step: DispatchedStep) -> np.ndarray:
@@ -178,19 +189,22 @@ class Model:
         check_finite_layers(finite, f"generation step {step.index}")
         return next_tokens
 
-    def _program(self, greedy: bool, args) -> jax.stages.Compiled:
-        """The compiled step for these inputs' shapes, compiled (and timed) the first time they are seen."""
-        inputs = args[2:]  # parameters and engine state keep their shapes for the model's lifetime
-        key = (greedy, jax.tree.structure(inputs), tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
+    def _compiled(self, name: str, tokens_shape: tuple, cache_columns: int, greedy: bool | None, jitted,
+                  args) -> jax.stages.Compiled:
+        """Step program `name` for these arguments, compiled (and timed) the first time their shapes are seen."""
+        inputs = args[2:] if name == "step" else args  # a step's parameters and engine state keep their shapes
+        key = (name, tokens_shape, greedy, jitted, jax.tree.structure(inputs),
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
         program = self._programs.get(key)
         if program is None:
-            tokens, kv_cache = args[2], args[3]
-            what = (f"the {'prompt' if tokens.shape[1] > 1 else 'decode'} step ({tokens.shape[0]} x {tokens.shape[1]} "
-                    f"tokens, {jax.tree.leaves(kv_cache)[0].shape[1]} cache columns, {self.config.num_layers} layers)")
+            kind = "prompt" if tokens_shape[1] > 1 else "decode"
+            piece = "" if name == "step" else f"'s {name}"
+            what = (f"the {kind} step{piece} ({tokens_shape[0]} x {tokens_shape[1]} tokens, {cache_columns} cache "
+                    f"columns, {self.config.num_layers} layers)")
             if self.progress:
                 print(f"compiling {what} ...", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            program = self._programs[key] = self._step_fns[greedy].lower(*args).compile()
+            program = self._programs[key] = jitted.lower(*args).compile()
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             if self.progress:

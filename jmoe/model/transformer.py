@@ -18,7 +18,7 @@ from jmoe.model.attention import Attention
 from jmoe.model.layers import INIT_STD, DenseMLP, RMSNorm, normal_param, weight_for
 from jmoe.model.mla import MLAttention
 from jmoe.model.moe import MoEBlock, MoELayerView
-from jmoe.model.rope import rope_tables
+from jmoe.model.rope import RoPE, rope_tables
 
 # (moe layer position, x [N, d], expert ids [N, k] with -1 = none, router weights [N, k]) -> y [N, d]
 ExpertCompute = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -84,57 +84,98 @@ class MoETransformer(nnx.Module):
         `visible_len` (static): no query sees a cache column past it, so attention reads only those columns
         (a prompt written from column 0 passes its length); None = the whole cache.
         """
-        cfg = self.cfg
-        b, t = tokens.shape
         s = kv_cache[0][0].shape[1] if visible_len is None else visible_len
-        q_cols = jnp.reshape(write_index, (-1, 1)) + jnp.arange(t)  # [1 or B, T]
-        cols = jnp.arange(s)
-        positions = jnp.maximum(q_cols - pad_len[:, None], 0)
-        rope = rope_tables(positions, cfg)
-        base_mask = (cols <= q_cols[..., None]) & (cols >= pad_len[:, None, None])  # [B, T, S]
-        token_valid = q_cols >= pad_len[:, None]
-        if valid_len is not None:
-            token_valid = token_valid & (jnp.arange(t) < valid_len[:, None])
-        token_valid = jnp.broadcast_to(token_valid, (b, t)).reshape(-1)
+        context = step_context(self.cfg, tokens.shape, s, write_index, pad_len, valid_len)
+        x, new_cache, routing, finite = run_decoder_layers(
+            self.cfg, list(self.layers), self.cfg.sliding_windows, self.embed_tokens(tokens), kv_cache, context,
+            expert_compute=expert_compute, backend=backend, forced_routing=forced_routing, before_layer=before_layer)
+        return ForwardOut(self.head(x, last_only, valid_len), tuple(new_cache), routing, finite)
 
-        def mask_for(window):
-            if window is None:
-                return base_mask
-            return base_mask & (q_cols[..., None] - cols < window)
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0)
 
-        x = jnp.take(self.embed[...], tokens, axis=0)
-        new_cache, routing, finite = [], [], []
-        for i, layer in enumerate(self.layers):
-            if before_layer is not None:
-                x = before_layer(i, x)
-            k_cache, v_cache = kv_cache[i]
-            attn_out, k_cache, v_cache = layer.attn(layer.input_norm(x), rope, k_cache, v_cache, write_index,
-                                                    mask_for(cfg.sliding_windows[i]))
-            new_cache.append((k_cache, v_cache))
-            x = x + attn_out
-            h = layer.post_norm(x).reshape(b * t, -1)
-            if isinstance(layer.mlp, MoEBlock):
-                forced = None if forced_routing is None else forced_routing[len(routing)].reshape(b * t, -1)
-                ids, weights = layer.mlp.route(h, token_valid, forced)
-                if expert_compute is None:
-                    y = layer.mlp.resident_experts(h, ids, weights, backend)
-                else:
-                    y = expert_compute(len(routing), h, ids, weights)
-                y = y + layer.mlp.shared(h)
-                routing.append(ids.reshape(b, t, -1))
-            else:
-                y = layer.mlp(h)
-            x = x + y.reshape(b, t, -1)
-            finite.append(jnp.isfinite(x).all())  # one reduction per layer, read back with the step
-        if last_only:
-            x = x[:, -1:] if valid_len is None else jnp.take_along_axis(
-                x, jnp.maximum(valid_len - 1, 0)[:, None, None], axis=1)
-        x = self.final_norm(x)
+    def head(self, x: jax.Array, last_only: bool, valid_len: jax.Array | None = None) -> jax.Array:
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, weight_for(head, x)).astype(jnp.float32)
-        routing_ids = (jnp.stack(routing) if routing
-                       else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32))
-        return ForwardOut(logits, tuple(new_cache), routing_ids, jnp.stack(finite))
+        return output_logits(self.final_norm, head, x, last_only, valid_len)
+
+
+def output_logits(final_norm: RMSNorm, head: jax.Array, x: jax.Array, last_only: bool,
+                  valid_len: jax.Array | None = None) -> jax.Array:
+    """float32 logits [B, T or 1, V] of the last layer's output x [B, T, d] through the final norm and the output
+    projection `head` [d, V] (`last_only`: each row's last real token, `valid_len` as in MoETransformer.__call__)."""
+    if last_only:
+        x = x[:, -1:] if valid_len is None else jnp.take_along_axis(
+            x, jnp.maximum(valid_len - 1, 0)[:, None, None], axis=1)
+    x = final_norm(x)
+    return jnp.einsum("btd,dv->btv", x, weight_for(head, x)).astype(jnp.float32)
+
+
+class StepContext(NamedTuple):
+    """What every decoder layer of a step reads besides its own weights and cache (MoETransformer.__call__ says
+    what the inputs mean)."""
+
+    rope: RoPE
+    write_index: jax.Array  # int32 scalar or [B]
+    q_cols: jax.Array  # int32 [1 or B, T]: each query's cache column
+    cols: jax.Array  # int32 [S]: the cache columns attention reads
+    base_mask: jax.Array  # bool [B, T, S]: causal and past each row's left padding
+    token_valid: jax.Array  # bool [B * T]: real tokens (padding routes to no expert)
+
+    def mask(self, window: int | None) -> jax.Array:
+        if window is None:
+            return self.base_mask
+        return self.base_mask & (self.q_cols[..., None] - self.cols < window)
+
+
+def step_context(cfg: ModelConfig, tokens_shape: tuple[int, int], visible: int, write_index, pad_len: jax.Array,
+                 valid_len: jax.Array | None = None) -> StepContext:
+    """The StepContext of tokens [B, T] written from `write_index`, attention reading `visible` cache columns."""
+    b, t = tokens_shape
+    q_cols = jnp.reshape(write_index, (-1, 1)) + jnp.arange(t)  # [1 or B, T]
+    cols = jnp.arange(visible)
+    positions = jnp.maximum(q_cols - pad_len[:, None], 0)
+    base_mask = (cols <= q_cols[..., None]) & (cols >= pad_len[:, None, None])  # [B, T, S]
+    token_valid = q_cols >= pad_len[:, None]
+    if valid_len is not None:
+        token_valid = token_valid & (jnp.arange(t) < valid_len[:, None])
+    token_valid = jnp.broadcast_to(token_valid, (b, t)).reshape(-1)
+    return StepContext(rope_tables(positions, cfg), write_index, q_cols, cols, base_mask, token_valid)
+
+
+def run_decoder_layers(cfg: ModelConfig, layers: list[DecoderLayer], windows: tuple, x: jax.Array, kv_cache,
+                       context: StepContext, *, expert_compute: ExpertCompute | None, backend: str,
+                       forced_routing: jax.Array | None = None, before_layer: BeforeLayer | None = None):
+    """`layers` (consecutive decoder layers, each with its sliding window in `windows` and its cache pair in
+    `kv_cache`) on the residual stream x [B, T, d]: returns (x, their new cache pairs, routing int32
+    [their MoE layers, B, T, k], finite bool [len(layers)]). MoE layers count from 0 here, for
+    `expert_compute` and `forced_routing` alike; `before_layer` gets the position in `layers`."""
+    b, t, _ = x.shape
+    new_cache, routing, finite = [], [], []
+    for i, layer in enumerate(layers):
+        if before_layer is not None:
+            x = before_layer(i, x)
+        k_cache, v_cache = kv_cache[i]
+        attn_out, k_cache, v_cache = layer.attn(layer.input_norm(x), context.rope, k_cache, v_cache,
+                                                context.write_index, context.mask(windows[i]))
+        new_cache.append((k_cache, v_cache))
+        x = x + attn_out
+        h = layer.post_norm(x).reshape(b * t, -1)
+        if isinstance(layer.mlp, MoEBlock):
+            forced = None if forced_routing is None else forced_routing[len(routing)].reshape(b * t, -1)
+            ids, weights = layer.mlp.route(h, context.token_valid, forced)
+            if expert_compute is None:
+                y = layer.mlp.resident_experts(h, ids, weights, backend)
+            else:
+                y = expert_compute(len(routing), h, ids, weights)
+            y = y + layer.mlp.shared(h)
+            routing.append(ids.reshape(b, t, -1))
+        else:
+            y = layer.mlp(h)
+        x = x + y.reshape(b, t, -1)
+        finite.append(jnp.isfinite(x).all())  # one reduction per layer, read back with the step
+    routing_ids = (jnp.stack(routing) if routing
+                   else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32))
+    return x, new_cache, routing_ids, jnp.stack(finite)
 
 
 def kv_cache_shapes(cfg: ModelConfig, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

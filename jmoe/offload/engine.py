@@ -74,6 +74,8 @@ class OffloadEngine(ResidentEngine):
     """Expert slots for the offloaded MoE layers (the other layers' experts stay resident); parameters
     offloaded by pattern or layer group are fetched as in ResidentEngine."""
 
+    layer_local = False  # its state (slots, tables, prefetch of the next layer) spans the layers: one step program
+
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str = "auto"):
         super().__init__(config, placement, backend)
         self.prefetch = options.prefetch  # experts per layer copied ahead from the next layer's router guess

@@ -1,0 +1,63 @@
+"""A deep model's generation step as a chain of layer programs (jmoe.decode.chain): the same tokens as transformers
+and as the one-program step, and one program for every block of alike layers whatever the depth."""
+
+import numpy as np
+import pytest
+import torch
+
+import jmoe
+from jmoe.decode import chain
+from jmoe.decode.sampling import SamplingParams
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def chained(path, monkeypatch, layers_per_program: int, **options):
+    monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", layers_per_program)
+    model = jmoe.load(path, progress=False, **options)
+    assert model._chain is not None
+    return model
+
+
+# Dense and MoE layers alternating (Qwen2-MoE's sparse step), a first dense layer with DeepSeek's latent attention,
+# GPT-OSS's alternating sliding windows with sinks, and Mixtral's window with tied embeddings: blocks of one layer
+# each, so that every kind of layer is a block of its own.
+@pytest.mark.parametrize("name", ["qwen2_moe_sparse_step_norm", "deepseek_v3_qlora_groups", "gpt_oss_e4k2_window",
+                                  "mixtral_e8k3_mqa_tied_window"])
+def test_chained_steps_generate_what_transformers_generates(name, hf_checkpoints, monkeypatch):
+    path, reference = hf_checkpoints[name]
+    model = chained(path, monkeypatch, 1)
+    expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):]
+    assert model.generate(PROMPT, max_new_tokens=12)[0] == expected.tolist()
+
+
+@pytest.mark.quick
+def test_alike_layers_share_one_program_and_sampling_matches_the_one_program_step(hf_checkpoints, monkeypatch):
+    path, _ = hf_checkpoints["qwen3_moe_headdim_tied"]  # two alike layers
+    whole = jmoe.load(path, progress=False)
+    assert whole._chain is None  # no deeper than LAYERS_PER_PROGRAM
+    model = chained(path, monkeypatch, 1)
+    sampling = dict(max_new_tokens=10, temperature=0.9, top_k=20, seed=7)
+    assert model.generate(PROMPT, **sampling) == whole.generate(PROMPT, **sampling)
+    # per step shape (the prompt's 16-token bucket, decode): the embedding, one program for both layers, the head
+    assert sorted((s["program"], s["tokens"][1]) for s in model.compiled_steps()) == [
+        ("1 layers", 1), ("1 layers", 16), ("embedding", 1), ("embedding", 16), ("head", 1), ("head", 16)]
+    model.generate(PROMPT, max_new_tokens=10)
+    assert model.compiled_programs == 8  # greedy adds its own heads only
+
+
+def test_forced_routing_reaches_each_block_s_own_layers(hf_checkpoints, monkeypatch):
+    path, _ = hf_checkpoints["qwen2_moe_sparse_step_norm"]  # MoE layers 1 and 3 of 4: blocks of 2 hold one each
+    whole, model = jmoe.load(path, progress=False), chained(path, monkeypatch, 2)
+    rng = np.random.default_rng(0)
+    num_moe, top_k, experts = whole.config.num_moe_layers, whole.config.num_experts_per_tok, whole.config.num_experts
+
+    def forced(step, shape):
+        return np.stack([rng.permutation(experts)[:top_k] for _ in range(num_moe * shape[0] * shape[1])]).reshape(
+            num_moe, *shape, top_k)
+
+    results = []
+    for m in (whole, model):
+        rng = np.random.default_rng(0)
+        results.append(m.generate_detailed([PROMPT], 6, SamplingParams(0.0, 0, 1.0), routing_override=forced).tokens)
+    assert results[0] == results[1]
