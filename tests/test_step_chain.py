@@ -1,6 +1,8 @@
 """A deep model's generation step as a chain of layer programs (jmoe.decode.chain): the same tokens as transformers
 and as the one-program step, and one program for every block of alike layers whatever the depth."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,9 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
 def chained(path, monkeypatch, layers_per_program: int, **options):
+    """The model at `path` with its steps chained in blocks of `layers_per_program`, however few its layers."""
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", layers_per_program)
+    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.layer_local)
     model = jmoe.load(path, progress=False, **options)
     assert model._chain is not None
     return model
@@ -31,11 +35,28 @@ def test_chained_steps_generate_what_transformers_generates(name, hf_checkpoints
     assert model.generate(PROMPT, max_new_tokens=12)[0] == expected.tolist()
 
 
+def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_the_compiled_layers():
+    deepseek_v3 = (False,) * 3 + (True,) * 58
+    assert chain.layer_blocks(deepseek_v3, 8) == [(0, 3), *((s, s + 8) for s in range(3, 59, 8)), (59, 61)]
+    assert chain.layer_blocks((True,) * 12, 8) == [(0, 8), (8, 12)]
+
+    def config(layers, dense=0):
+        return SimpleNamespace(num_layers=layers, moe_layers=(False,) * dense + (True,) * (layers - dense),
+                               sliding_windows=(None,) * layers)
+
+    resident, offload = SimpleNamespace(layer_local=True), SimpleNamespace(layer_local=False)
+    assert chain.chains(config(16), resident) and not chain.chains(config(12), resident)
+    assert chain.chains(config(61, 3), resident) and not chain.chains(config(8, 3), resident)
+    assert not chain.chains(config(61, 3), offload)
+
+
 @pytest.mark.quick
 def test_alike_layers_share_one_program_and_sampling_matches_the_one_program_step(hf_checkpoints, monkeypatch):
     path, _ = hf_checkpoints["qwen3_moe_headdim_tied"]  # two alike layers
     whole = jmoe.load(path, progress=False)
     assert whole._chain is None  # no deeper than LAYERS_PER_PROGRAM
+    monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", 1)
+    assert chain.chains(whole.config, whole.engine)  # one program for its two layers: half of them
     model = chained(path, monkeypatch, 1)
     sampling = dict(max_new_tokens=10, temperature=0.9, top_k=20, seed=7)
     assert model.generate(PROMPT, **sampling) == whole.generate(PROMPT, **sampling)

@@ -36,14 +36,22 @@ LAYERS_PER_PROGRAM = 8
 Compile = Callable[[str, tuple, int, "bool | None", Callable, tuple], jax.stages.Compiled]
 
 
-def layer_blocks(num_layers: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) of each block of at most `size` consecutive layers."""
-    return [(start, min(start + size, num_layers)) for start in range(0, num_layers, size)]
+def layer_blocks(moe_layers: tuple[bool, ...], size: int) -> list[tuple[int, int]]:
+    """[start, end) of each block of at most `size` consecutive layers. The dense layers before the first MoE layer
+    (DeepSeek's first_k_dense_replace) are blocks of their own, so that the MoE layers' blocks start alike: DeepSeek-V3's
+    61 layers make 3 programs of 3, 8 and 2 layers, where blocks from layer 0 would make 3 of 8, 8 and 5."""
+    first_moe = next((i for i, moe in enumerate(moe_layers) if moe), 0)
+    starts = [*range(0, first_moe, size), *range(first_moe, len(moe_layers), size)]
+    return list(zip(starts, [*starts[1:], len(moe_layers)]))
 
 
 def chains(config, engine) -> bool:
-    """Whether `engine`'s steps of a model of `config` run as a chain (module docstring)."""
-    return config.num_layers > LAYERS_PER_PROGRAM and engine.layer_local
+    """Whether `engine`'s steps of a model of `config` run as a chain (module docstring): where its distinct blocks hold
+    at most half the model's layers, since each program of the chain costs a dispatch a step and the compile of a
+    program besides its layers (a 12-layer model would compile blocks of 8 and 4 layers: no fewer)."""
+    blocks = layer_blocks(config.moe_layers, LAYERS_PER_PROGRAM)
+    kinds = {tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])) for start, end in blocks}
+    return engine.layer_local and 2 * sum(map(len, kinds)) <= config.num_layers
 
 
 class StepChain:
@@ -57,7 +65,7 @@ class StepChain:
         self.layer_defs = tuple(nnx.graphdef(layer) for layer in module.layers)
         self.norm_def = nnx.graphdef(module.final_norm)
         self.tied = module.lm_head is None
-        self.blocks = layer_blocks(cfg.num_layers, LAYERS_PER_PROGRAM)
+        self.blocks = layer_blocks(cfg.moe_layers, LAYERS_PER_PROGRAM)
         moe_before = np.cumsum([0, *cfg.moe_layers])
         self.moe_ranges = [(int(moe_before[start]), int(moe_before[end])) for start, end in self.blocks]
         self._embed = jax.jit(lambda embed, tokens: jnp.take(embed, tokens, axis=0))
