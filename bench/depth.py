@@ -1,16 +1,21 @@
 """What a model's depth costs at start-up, and what running its layers under `lax.scan` would change (issue #55).
 
-  python -m bench.depth [--rounds 2] [--parts generate,h100,scan]
+  python -m bench.depth [--rounds 2] [--parts generate,chain,h100,scan]
   python -m bench.depth --smoke   # every part at toy sizes and depths, no result file
 
 1. generate (CPU): `python -m jmoe.generate --max-new-tokens 1` from an empty compilation cache, wall seconds to its
    first token and the compile seconds it reports; random checkpoints written by transformers: the shipped
    model's width at 4 and 32 layers, and a DeepSeek-V3-shaped model of small width (MLA, grouped router, three
    dense layers first) at 8 and 61 layers. Each start is its own process, the depths alternate, medians of --rounds.
-2. h100: jmoe.plan for an H100 with every layer compiled (no extrapolation) of header-only DeepSeek-V3 checkpoints
+   Both deep models' steps run as chains of layer-block programs (jmoe.decode.chain), the shallow ones' as one program.
+2. chain (CPU): the deep models of part 1 with their steps chained and as one program over every layer, both loaded
+   in one process without a compilation cache: the compile seconds of their prompt programs (16- and 256-token
+   buckets) and decode program, then medians over 3 x --rounds alternated generations of 64 tokens: prefill ms at
+   both lengths and decode ms a token, and the chain's against the one program's.
+3. h100: jmoe.plan for an H100 with every layer compiled (no extrapolation) of header-only DeepSeek-V3 checkpoints
    at 8 / 32 / 61 layers (cache 16, context 1024): each program's compile seconds, as the plan measures them (decode
    and prefill compile side by side on their own threads).
-3. scan: a stand-in layer (a dense product, a router, jmoe.kernels.moe_ffn on its experts) repeated L times, the
+4. scan: a stand-in layer (a dense product, a router, jmoe.kernels.moe_ffn on its experts) repeated L times, the
    loop unrolled over per-layer arrays against `lax.scan` over stacked ones: the CPU step time (a dense-only
    layer, the product XLA:CPU runs from a slice of a stacked weight; also a loop that picks each layer's own weight
    arrays with lax.switch), and for an H100 (compile-only) the compile
@@ -38,7 +43,7 @@ from bench.compare_cpu import load_average, load_warning, quiet_start_load
 from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, smoke_run, smoke_spec, write_first_layers,
                                   write_random_checkpoint, write_result)
 
-PARTS = ("generate", "h100", "scan")
+PARTS = ("generate", "chain", "h100", "scan")
 SMOKE_DEPTH = 2  # a smoke run's generate part: one cold start, the code of every depth (a second was ~2 s of CPU)
 # A DeepSeek-V3-shaped model at the shipped model's width, with its vocabulary so that its tokenizer applies.
 DEEPSEEK_SMALL = dict(
@@ -107,6 +112,55 @@ def generate_part(args) -> list[str]:
     return rows
 
 
+def chain_part(args) -> list[str]:
+    """The deep models' generation steps as a chain of layer-block programs (jmoe.decode.chain, what jmoe.load gives
+    them) against one program over every layer (the step before the chain), both loaded in this process with no
+    compilation cache: compile seconds of the prompt and decode programs, then medians of alternated generations."""
+    from unittest import mock
+
+    import jmoe
+    import jmoe.api
+    from jmoe.decode import chain
+    from jmoe.decode.sampling import SamplingParams
+
+    if args.smoke:  # the shipped model's first two layers chained one a block, whatever chains() would decide
+        models = [("default model's first layers", SMOKE_DEPTH, first_layers(args.workdir / "chain", SMOKE_DEPTH))]
+        layers_per_program = 1
+    else:
+        models = [(name, n, tokenized_checkpoint(args.workdir / f"{spec['model_type']}_{n}", spec, n))
+                  for name, spec, n in (("default width", default_width(), 32),
+                                        ("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, 61))]
+        layers_per_program = chain.LAYERS_PER_PROGRAM
+    greedy, new_tokens = SamplingParams(0.0, 0, 1.0), 4 if args.smoke else 64
+    prompts = {"16": [[(7 * i) % 4000 + 1 for i in range(10)]], "256": [[(7 * i) % 4000 + 1 for i in range(200)]]}
+    rows = ["| model | layers | step | compile (s) | prefill 16 (ms) | prefill 256 (ms) | decode (ms/token) |",
+            "|---|---|---|---|---|---|---|"]
+    for name, n, path in models:
+        loaded = {}
+        with mock.patch.object(chain, "LAYERS_PER_PROGRAM", layers_per_program):
+            for form, decides in (("one program", lambda config, engine: False), ("chained", None)):
+                with mock.patch.object(jmoe.api, "chains", decides or (
+                        lambda config, engine: engine.layer_local if args.smoke else chain.chains(config, engine))):
+                    model = jmoe.load(path, progress=False, compile_cache=False)
+                compiled = sum(model.generate_detailed(p, new_tokens, greedy).compile_seconds for p in prompts.values())
+                loaded[form] = (model, compiled, {"16": [], "256": [], "decode": []})
+        for round_index in range(max(3, 3 * args.rounds)):
+            print(f"chain: {name}, round {round_index + 1}", file=sys.stderr, flush=True)
+            for form in (loaded if round_index % 2 == 0 else list(loaded)[::-1]):
+                model, _, runs = loaded[form]
+                for length, prompt in prompts.items():
+                    result = model.generate_detailed(prompt, new_tokens, greedy)
+                    runs[length].append(result.prefill_seconds * 1e3)
+                    runs["decode"].append(result.decode_seconds * 1e3 / result.decode_steps)
+        medians = {form: {k: statistics.median(v) for k, v in runs.items()} for form, (_, _, runs) in loaded.items()}
+        for form, (_, compiled, _) in loaded.items():
+            m, one = medians[form], medians["one program"]
+            ratio = "" if form == "one program" else " ({:.2f}x)"
+            rows.append(f"| {name} | {n} | {form} | {compiled:.1f} | " + " | ".join(
+                f"{m[k]:.2f}{ratio.format(m[k] / one[k])}" for k in ("16", "256", "decode")) + " |")
+    return rows
+
+
 def h100_part(args) -> list[str]:
     import jmoe
     from bench.plan import MODELS, write_header_only_checkpoint
@@ -150,11 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         args.workdir.mkdir(parents=True, exist_ok=True)
         began = time.monotonic()
         titles = {"generate": "First token against depth (CPU)",
+                  "chain": "A deep model's step chained in layer blocks, against one program (CPU)",
                   "h100": "Compile seconds against depth, H100 compile-only, every layer compiled",
                   "scan": "The layer loop unrolled or under lax.scan (stand-in layer)"}
         sections = []
         for part in args.parts:
-            rows = {"generate": generate_part, "h100": h100_part, "scan": scan_part}[part](args)
+            rows = {"generate": generate_part, "chain": chain_part, "h100": h100_part, "scan": scan_part}[part](args)
             sections += [f"## {titles[part]}", "", *rows, ""]
         text = "\n".join([load_warning(start_load) + f"Load average {start_load:.2f} at the start, "
                           f"{load_average():.2f} at the end; whole run {time.monotonic() - began:.0f} s.", "",
