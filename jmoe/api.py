@@ -147,8 +147,12 @@ class Model:
         if len({len(r) for r in rows}) != 1:
             raise InputError(f"logits: all rows must have the same length, found lengths "
                              f"{sorted({len(r) for r in rows})}; pad them yourself or call once per row")
-        logits, routing, self.engine.state, readback = self._logits_fn(self.params, self.engine.state,
-                                                                       jnp.asarray(rows, jnp.int32))
+        tokens = jnp.asarray(rows, jnp.int32)
+        if self._chain is not None:
+            logits, routing, self.engine.state, readback = self._chain.logits(self.params, self.engine.state, tokens,
+                                                                              self.kv_dtype)
+        else:
+            logits, routing, self.engine.state, readback = self._logits_fn(self.params, self.engine.state, tokens)
         return logits, self.finish_step(readback, routing, routing)
 
     def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int, sampling: SamplingParams,

@@ -28,11 +28,16 @@ def chained(path, monkeypatch, layers_per_program: int, **options):
 # each, so that every kind of layer is a block of its own.
 @pytest.mark.parametrize("name", ["qwen2_moe_sparse_step_norm", "deepseek_v3_qlora_groups", "gpt_oss_e4k2_window",
                                   "mixtral_e8k3_mqa_tied_window"])
-def test_chained_steps_generate_what_transformers_generates(name, hf_checkpoints, monkeypatch):
+def test_chained_steps_and_logits_are_what_transformers_computes(name, hf_checkpoints, monkeypatch):
     path, reference = hf_checkpoints[name]
     model = chained(path, monkeypatch, 1)
     expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):]
     assert model.generate(PROMPT, max_new_tokens=12)[0] == expected.tolist()
+    ids = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 13))
+    logits, routing = model.logits_and_routing(ids)
+    np.testing.assert_allclose(np.asarray(logits), reference(torch.tensor(ids)).logits.detach().numpy(), atol=1e-4,
+                               rtol=0)
+    assert routing.shape == (model.config.num_moe_layers, 2, 13, model.config.num_experts_per_tok)
 
 
 def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_the_compiled_layers():

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jmoe.decode.sampling import greedy_tokens, sample
+from jmoe.model import empty_kv_cache
 from jmoe.model.moe import MoEBlock
 from jmoe.model.transformer import output_logits, run_decoder_layers, step_context
 
@@ -70,6 +71,7 @@ class StepChain:
         self.moe_ranges = [(int(moe_before[start]), int(moe_before[end])) for start, end in self.blocks]
         self._embed = jax.jit(lambda embed, tokens: jnp.take(embed, tokens, axis=0))
         self._heads = {greedy: jax.jit(functools.partial(self._head_fn, greedy)) for greedy in (True, False)}
+        self._all_logits = jax.jit(self._all_logits_fn)
         self._layer_fns: dict[tuple, Callable] = {}  # jitted layer programs by their layers' signature
         self._block_fns: dict[tuple, Callable] = {}  # the same by (block, tokens a row)
         self._programs: dict[tuple, jax.stages.Compiled] = {}  # by (jitted, step layout): no pytree walk a step
@@ -78,8 +80,28 @@ class StepChain:
     def __call__(self, greedy: bool, args: tuple):
         params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing = args
         layout = (tokens.shape, kv_cache[0][0].shape, forced_routing is None)
-        embed = params["embed"][...]
-        x = self._program(self._embed, "embedding", layout, None, (embed, tokens))
+        x, new_cache, routing, finite = self._layers(layout, params, tokens, kv_cache, write_index, pad_len,
+                                                     forced_routing)
+        outputs, routing = self._program(self._heads[greedy], "head", layout, greedy,
+                                         (params["final_norm"], self._head_weight(params), x, routing, finite, key,
+                                          step, sampling))
+        return outputs, routing, tuple(new_cache), engine_state, self.engine.readback(engine_state)
+
+    def logits(self, params, engine_state, tokens, kv_dtype):
+        """`steps.make_logits_fn`'s program, chained: float32 logits [B, T, V] of tokens [B, T], their routing, the
+        engine state and its readback. Its layer programs are a prompt step's of T tokens in a T-column cache."""
+        kv_cache = empty_kv_cache(self.config, tokens.shape[0], tokens.shape[1], kv_dtype)
+        layout = (tokens.shape, kv_cache[0][0].shape, True)
+        x, _, routing, _ = self._layers(layout, params, tokens, kv_cache, jnp.int32(0),
+                                        jnp.zeros(tokens.shape[0], jnp.int32), None)
+        logits, routing = self._program(self._all_logits, "logits", layout, None,
+                                        (params["final_norm"], self._head_weight(params), x, routing))
+        return logits, routing, engine_state, self.engine.readback(engine_state)
+
+    def _layers(self, layout: tuple, params, tokens, kv_cache, write_index, pad_len, forced_routing):
+        """The embedding and every block: (the last layer's output, the new cache pairs, each block's routing and
+        finite flags)."""
+        x = self._program(self._embed, "embedding", layout, None, (params["embed"][...], tokens))
         new_cache, routing, finite = [], [], []
         for block, ((start, end), (moe_start, moe_end)) in enumerate(zip(self.blocks, self.moe_ranges)):
             forced = None if forced_routing is None else forced_routing[moe_start:moe_end]
@@ -91,10 +113,10 @@ class StepChain:
             new_cache += cache
             routing.append(block_routing)
             finite.append(block_finite)
-        head = embed if self.tied else params["lm_head"][...]
-        outputs, routing = self._program(self._heads[greedy], "head", layout, greedy,
-                                         (params["final_norm"], head, x, routing, finite, key, step, sampling))
-        return outputs, routing, tuple(new_cache), engine_state, self.engine.readback(engine_state)
+        return x, new_cache, routing, finite
+
+    def _head_weight(self, params):
+        return params["embed"][...] if self.tied else params["lm_head"][...]
 
     def _program(self, jitted: Callable, name: str, layout: tuple, greedy: bool | None, args: tuple):
         """jitted(*args) through its compiled program for this step's layout (tokens and cache shapes, forced
@@ -143,6 +165,10 @@ class StepChain:
             return x, tuple(new_cache), routing, finite
 
         return run
+
+    def _all_logits_fn(self, norm_state, head, x, routing):
+        logits = output_logits(nnx.merge(self.norm_def, norm_state), head.T if self.tied else head, x, False)
+        return logits, jnp.concatenate(routing)
 
     def _head_fn(self, greedy, norm_state, head, x, routing, finite, key, step, sampling):
         logits = output_logits(nnx.merge(self.norm_def, norm_state), head.T if self.tied else head, x, True)[:, -1]
