@@ -77,11 +77,15 @@ class Model:
         engine.attach(module.moe_layer_views())
         self.graphdef, self.params = nnx.split(module)
         self.kv_dtype = module.embed[...].dtype
-        self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
-        self._step_fns = {greedy: make_step_fn(self.graphdef, engine, greedy) for greedy in (True, False)}
-        self._chain = StepChain(module, engine, self._compiled) if chains(config, engine) else None
-        # compiled step programs by (name, tokens shape, greedy, jitted function, input structure and shapes)
-        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        # A deep model's programs chained in blocks of layers (jmoe.decode.chain), the serving engine's too.
+        self.step_chain = StepChain(module, engine) if chains(config, engine) else None
+        if self.step_chain is None:
+            self._logits_fn = make_logits_fn(self.graphdef, engine, self.kv_dtype)
+            self._step_fns = {greedy: make_step_fn(self.graphdef, engine, greedy) for greedy in (True, False)}
+        else:
+            self._logits_fn = self.step_chain.logits_program(self.kv_dtype)
+            self._step_fns = {greedy: self.step_chain.step_program(greedy) for greedy in (True, False)}
+        self._programs: dict[tuple, jax.stages.Compiled] = {}  # compiled steps by (greedy, input shapes)
         self.compile_seconds = 0.0  # spent compiling generation steps so far
 
     def close(self) -> None:
@@ -98,16 +102,16 @@ class Model:
 
     @property
     def compiled_programs(self) -> int:
-        """How many generation-step programs have been compiled (one per greedy/sampling mode and shape; a deep
-        model's chained step, jmoe.decode.chain, is several)."""
+        """How many generation-step programs have been compiled (one per greedy/sampling mode and shape; a chained
+        one, jmoe.decode.chain, counts once)."""
         return len(self._programs)
 
     def compiled_steps(self) -> list[dict]:
-        """The generation-step programs compiled so far: per program its name ("step", or a chained step's
-        "embedding", "N layers" and "head"), its tokens shape [B, T], whether it is the greedy one (None: for
-        either), and its optimized HLO text (jmoe.plan.hlo.control_flow reads what it does)."""
-        return [{"program": name, "tokens": tokens, "greedy": greedy, "hlo": program.as_text()}
-                for (name, tokens, greedy, *_), program in self._programs.items()]
+        """The generation steps compiled so far: per program its tokens shape [B, T], whether it is the
+        greedy one, and its optimized HLO text (jmoe.plan.hlo.control_flow reads what it does; a chained step's
+        pieces in the order they run)."""
+        return [{"tokens": inputs[0][0], "greedy": greedy, "hlo": program.as_text()}
+                for (greedy, _, inputs), program in self._programs.items()]
 
     def module(self) -> MoETransformer:
         """The Flax NNX module (for research code: inspect, fine-tune, call directly). It reads its stacked expert
@@ -147,12 +151,8 @@ class Model:
         if len({len(r) for r in rows}) != 1:
             raise InputError(f"logits: all rows must have the same length, found lengths "
                              f"{sorted({len(r) for r in rows})}; pad them yourself or call once per row")
-        tokens = jnp.asarray(rows, jnp.int32)
-        if self._chain is not None:
-            logits, routing, self.engine.state, readback = self._chain.logits(self.params, self.engine.state, tokens,
-                                                                              self.kv_dtype)
-        else:
-            logits, routing, self.engine.state, readback = self._logits_fn(self.params, self.engine.state, tokens)
+        logits, routing, self.engine.state, readback = self._logits_fn(self.params, self.engine.state,
+                                                                       jnp.asarray(rows, jnp.int32))
         return logits, self.finish_step(readback, routing, routing)
 
     def run_step(self, tokens, kv_cache, write_index: int, pad_len, key, step: int, sampling: SamplingParams,
@@ -177,13 +177,7 @@ class Model:
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
         args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
                 jnp.int32(step), arrays, forced)
-        if self._chain is not None:
-            results = self._chain(sampling.greedy, args)
-        else:
-            program = self._compiled("step", tokens.shape, jax.tree.leaves(kv_cache)[0].shape[1], sampling.greedy,
-                                     self._step_fns[sampling.greedy], args)
-            results = program(*args)
-        outputs, routing, kv_cache, self.engine.state, readback = results
+        outputs, routing, kv_cache, self.engine.state, readback = self._program(sampling.greedy, args)(*args)
         return DispatchedStep(step, outputs, routing, kv_cache, readback)
 
     def finish_dispatched(self, step: DispatchedStep) -> np.ndarray:
@@ -193,22 +187,20 @@ class Model:
         check_finite_layers(finite, f"generation step {step.index}")
         return next_tokens
 
-    def _compiled(self, name: str, tokens_shape: tuple, cache_columns: int, greedy: bool | None, jitted,
-                  args) -> jax.stages.Compiled:
-        """Step program `name` for these arguments, compiled (and timed) the first time their shapes are seen."""
-        inputs = args[2:] if name == "step" else args  # a step's parameters and engine state keep their shapes
-        key = (name, tokens_shape, greedy, jitted, jax.tree.structure(inputs),
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
+    def _program(self, greedy: bool, args) -> jax.stages.Compiled:
+        """The compiled step for these inputs' shapes, compiled (and timed) the first time they are seen."""
+        inputs = args[2:]  # parameters and engine state keep their shapes for the model's lifetime
+        key = (greedy, jax.tree.structure(inputs), tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
         program = self._programs.get(key)
         if program is None:
-            kind = "prompt" if tokens_shape[1] > 1 else "decode"
-            piece = "" if name == "step" else f"'s {name}"
-            what = (f"the {kind} step{piece} ({tokens_shape[0]} x {tokens_shape[1]} tokens, {cache_columns} cache "
-                    f"columns, {self.config.num_layers} layers)")
+            tokens, kv_cache = args[2], args[3]
+            what = (f"the {'prompt' if tokens.shape[1] > 1 else 'decode'} step ({tokens.shape[0]} x {tokens.shape[1]} "
+                    f"tokens, {jax.tree.leaves(kv_cache)[0].shape[1]} cache columns, {self.config.num_layers} layers"
+                    f"{'' if self.step_chain is None else ', chained'})")
             if self.progress:
                 print(f"compiling {what} ...", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            program = self._programs[key] = jitted.lower(*args).compile()
+            program = self._programs[key] = self._step_fns[greedy].lower(*args).compile()
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             if self.progress:

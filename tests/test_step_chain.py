@@ -10,6 +10,7 @@ import torch
 import jmoe
 from jmoe.decode import chain
 from jmoe.decode.sampling import SamplingParams
+from jmoe.serve import RequestParams, ServingEngine
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -19,7 +20,7 @@ def chained(path, monkeypatch, layers_per_program: int, **options):
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", layers_per_program)
     monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.layer_local)
     model = jmoe.load(path, progress=False, **options)
-    assert model._chain is not None
+    assert model.step_chain is not None
     return model
 
 
@@ -59,17 +60,20 @@ def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_t
 def test_alike_layers_share_one_program_and_sampling_matches_the_one_program_step(hf_checkpoints, monkeypatch):
     path, _ = hf_checkpoints["qwen3_moe_headdim_tied"]  # two alike layers
     whole = jmoe.load(path, progress=False)
-    assert whole._chain is None  # no deeper than LAYERS_PER_PROGRAM
+    assert whole.step_chain is None  # no deeper than LAYERS_PER_PROGRAM
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", 1)
     assert chain.chains(whole.config, whole.engine)  # one program for its two layers: half of them
     model = chained(path, monkeypatch, 1)
     sampling = dict(max_new_tokens=10, temperature=0.9, top_k=20, seed=7)
     assert model.generate(PROMPT, **sampling) == whole.generate(PROMPT, **sampling)
     # per step shape (the prompt's 16-token bucket, decode): the embedding, one program for both layers, the head
-    assert sorted((s["program"], s["tokens"][1]) for s in model.compiled_steps()) == [
-        ("1 layers", 1), ("1 layers", 16), ("embedding", 1), ("embedding", 16), ("head", 1), ("head", 16)]
+    pieces = model.step_chain.pieces
+    blocks = [key for key in pieces if key[0] in model.step_chain._layer_fns.values()]
+    assert len(pieces) == 6 and len(blocks) == 2 and model.compiled_programs == 2
     model.generate(PROMPT, max_new_tokens=10)
-    assert model.compiled_programs == 8  # greedy adds its own heads only
+    assert len(pieces) == 8 and model.compiled_programs == 4  # greedy steps add their own heads only
+    # a step's HLO: its pieces in the order they run, the embedding, the one block program twice, the head
+    assert [step["hlo"].count("HloModule ") for step in model.compiled_steps()] == [4] * 4
 
 
 def test_forced_routing_reaches_each_block_s_own_layers(hf_checkpoints, monkeypatch):
@@ -87,3 +91,32 @@ def test_forced_routing_reaches_each_block_s_own_layers(hf_checkpoints, monkeypa
         rng = np.random.default_rng(0)
         results.append(m.generate_detailed([PROMPT], 6, SamplingParams(0.0, 0, 1.0), routing_override=forced).tokens)
     assert results[0] == results[1]
+
+
+def test_a_chained_model_serves_what_it_generates(hf_checkpoints, monkeypatch):
+    """The serving engine's prefill (first chunks, later chunks, a conversation's second turn in the row its first
+    left) and decode programs, chained and compiled by its program cache, as a batch with rows at different columns."""
+    path, _ = hf_checkpoints["deepseek_v3_qlora_groups"]  # a dense first layer, MLA's latent cache written per row
+    model = chained(path, monkeypatch, 1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, model.config.vocab_size, n).tolist() for n in (5, 40, 3)]
+    lengths = (9, 4, 7)
+    engine = ServingEngine(model, max_batch=2, context=64)
+    programs = [*engine.prefill_programs.values(), *engine.decode_programs.values()]
+    assert all(isinstance(program, chain.ChainedProgram) for program in programs)
+
+    def serve(prompts):
+        requests = [engine.submit(p, RequestParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                    for p, n in zip(prompts, lengths)]
+        for _ in range(500):
+            if all(r.done for r in requests):
+                return requests
+            engine.step()
+        raise AssertionError("the engine did not finish its requests")
+
+    first = serve(prompts)
+    second = serve([r.prompt + r.tokens + prompts[2] for r in first])
+    for requests in (first, second):
+        expected = [model.generate(r.prompt, max_new_tokens=n)[0] for r, n in zip(requests, lengths)]
+        assert [r.tokens[:len(e)] for r, e in zip(requests, expected)] == expected  # generate stops at an EOS
+    assert max(r.cached_tokens for r in second) > 0

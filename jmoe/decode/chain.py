@@ -1,22 +1,26 @@
-"""A deep model's generation step as a chain of programs, so that compiling it costs what a few layers cost.
+"""A deep model's programs as chains of programs, so that compiling one costs what a few layers cost.
 
 XLA compiles every layer of a program anew, and its passes grow faster than the layers (a 32-layer step of the
 shipped model's width: 2.3 s of passes against 0.16 s at 4 layers); a loop over stacked layers would compile once but
 copies each layer's weights before its products read them, on a CPU and on a GPU alike (bench/results/depth.md). So a
-model deeper than LAYERS_PER_PROGRAM runs its step as programs dispatched one after another: the embedding, the
-decoder layers in blocks of LAYERS_PER_PROGRAM consecutive layers, and the output head with the next token's choice.
-Blocks whose layers are alike (their modules' structure and sliding windows) are one program, compiled once and run
-at every such block with that block's own weights and caches as its arguments (read in place, donated caches written
-in place). JAX dispatches asynchronously, so the chain is enqueued at once and `Model`'s run ahead holds.
+deep model's generation steps, logits and serving programs run as programs dispatched one after another: the
+embedding, the decoder layers in blocks of LAYERS_PER_PROGRAM consecutive layers, and a head (the next token's choice,
+the logits). Blocks whose layers are alike (their modules' structure and sliding windows) run one program, compiled
+once and called at every such block with that block's own weights and caches as its arguments (read in place, the
+donated caches written in place). JAX dispatches asynchronously, so a chain is enqueued at once and run ahead holds.
+
+A `ChainedProgram` is lowered and compiled as a jitted function is (`lower(*args).compile()`, arrays or shape structs),
+so `Model` and the serving engine's program cache compile and time it as one program; its pieces are compiled once
+for every program that shares them (the same block in a prompt step and in `Model.logits`).
 
 Only an engine whose experts a layer reads by itself chains (`engine.layer_local`: the resident one without a mesh,
-host parameters or layer groups); the offload engine's state spans its layers, and its step stays one program.
+host parameters or layer groups); the offload engine's state spans its layers, and its programs stay whole.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +30,15 @@ from flax import nnx
 from jmoe.decode.sampling import greedy_tokens, sample
 from jmoe.model import empty_kv_cache
 from jmoe.model.moe import MoEBlock
-from jmoe.model.transformer import output_logits, run_decoder_layers, step_context
+from jmoe.model.transformer import (first_columns, gather_rows, output_logits, run_decoder_layers,
+                                    scatter_first_columns, scatter_rows, step_context)
 
-# Decoder layers a chained step's block program holds. A block of 8 compiles in about a quarter of a 32-layer step
-# and the chain of the shipped width's 32 layers (6 programs) decodes as fast as one program (bench/results/depth.md).
+# Decoder layers a block program holds. A block of 8 compiles in about a quarter of a 32-layer step, and the chained
+# steps of the shipped width at 32 layers run as fast as one program (bench/results/depth.md).
 LAYERS_PER_PROGRAM = 8
 
-# compile(program name, tokens shape, cache columns, greedy (None: either), jitted, args) -> the program compiled for
-# those arguments (Model's: each compiled once, timed, logged)
-Compile = Callable[[str, tuple, int, "bool | None", Callable, tuple], jax.stages.Compiled]
+# call(jitted, args) -> jitted(*args) as a chain's run makes it: compiled and evaluated on shapes, or run
+Call = Callable[[Callable, tuple], Any]
 
 
 def layer_blocks(moe_layers: tuple[bool, ...], size: int) -> list[tuple[int, int]]:
@@ -47,85 +51,176 @@ def layer_blocks(moe_layers: tuple[bool, ...], size: int) -> list[tuple[int, int
 
 
 def chains(config, engine) -> bool:
-    """Whether `engine`'s steps of a model of `config` run as a chain (module docstring): where its distinct blocks hold
-    at most half the model's layers, since each program of the chain costs a dispatch a step and the compile of a
+    """Whether `engine`'s programs of a model of `config` run as chains (module docstring): where its distinct blocks
+    hold at most half the model's layers, since each program of a chain costs a dispatch a step and the compile of a
     program besides its layers (a 12-layer model would compile blocks of 8 and 4 layers: no fewer)."""
     blocks = layer_blocks(config.moe_layers, LAYERS_PER_PROGRAM)
     kinds = {tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])) for start, end in blocks}
     return engine.layer_local and 2 * sum(map(len, kinds)) <= config.num_layers
 
 
-class StepChain:
-    """The generation step of a deep model (module docstring): `chain(greedy, args)` takes `steps.make_step_fn`'s
-    program's arguments and gives its results, each program compiled through `compile` the first time it is needed.
-    The embedding and the layer blocks are the same programs for greedy and sampled steps."""
+def _shapes(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+                        if isinstance(a, (jax.Array, np.ndarray)) else a, tree)
 
-    def __init__(self, module, engine, compile: Compile):
+
+class ChainedProgram:
+    """A program run as a chain of jitted pieces by `run(call, args)`, which hands every piece to `call` in the same
+    order whatever the arrays. Compiled like a jitted function (`lower(*args).compile()`), or called directly (compiled
+    the first time its arguments' shapes are seen). `pieces` holds the compiled pieces of every program of a chain."""
+
+    def __init__(self, run: Callable[[Call, tuple], Any], pieces: dict):
+        self._run, self._pieces, self._compiled = run, pieces, {}
+
+    def lower(self, *args) -> "_Lowered":
+        return _Lowered(self, args)
+
+    def compile_for(self, args: tuple) -> "ChainedCompiled":
+        """Every piece compiled from the shapes of `args` (their outputs' shapes carried along, nothing run)."""
+        order = []
+
+        def call(jitted, piece_args):
+            piece_args = _shapes(piece_args)
+            key = (jitted, jax.tree.structure(piece_args), tuple((a.shape, a.dtype) for a in jax.tree.leaves(piece_args)))
+            piece = self._pieces.get(key)
+            if piece is None:
+                piece = self._pieces[key] = jitted.lower(*piece_args).compile()
+            order.append(piece)
+            return piece.out_info
+
+        self._run(call, _shapes(args))
+        return ChainedCompiled(self._run, order)
+
+    def __call__(self, *args):
+        key = (jax.tree.structure(args), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self.compile_for(args)
+        return compiled(*args)
+
+
+class _Lowered:
+    def __init__(self, program: ChainedProgram, args: tuple):
+        self._program, self._args = program, args
+
+    def compile(self) -> "ChainedCompiled":
+        return self._program.compile_for(self._args)
+
+
+class ChainedCompiled:
+    """A ChainedProgram compiled for one set of argument shapes: called with arrays of those shapes."""
+
+    def __init__(self, run: Callable[[Call, tuple], Any], pieces: list):
+        self._run, self._pieces = run, pieces
+
+    def __call__(self, *args):
+        pieces = iter(self._pieces)
+        return self._run(lambda jitted, piece_args: next(pieces)(*piece_args), args)
+
+    def as_text(self) -> str:
+        """The pieces' optimized HLO, in the order they run."""
+        return "\n".join(piece.as_text() for piece in self._pieces)
+
+
+class StepChain:
+    """The chained programs of one model (module docstring): `Model`'s generation steps and logits, the serving
+    engine's prefill and decode. Each run function only slices its arguments and hands pieces to `call`."""
+
+    def __init__(self, module, engine):
         cfg = module.cfg
-        self.config, self.engine, self.compile = cfg, engine, compile
+        self.config, self.engine = cfg, engine
         self.layer_defs = tuple(nnx.graphdef(layer) for layer in module.layers)
         self.norm_def = nnx.graphdef(module.final_norm)
         self.tied = module.lm_head is None
         self.blocks = layer_blocks(cfg.moe_layers, LAYERS_PER_PROGRAM)
         moe_before = np.cumsum([0, *cfg.moe_layers])
-        self.moe_ranges = [(int(moe_before[start]), int(moe_before[end])) for start, end in self.blocks]
-        self._embed = jax.jit(lambda embed, tokens: jnp.take(embed, tokens, axis=0))
-        self._heads = {greedy: jax.jit(functools.partial(self._head_fn, greedy)) for greedy in (True, False)}
-        self._all_logits = jax.jit(self._all_logits_fn)
-        self._layer_fns: dict[tuple, Callable] = {}  # jitted layer programs by their layers' signature
-        self._block_fns: dict[tuple, Callable] = {}  # the same by (block, tokens a row)
-        self._programs: dict[tuple, jax.stages.Compiled] = {}  # by (jitted, step layout): no pytree walk a step
+        # each block's first MoE layer, where it reads forced routing from (arrays made once: not a conversion a step)
+        self.moe_starts = [jnp.int32(moe_before[start]) for start, _ in self.blocks]
+        self.pieces: dict[tuple, jax.stages.Compiled] = {}  # compiled pieces, shared by all the programs below
+        self._embed = jax.jit(_embed)
+        self._layer_fns: dict[tuple, Callable] = {}  # jitted block programs by their layers and body
+        self._block_fns: dict[tuple, Callable] = {}  # the same by (block, body)
         self._flat_params = (None, None)  # (the parameters, each block's flattened layer parameters)
+        self._step_heads = {greedy: jax.jit(functools.partial(self._step_head, greedy)) for greedy in (True, False)}
+        self._logits_head_fn, self._prefill_head_fn = jax.jit(self._logits_head), jax.jit(self._prefill_head)
+        self._decode_head_fn = jax.jit(self._decode_head)
 
-    def __call__(self, greedy: bool, args: tuple):
-        params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing = args
-        layout = (tokens.shape, kv_cache[0][0].shape, forced_routing is None)
-        x, new_cache, routing, finite = self._layers(layout, params, tokens, kv_cache, write_index, pad_len,
-                                                     forced_routing)
-        outputs, routing = self._program(self._heads[greedy], "head", layout, greedy,
-                                         (params["final_norm"], self._head_weight(params), x, routing, finite, key,
-                                          step, sampling))
-        return outputs, routing, tuple(new_cache), engine_state, self.engine.readback(engine_state)
+    # ---- the programs ---------------------------------------------------------------------------------------------
+    def step_program(self, greedy: bool) -> ChainedProgram:
+        """`steps.make_step_fn`'s program, chained: the same arguments and results."""
 
-    def logits(self, params, engine_state, tokens, kv_dtype):
-        """`steps.make_logits_fn`'s program, chained: float32 logits [B, T, V] of tokens [B, T], their routing, the
-        engine state and its readback. Its layer programs are a prompt step's of T tokens in a T-column cache."""
-        kv_cache = empty_kv_cache(self.config, tokens.shape[0], tokens.shape[1], kv_dtype)
-        layout = (tokens.shape, kv_cache[0][0].shape, True)
-        x, _, routing, _ = self._layers(layout, params, tokens, kv_cache, jnp.int32(0),
-                                        jnp.zeros(tokens.shape[0], jnp.int32), None)
-        logits, routing = self._program(self._all_logits, "logits", layout, None,
-                                        (params["final_norm"], self._head_weight(params), x, routing))
-        return logits, routing, engine_state, self.engine.readback(engine_state)
+        def run(call, args):
+            params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing = args
+            visible = tokens.shape[1] if tokens.shape[1] > 1 else None  # a prompt reads its own columns only
+            x, new_cache, routing, finite = self._layers(
+                call, params, tokens, kv_cache, ("step", visible, forced_routing is not None),
+                lambda block: (write_index, pad_len, forced_routing, self.moe_starts[block]))
+            outputs, routing = call(self._step_heads[greedy], (params["final_norm"], self._head_weight(params), x,
+                                                               routing, finite, key, step, sampling))
+            return outputs, routing, new_cache, engine_state, self.engine.readback(engine_state)
 
-    def _layers(self, layout: tuple, params, tokens, kv_cache, write_index, pad_len, forced_routing):
+        return ChainedProgram(run, self.pieces)
+
+    def logits_program(self, kv_dtype) -> ChainedProgram:
+        """`steps.make_logits_fn`'s program, chained; its blocks are a prompt step's of T tokens in a T-column cache."""
+
+        def run(call, args):
+            params, engine_state, tokens = args
+            kv_cache = empty_kv_cache(self.config, *tokens.shape, kv_dtype)
+            x, _, routing, _ = self._layers(
+                call, params, tokens, kv_cache, ("step", tokens.shape[1], False),
+                lambda block: (jnp.int32(0), jnp.zeros(tokens.shape[:1], jnp.int32), None, jnp.int32(0)))
+            logits, routing = call(self._logits_head_fn, (params["final_norm"], self._head_weight(params), x, routing))
+            return logits, routing, engine_state, self.engine.readback(engine_state)
+
+        return ChainedProgram(run, self.pieces)
+
+    def prefill_program(self, visible: int) -> ChainedProgram:
+        """jmoe.serve.programs.make_prefill_fn's program, chained (its docstring says what it does)."""
+
+        def run(call, args):
+            params, engine_state, kv_cache, tokens, rows, start, valid = args
+            first_chunks = visible == tokens.shape[1]
+            x, new_cache, routing, finite = self._layers(call, params, tokens, kv_cache,
+                                                         ("prefill", visible, first_chunks),
+                                                         lambda block: (rows, start, valid))
+            outputs, routing = call(self._prefill_head_fn, (params["final_norm"], self._head_weight(params), x,
+                                                            routing, finite, valid))
+            return outputs, routing, new_cache, engine_state, self.engine.readback(engine_state)
+
+        return ChainedProgram(run, self.pieces)
+
+    def decode_program(self, visible: int) -> ChainedProgram:
+        """jmoe.serve.programs.make_decode_fn's program, chained."""
+
+        def run(call, args):
+            params, engine_state, kv_cache, tokens, positions, active = args
+            x, new_cache, routing, finite = self._layers(call, params, tokens, kv_cache, ("decode", visible),
+                                                         lambda block: (positions, active))
+            outputs, routing = call(self._decode_head_fn, (params["final_norm"], self._head_weight(params), x,
+                                                           routing, finite))
+            return outputs, routing, new_cache, engine_state, self.engine.readback(engine_state)
+
+        return ChainedProgram(run, self.pieces)
+
+    # ---- the pieces -----------------------------------------------------------------------------------------------
+    def _layers(self, call: Call, params, tokens, kv_cache, body: tuple, block_args: Callable[[int], tuple]):
         """The embedding and every block: (the last layer's output, the new cache pairs, each block's routing and
-        finite flags)."""
-        x = self._program(self._embed, "embedding", layout, None, (params["embed"][...], tokens))
+        finite flags). `body` names what a block does around its layers (_block_fn), `block_args(block)` its
+        arguments after (weights, x, its layers' caches)."""
+        x = call(self._embed, (params["embed"].get_value(), tokens))
         new_cache, routing, finite = [], [], []
-        for block, ((start, end), (moe_start, moe_end)) in enumerate(zip(self.blocks, self.moe_ranges)):
-            forced = None if forced_routing is None else forced_routing[moe_start:moe_end]
+        for block, (start, end) in enumerate(self.blocks):
             leaves, treedef = self._block_params(params)[block]
-            jitted = self._layer_fn(block, treedef, tokens.shape[1])
-            x, cache, block_routing, block_finite = self._program(
-                jitted, f"{end - start} layers", layout, None, (leaves, x, kv_cache[start:end], write_index, pad_len,
-                                                                forced))
+            jitted = self._block_program(block, treedef, body)
+            x, cache, block_routing, block_finite = call(jitted, (leaves, x, kv_cache[start:end], *block_args(block)))
             new_cache += cache
             routing.append(block_routing)
             finite.append(block_finite)
-        return x, new_cache, routing, finite
+        return x, tuple(new_cache), routing, finite
 
     def _head_weight(self, params):
-        return params["embed"][...] if self.tied else params["lm_head"][...]
-
-    def _program(self, jitted: Callable, name: str, layout: tuple, greedy: bool | None, args: tuple):
-        """jitted(*args) through its compiled program for this step's layout (tokens and cache shapes, forced
-        routing or not), which fixes every argument's shape."""
-        program = self._programs.get((jitted, layout))
-        if program is None:
-            program = self._programs[jitted, layout] = self.compile(name, layout[0], layout[1][1], greedy, jitted,
-                                                                    args)
-        return program(*args)
+        return params["embed"].get_value() if self.tied else params["lm_head"].get_value()
 
     def _block_params(self, params) -> list[tuple[list, object]]:
         """Each block's layer parameters as flat leaves and their treedef, made once for a parameters object
@@ -135,42 +230,81 @@ class StepChain:
             self._flat_params = (params, flat)
         return self._flat_params[1]
 
-    def _layer_fn(self, block: int, treedef, num_tokens: int) -> Callable:
-        """The jitted program of a block's layers: one for every block of alike layers (module docstring); looked
-        up by block first, since hashing the layers' signature costs more than dispatching a program."""
-        jitted = self._block_fns.get((block, num_tokens))
+    def _block_program(self, block: int, treedef, body: tuple) -> Callable:
+        """The jitted program of a block with `body` around its layers: one for every block of alike layers. Looked up
+        by block first: hashing the layers' signature costs more than running a step of the shipped width."""
+        jitted = self._block_fns.get((block, body))
         if jitted is None:
             start, end = self.blocks[block]
-            signature = (self.layer_defs[start:end], self.config.sliding_windows[start:end], treedef, num_tokens)
+            signature = (self.layer_defs[start:end], self.config.sliding_windows[start:end], treedef, body)
             jitted = self._layer_fns.get(signature)
             if jitted is None:
-                jitted = self._layer_fns[signature] = jax.jit(self._layers_fn(*signature), donate_argnums=(1, 2))
-            self._block_fns[block, num_tokens] = jitted
+                jitted = self._layer_fns[signature] = jax.jit(self._block_fn(*signature), donate_argnums=(1, 2))
+            self._block_fns[block, body] = jitted
         return jitted
 
-    def _layers_fn(self, layer_defs: tuple, windows: tuple, treedef, num_tokens: int) -> Callable:
+    def _block_fn(self, layer_defs: tuple, windows: tuple, treedef, body: tuple) -> Callable:
+        """A block's program: `body` is ("step", visible, forced) for Model's steps (`forced`: routing forced by an
+        int32 [L_moe, B, T, k] array read from the block's first MoE layer), ("prefill", visible, first_chunks) and
+        ("decode", visible) for the serving engine's batch (jmoe.serve.programs says what those do)."""
         cfg, engine = self.config, self.engine
 
-        def run(leaves, x, kv_cache, write_index, pad_len, forced_routing):
-            layer_states = jax.tree.unflatten(treedef, leaves)
-            layers = [nnx.merge(graphdef, state) for graphdef, state in zip(layer_defs, layer_states)]
+        def layers_of(leaves, x, kv_cache, write_index, pad_len, visible, valid_len=None, forced=None):
+            layers = [nnx.merge(graphdef, state) for graphdef, state in zip(layer_defs,
+                                                                            jax.tree.unflatten(treedef, leaves))]
             views = [layer.mlp.view() for layer in layers if isinstance(layer.mlp, MoEBlock)]
             compute, _ = engine.bind((), views, tokens_shape=x.shape[:2])
-            # As steps.make_step_fn: a prompt's attention reads its own columns only.
-            visible = num_tokens if num_tokens > 1 else kv_cache[0][0].shape[1]
-            context = step_context(cfg, x.shape[:2], visible, write_index, pad_len)
-            x, new_cache, routing, finite = run_decoder_layers(cfg, layers, windows, x, kv_cache, context,
-                                                               expert_compute=compute, backend=engine.backend,
-                                                               forced_routing=forced_routing)
+            if forced is not None:
+                forced_all, first = forced
+                forced = jax.lax.dynamic_slice_in_dim(forced_all, first, len(views))
+            visible = kv_cache[0][0].shape[1] if visible is None else visible
+            context = step_context(cfg, x.shape[:2], visible, write_index, pad_len, valid_len)
+            return run_decoder_layers(cfg, layers, windows, x, kv_cache, context, expert_compute=compute,
+                                      backend=engine.backend, forced_routing=forced)
+
+        kind, visible, *flag = body
+        if kind == "step":
+            def step(leaves, x, kv_cache, write_index, pad_len, forced_routing, moe_start):
+                forced = (forced_routing, moe_start) if flag[0] else None
+                return layers_of(leaves, x, kv_cache, write_index, pad_len, visible, forced=forced)
+            return step
+        if kind == "prefill":
+            def prefill(leaves, x, kv_cache, rows, start, valid):
+                step_cache = first_columns(kv_cache, *x.shape[:2]) if flag[0] else gather_rows(kv_cache, rows)
+                x, new_cache, routing, finite = layers_of(leaves, x, step_cache, start, jnp.zeros_like(start),
+                                                          visible, valid)
+                scatter = scatter_first_columns if flag[0] else scatter_rows
+                return x, scatter(kv_cache, rows, tuple(new_cache)), routing, finite
+            return prefill
+
+        def decode(leaves, x, kv_cache, positions, active):
+            x, new_cache, routing, finite = layers_of(leaves, x, kv_cache, positions, jnp.zeros_like(positions),
+                                                      visible, active.astype(jnp.int32))
             return x, tuple(new_cache), routing, finite
+        return decode
 
-        return run
+    # ---- the heads (each after the last block) ---------------------------------------------------------------------
+    def _logits(self, norm_state, head, x, last_only, valid_len=None):
+        return output_logits(nnx.merge(self.norm_def, norm_state), head.T if self.tied else head, x, last_only,
+                             valid_len)
 
-    def _all_logits_fn(self, norm_state, head, x, routing):
-        logits = output_logits(nnx.merge(self.norm_def, norm_state), head.T if self.tied else head, x, False)
-        return logits, jnp.concatenate(routing)
-
-    def _head_fn(self, greedy, norm_state, head, x, routing, finite, key, step, sampling):
-        logits = output_logits(nnx.merge(self.norm_def, norm_state), head.T if self.tied else head, x, True)[:, -1]
+    def _step_head(self, greedy, norm_state, head, x, routing, finite, key, step, sampling):
+        logits = self._logits(norm_state, head, x, True)[:, -1]
         next_tokens = greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
         return (next_tokens, jnp.concatenate(finite)), jnp.concatenate(routing)
+
+    def _logits_head(self, norm_state, head, x, routing):
+        return self._logits(norm_state, head, x, False), jnp.concatenate(routing)
+
+    def _prefill_head(self, norm_state, head, x, routing, finite, valid):
+        return (self._logits(norm_state, head, x, True, valid)[:, 0], jnp.concatenate(finite)), jnp.concatenate(routing)
+
+    def _decode_head(self, norm_state, head, x, routing, finite):
+        logits = self._logits(norm_state, head, x, True)[:, 0]
+        return (logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.concatenate(finite)), \
+            jnp.concatenate(routing)
+
+
+def _embed(embed, tokens):
+    """The embedding of tokens [B, T], or of [R] (a serving decode step's, one a row) as [R, 1]."""
+    return jnp.take(embed, tokens if tokens.ndim == 2 else tokens[:, None], axis=0)

@@ -196,3 +196,24 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
 def empty_kv_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> tuple:
     k_shape, v_shape = kv_cache_shapes(cfg, batch, length)
     return tuple((jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def gather_rows(kv_cache, rows: jax.Array):
+    """The cache's rows `rows` (clipped: a row index past the cache reads its last row)."""
+    return jax.tree.map(lambda c: jnp.take(c, rows, axis=0, mode="clip"), kv_cache)
+
+
+def scatter_rows(kv_cache, rows: jax.Array, new):
+    """The cache with rows `rows` replaced by `new` (rows past the cache dropped)."""
+    return jax.tree.map(lambda c, n: c.at[rows].set(n, mode="drop"), kv_cache, new)
+
+
+def first_columns(kv_cache, entries: int, columns: int):
+    """Zeros in the shape of `entries` rows of the cache's first `columns` columns."""
+    return jax.tree.map(lambda c: jnp.zeros((entries, columns, *c.shape[2:]), c.dtype), kv_cache)
+
+
+def scatter_first_columns(kv_cache, rows: jax.Array, new):
+    """The cache with rows[p]'s first columns replaced by new[p] (rows past the cache dropped)."""
+    columns = jnp.arange(jax.tree.leaves(new)[0].shape[1])
+    return jax.tree.map(lambda c, n: c.at[rows[:, None], columns[None, :]].set(n, mode="drop"), kv_cache, new)

@@ -94,8 +94,8 @@ class ServingEngine(DecodeSteps):
         self.visible_buckets = tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context)
                                              for i in range(context.bit_length() + 1)}))
         # A step of first chunks reads only its own columns; a step that continues a long prompt reads them all.
-        self.prefill_programs = {v: make_prefill_fn(model.graphdef, model.engine, v) for v in (*self.chunks, context)}
-        self.decode_programs = {v: make_decode_fn(model.graphdef, model.engine, v) for v in self.visible_buckets}
+        self.prefill_programs = {v: make_prefill_fn(model, v) for v in (*self.chunks, context)}
+        self.decode_programs = {v: make_decode_fn(model, v) for v in self.visible_buckets}
         self.choose_programs = {variant: make_choose_fn(*variant) for variant in CHOOSE_VARIANTS}
         self.mark_prompt_program = make_mark_prompt_fn()
         self.copy_row_program = make_copy_row_fn()

@@ -16,29 +16,11 @@ import jax.numpy as jnp
 
 from jmoe.decode.sampling import SamplingArrays, sample
 from jmoe.decode.steps import forward
+from jmoe.model.transformer import first_columns, gather_rows, scatter_first_columns, scatter_rows
 from jmoe.serve.params import MAX_TOP_LOGPROBS
 
 
-def _gather_rows(kv_cache, rows):
-    return jax.tree.map(lambda c: jnp.take(c, rows, axis=0, mode="clip"), kv_cache)
-
-
-def _scatter_rows(kv_cache, rows, new):
-    return jax.tree.map(lambda c, n: c.at[rows].set(n, mode="drop"), kv_cache, new)
-
-
-def _first_columns(kv_cache, entries: int, columns: int):
-    """Zeros in the shape of `entries` rows of the cache's first `columns` columns."""
-    return jax.tree.map(lambda c: jnp.zeros((entries, columns, *c.shape[2:]), c.dtype), kv_cache)
-
-
-def _scatter_first_columns(kv_cache, rows, new):
-    """The cache with rows[p]'s first columns replaced by new[p] (rows past the cache dropped)."""
-    columns = jnp.arange(jax.tree.leaves(new)[0].shape[1])
-    return jax.tree.map(lambda c, n: c.at[rows[:, None], columns[None, :]].set(n, mode="drop"), kv_cache, new)
-
-
-def make_prefill_fn(graphdef, engine, visible: int):
+def make_prefill_fn(model, visible: int):
     """(params, engine state, kv cache, tokens int32 [P, T], rows int32 [P], start int32 [P], valid int32 [P])
     -> (float32 logits [P, V] at each entry's last real token, bool [L] finite per layer), routing, kv cache,
     engine state, its readback. Entry p writes its first valid[p] tokens into row rows[p] from column start[p];
@@ -46,29 +28,35 @@ def make_prefill_fn(graphdef, engine, visible: int):
     Attention reads the first `visible` columns (static, >= every start + T). `visible` == T is the program
     for first chunks (every start 0): it reads nothing of the rows' cache and writes only their first T
     columns, where gathering and scattering whole rows was a third of an 8-entry, 128-token step at context
-    1024 (22 of 66 ms)."""
+    1024 (22 of 66 ms). A deep model's is chained (Model.step_chain, jmoe.decode.chain)."""
+    if model.step_chain is not None:
+        return model.step_chain.prefill_program(visible)
+    graphdef, engine = model.graphdef, model.engine
 
     def prefill(params, engine_state, kv_cache, tokens, rows, start, valid):
         pad = jnp.zeros(tokens.shape[:1], jnp.int32)
         first_chunks = visible == tokens.shape[1]
-        step_cache = _first_columns(kv_cache, *tokens.shape) if first_chunks else _gather_rows(kv_cache, rows)
+        step_cache = first_columns(kv_cache, *tokens.shape) if first_chunks else gather_rows(kv_cache, rows)
         out, engine_state, readback = forward(graphdef, params, engine, engine_state, tokens, step_cache,
                                               start, pad, last_only=True, visible_len=visible, valid_len=valid)
-        scatter = _scatter_first_columns if first_chunks else _scatter_rows
+        scatter = scatter_first_columns if first_chunks else scatter_rows
         kv_cache = scatter(kv_cache, rows, out.kv_cache)
         return (out.logits[:, 0], out.finite), out.routing, kv_cache, engine_state, readback
 
     return jax.jit(prefill, donate_argnums=(1, 2))
 
 
-def make_decode_fn(graphdef, engine, visible: int):
+def make_decode_fn(model, visible: int):
     """(params, engine state, kv cache, tokens int32 [R], positions int32 [R], active bool [R]) -> (float32
     logits [R, V], int32 [R] each row's argmax, bool [L] finite), routing, kv cache, engine state, its readback:
     the cache's first R rows (R, static, may be fewer than the cache holds: every active row is among them), each row's
     token written at its own column; inactive rows route nowhere (their write lands on a column their next real
     write replaces). Attention reads the first `visible` columns (static; every active position is below it).
     The argmax is the token of a plain greedy row (RequestParams.plain_greedy): a step of only those needs no
-    choice program."""
+    choice program. A deep model's is chained (Model.step_chain, jmoe.decode.chain)."""
+    if model.step_chain is not None:
+        return model.step_chain.decode_program(visible)
+    graphdef, engine = model.graphdef, model.engine
 
     def decode(params, engine_state, kv_cache, tokens, positions, active):
         pad = jnp.zeros(tokens.shape, jnp.int32)
