@@ -63,6 +63,10 @@ def test_alike_layers_share_one_program_and_sampling_matches_the_one_program_ste
     assert whole.step_chain is None  # no deeper than LAYERS_PER_PROGRAM
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", 1)
     assert chain.chains(whole.config, whole.engine)  # one program for its two layers: half of them
+    # Engines whose layers read more than their own weights keep one program: offloaded experts (slots and tables
+    # over every layer), parameters in pinned host memory (fetched as the step starts).
+    assert jmoe.load(path, cache=1, progress=False).step_chain is None
+    assert jmoe.load(path, offload_params=["q"], progress=False).step_chain is None
     model = chained(path, monkeypatch, 1)
     sampling = dict(max_new_tokens=10, temperature=0.9, top_k=20, seed=7)
     assert model.generate(PROMPT, **sampling) == whole.generate(PROMPT, **sampling)
@@ -77,7 +81,7 @@ def test_alike_layers_share_one_program_and_sampling_matches_the_one_program_ste
 
 
 def test_forced_routing_reaches_each_block_s_own_layers(hf_checkpoints, monkeypatch):
-    path, _ = hf_checkpoints["qwen2_moe_sparse_step_norm"]  # MoE layers 1 and 3 of 4: blocks of 2 hold one each
+    path, _ = hf_checkpoints["qwen2_moe_sparse_step_norm"]  # MoE layers 1 and 3 of 4: blocks [0], [1, 2], [3]
     whole, model = jmoe.load(path, progress=False), chained(path, monkeypatch, 2)
     rng = np.random.default_rng(0)
     num_moe, top_k, experts = whole.config.num_moe_layers, whole.config.num_experts_per_tok, whole.config.num_experts

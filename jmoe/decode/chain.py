@@ -28,9 +28,8 @@ import numpy as np
 from flax import nnx
 
 from jmoe.decode.sampling import greedy_tokens, sample
-from jmoe.model import empty_kv_cache
 from jmoe.model.moe import MoEBlock
-from jmoe.model.transformer import (first_columns, gather_rows, output_logits, run_decoder_layers,
+from jmoe.model.transformer import (first_columns, gather_rows, kv_cache_shapes, output_logits, run_decoder_layers,
                                     scatter_first_columns, scatter_rows, step_context)
 
 # Decoder layers a block program holds. A block of 8 compiles in about a quarter of a 32-layer step, and the chained
@@ -55,6 +54,7 @@ def chains(config, engine) -> bool:
     hold at most half the model's layers, since each program of a chain costs a dispatch a step and the compile of a
     program besides its layers (a 12-layer model would compile blocks of 8 and 4 layers: no fewer)."""
     blocks = layer_blocks(config.moe_layers, LAYERS_PER_PROGRAM)
+    # What the config says differs between layers; their modules are otherwise alike (one family, one attention).
     kinds = {tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])) for start, end in blocks}
     return engine.layer_local and 2 * sum(map(len, kinds)) <= config.num_layers
 
@@ -139,7 +139,7 @@ class StepChain:
         self.pieces: dict[tuple, jax.stages.Compiled] = {}  # compiled pieces, shared by all the programs below
         self._embed = jax.jit(_embed)
         self._layer_fns: dict[tuple, Callable] = {}  # jitted block programs by their layers and body
-        self._block_fns: dict[tuple, Callable] = {}  # the same by (block, body)
+        self._block_fns: dict[tuple, Callable] = {}  # the same by (block, treedef, body)
         self._flat_params = (None, None)  # (the parameters, each block's flattened layer parameters)
         self._step_heads = {greedy: jax.jit(functools.partial(self._step_head, greedy)) for greedy in (True, False)}
         self._logits_head_fn, self._prefill_head_fn = jax.jit(self._logits_head), jax.jit(self._prefill_head)
@@ -166,9 +166,13 @@ class StepChain:
 
         def run(call, args):
             params, engine_state, tokens = args
-            kv_cache = empty_kv_cache(self.config, *tokens.shape, kv_dtype)
+
+            def empty_cache(start, end):  # made as its block runs and let go after it, not the whole cache at once
+                k_shape, v_shape = kv_cache_shapes(self.config, *tokens.shape)
+                return tuple((jnp.zeros(k_shape, kv_dtype), jnp.zeros(v_shape, kv_dtype)) for _ in range(start, end))
+
             x, _, routing, _ = self._layers(
-                call, params, tokens, kv_cache, ("step", tokens.shape[1], False),
+                call, params, tokens, empty_cache, ("step", tokens.shape[1], False),
                 lambda block: (jnp.int32(0), jnp.zeros(tokens.shape[:1], jnp.int32), None, jnp.int32(0)))
             logits, routing = call(self._logits_head_fn, (params["final_norm"], self._head_weight(params), x, routing))
             return logits, routing, engine_state, self.engine.readback(engine_state)
@@ -206,15 +210,18 @@ class StepChain:
     # ---- the pieces -----------------------------------------------------------------------------------------------
     def _layers(self, call: Call, params, tokens, kv_cache, body: tuple, block_args: Callable[[int], tuple]):
         """The embedding and every block: (the last layer's output, the new cache pairs, each block's routing and
-        finite flags). `body` names what a block does around its layers (_block_fn), `block_args(block)` its
-        arguments after (weights, x, its layers' caches)."""
+        finite flags). `kv_cache`: every layer's cache pair, or a function (start, end) -> those of layers
+        [start, end), whose new pairs are then dropped (none returned). `body` names what a block does around its
+        layers (_block_fn), `block_args(block)` its arguments after (weights, x, its layers' caches)."""
         x = call(self._embed, (params["embed"].get_value(), tokens))
         new_cache, routing, finite = [], [], []
         for block, (start, end) in enumerate(self.blocks):
             leaves, treedef = self._block_params(params)[block]
             jitted = self._block_program(block, treedef, body)
-            x, cache, block_routing, block_finite = call(jitted, (leaves, x, kv_cache[start:end], *block_args(block)))
-            new_cache += cache
+            cache = kv_cache(start, end) if callable(kv_cache) else kv_cache[start:end]
+            x, cache, block_routing, block_finite = call(jitted, (leaves, x, cache, *block_args(block)))
+            if not callable(kv_cache):
+                new_cache += cache
             routing.append(block_routing)
             finite.append(block_finite)
         return x, tuple(new_cache), routing, finite
@@ -223,24 +230,28 @@ class StepChain:
         return params["embed"].get_value() if self.tied else params["lm_head"].get_value()
 
     def _block_params(self, params) -> list[tuple[list, object]]:
-        """Each block's layer parameters as flat leaves and their treedef, made once for a parameters object
-        (flattening NNX states is Python work that a step should not repeat)."""
-        if self._flat_params[0] is not params:
-            flat = [jax.tree.flatten([params["layers"][i] for i in range(start, end)]) for start, end in self.blocks]
+        """Each block's layer parameters as flat leaves and their treedef, made once for the parameters a step runs
+        with (flattening NNX states is Python work that a step should not repeat). Shape structs (a compile, maybe on
+        the serving engine's thread behind the steps) are flattened apart and never replace the arrays'."""
+        cached_params, cached = self._flat_params
+        if cached_params is params:
+            return cached
+        flat = [jax.tree.flatten([params["layers"][i] for i in range(start, end)]) for start, end in self.blocks]
+        if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in flat[0][0]):
             self._flat_params = (params, flat)
-        return self._flat_params[1]
+        return flat
 
     def _block_program(self, block: int, treedef, body: tuple) -> Callable:
         """The jitted program of a block with `body` around its layers: one for every block of alike layers. Looked up
         by block first: hashing the layers' signature costs more than running a step of the shipped width."""
-        jitted = self._block_fns.get((block, body))
+        jitted = self._block_fns.get((block, treedef, body))
         if jitted is None:
             start, end = self.blocks[block]
             signature = (self.layer_defs[start:end], self.config.sliding_windows[start:end], treedef, body)
             jitted = self._layer_fns.get(signature)
             if jitted is None:
                 jitted = self._layer_fns[signature] = jax.jit(self._block_fn(*signature), donate_argnums=(1, 2))
-            self._block_fns[block, body] = jitted
+            self._block_fns[block, treedef, body] = jitted
         return jitted
 
     def _block_fn(self, layer_defs: tuple, windows: tuple, treedef, body: tuple) -> Callable:

@@ -1,4 +1,5 @@
-"""The jitted programs a Model runs: a full forward for logits, and one generation step.
+"""The jitted programs a Model runs: a full forward for logits, and one generation step (a deep model's, chained in
+blocks of layers, are jmoe.decode.chain's, which runs the same layer code).
 
 Each program merges the NNX model from (graphdef, params) inside jit, hands the expert engine the MoE
 layers' weights and routers and gets back the function that computes experts (resident weights, or

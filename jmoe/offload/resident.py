@@ -58,7 +58,8 @@ class ResidentEngine:
         """Whether a decoder layer's expert computation reads nothing but its own layer's weights (no state spanning
         layers, no mesh, no parameter fetched at the step's start or a layer ahead), so that a deep model's step may
         run as a chain of layer programs (jmoe.decode.chain)."""
-        return self.mesh is None and not self.host_param_keys and not self.placement.fetched_keys
+        return (self.mesh is None and self.expert_axis is None and not self.host_param_keys
+                and not self.placement.fetched_keys)
 
     def attach(self, layers: list[MoELayerView]) -> None:
         """Called once with the loaded model's MoE layers (the offload engine keeps their host arrays)."""

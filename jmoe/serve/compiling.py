@@ -37,7 +37,7 @@ class ProgramCache:
     def __init__(self, total: int, budget: MappingBudget):
         self.total = total
         self.budget = budget
-        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self._programs: dict[tuple, Callable] = {}  # jax.stages.Compiled, or jmoe.decode.chain.ChainedCompiled
         self._lock = threading.Lock()
         self._seconds = 0.0  # spent compiling, for the estimate of what is left
 

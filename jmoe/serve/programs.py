@@ -1,5 +1,6 @@
 """The jitted programs of a serving batch: prefill chunks into chosen rows, one decode step over every row,
-and the choice of each row's next token.
+and the choice of each row's next token (a deep model's prefill and decode chained in blocks of layers:
+jmoe.decode.chain).
 
 The batch has a fixed number of rows sharing one KV cache [rows, context, ...]; each row sits at its own
 cache column (`positions`), so the model is called with per-row write indices. Shapes are bucketed
