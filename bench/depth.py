@@ -11,7 +11,8 @@
 2. chain (CPU): the deep models of part 1 with their steps chained and as one program over every layer, both loaded
    in one process without a compilation cache: the compile seconds of their prompt programs (16- and 256-token
    buckets) and decode program, then medians over 3 x --rounds alternated generations of 64 tokens: prefill ms at
-   both lengths and decode ms a token, and the chain's against the one program's.
+   both lengths and decode ms a token, and the chain's against the one program's; the decode bound is the weights
+   a decoded token reads at the machine's measured streaming read bandwidth.
 3. h100: jmoe.plan for an H100 with every layer compiled (no extrapolation) of header-only DeepSeek-V3 checkpoints
    at 8 / 32 / 61 layers (cache 16, context 1024): each program's compile seconds, as the plan measures them (decode
    and prefill compile side by side on their own threads).
@@ -40,8 +41,8 @@ import time
 from pathlib import Path
 
 from bench.compare_cpu import load_average, load_warning, quiet_start_load
-from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, smoke_run, smoke_spec, write_first_layers,
-                                  write_random_checkpoint, write_result)
+from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, read_bandwidth_gbs, smoke_run, smoke_spec,
+                                  write_first_layers, write_random_checkpoint, write_result)
 
 PARTS = ("generate", "chain", "h100", "scan")
 SMOKE_DEPTH = 2  # a smoke run's generate part: one cold start, the code of every depth (a second was ~2 s of CPU)
@@ -121,6 +122,7 @@ def chain_part(args) -> list[str]:
     import jmoe
     import jmoe.api
     from jmoe.decode import chain
+    from bench.decode import weight_reads
     from jmoe.decode.sampling import SamplingParams
 
     if args.smoke:  # the shipped model's first two layers chained one a block, whatever chains() would decide
@@ -132,9 +134,11 @@ def chain_part(args) -> list[str]:
                                         ("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, 61))]
         layers_per_program = chain.LAYERS_PER_PROGRAM
     greedy, new_tokens = SamplingParams(0.0, 0, 1.0), 4 if args.smoke else 64
+    bandwidth = read_bandwidth_gbs(args.smoke)
     prompts = {"16": [[(7 * i) % 4000 + 1 for i in range(10)]], "256": [[(7 * i) % 4000 + 1 for i in range(200)]]}
-    rows = ["| model | layers | step | compile (s) | prefill 16 (ms) | prefill 256 (ms) | decode (ms/token) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| model | layers | step | compile (s) | prefill 16 (ms) | prefill 256 (ms) | decode (ms/token) | "
+            "share of decode bound |", "|---|---|---|---|---|---|---|---|"]
+    bounds = []
     for name, n, path in models:
         loaded = {}
         with mock.patch.object(chain, "LAYERS_PER_PROGRAM", layers_per_program):
@@ -153,12 +157,17 @@ def chain_part(args) -> list[str]:
                     runs[length].append(result.prefill_seconds * 1e3)
                     runs["decode"].append(result.decode_seconds * 1e3 / result.decode_steps)
         medians = {form: {k: statistics.median(v) for k, v in runs.items()} for form, (_, _, runs) in loaded.items()}
+        bound_ms = weight_reads(loaded["chained"][0]).step() / bandwidth / 1e6
+        bounds.append(f"{name}: {weight_reads(loaded['chained'][0]).step() / 1e6:.1f} MB, {bound_ms:.2f} ms")
         for form, (_, compiled, _) in loaded.items():
             m, one = medians[form], medians["one program"]
             ratio = "" if form == "one program" else " ({:.2f}x)"
             rows.append(f"| {name} | {n} | {form} | {compiled:.1f} | " + " | ".join(
-                f"{m[k]:.2f}{ratio.format(m[k] / one[k])}" for k in ("16", "256", "decode")) + " |")
-    return rows
+                f"{m[k]:.2f}{ratio.format(m[k] / one[k])}" for k in ("16", "256", "decode"))
+                + f" | {bound_ms / m['decode']:.0%} |")
+    return rows + ["", "Decode bound: the weights a decoded token reads (dense matrices, top-k experts per MoE layer, one "
+                   f"embedding row; bench.decode.weight_reads) at the measured {bandwidth:.1f} GB/s streaming read "
+                   "bandwidth (a jitted sum over 1 GiB): " + "; ".join(bounds) + " a token."]
 
 
 def h100_part(args) -> list[str]:
