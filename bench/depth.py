@@ -165,8 +165,8 @@ def chain_part(args) -> list[str]:
             rows.append(f"| {name} | {n} | {form} | {compiled:.1f} | " + " | ".join(
                 f"{m[k]:.2f}{ratio.format(m[k] / one[k])}" for k in ("16", "256", "decode"))
                 + f" | {bound_ms / m['decode']:.0%} |")
-    return rows + ["", "Decode bound: the weights a decoded token reads (dense matrices, top-k experts per MoE layer, one "
-                   f"embedding row; bench.decode.weight_reads) at the measured {bandwidth:.1f} GB/s streaming read "
+    return rows + ["", "Decode bound: the weights a decoded token reads (dense matrices, top-k experts per MoE layer, "
+                   f"one embedding row; bench.decode.weight_reads) at the measured {bandwidth:.1f} GB/s streaming read "
                    "bandwidth (a jitted sum over 1 GiB): " + "; ".join(bounds) + " a token."]
 
 

@@ -85,7 +85,8 @@ class Model:
         else:
             self._logits_fn = self.step_chain.logits_program(self.kv_dtype)
             self._step_fns = {greedy: self.step_chain.step_program(greedy) for greedy in (True, False)}
-        self._programs: dict[tuple, Callable] = {}  # compiled steps (Compiled or ChainedCompiled) by (greedy, input shapes)
+        # compiled steps (Compiled, or ChainedCompiled) by (greedy, input shapes)
+        self._programs: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0  # spent compiling generation steps so far
 
     def close(self) -> None:

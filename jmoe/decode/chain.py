@@ -42,8 +42,9 @@ Call = Callable[[Callable, tuple], Any]
 
 def layer_blocks(moe_layers: tuple[bool, ...], size: int) -> list[tuple[int, int]]:
     """[start, end) of each block of at most `size` consecutive layers. The dense layers before the first MoE layer
-    (DeepSeek's first_k_dense_replace) are blocks of their own, so that the MoE layers' blocks start alike: DeepSeek-V3's
-    61 layers make 3 programs of 3, 8 and 2 layers, where blocks from layer 0 would make 3 of 8, 8 and 5."""
+    (DeepSeek's first_k_dense_replace) are blocks of their own, so that the MoE layers' blocks start alike:
+    DeepSeek-V3's 61 layers make 3 programs of 3, 8 and 2 layers, where blocks from layer 0 would make 3 of 8, 8
+    and 5."""
     first_moe = next((i for i, moe in enumerate(moe_layers) if moe), 0)
     starts = [*range(0, first_moe, size), *range(first_moe, len(moe_layers), size)]
     return list(zip(starts, [*starts[1:], len(moe_layers)]))
@@ -81,7 +82,8 @@ class ChainedProgram:
 
         def call(jitted, piece_args):
             piece_args = _shapes(piece_args)
-            key = (jitted, jax.tree.structure(piece_args), tuple((a.shape, a.dtype) for a in jax.tree.leaves(piece_args)))
+            shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(piece_args))
+            key = (jitted, jax.tree.structure(piece_args), shapes)
             piece = self._pieces.get(key)
             if piece is None:
                 piece = self._pieces[key] = jitted.lower(*piece_args).compile()
