@@ -1,6 +1,6 @@
 """What a model's depth costs at start-up, and what running its layers under `lax.scan` would change (issue #55).
 
-  python -m bench.depth [--rounds 2] [--parts generate,chain,h100,scan]
+  python -m bench.depth [--rounds 2] [--parts generate,chain,h100,h100_chain,scan]
   python -m bench.depth --smoke   # every part at toy sizes and depths, no result file
 
 1. generate (CPU): `python -m jmoe.generate --max-new-tokens 1` from an empty compilation cache, wall seconds to its
@@ -16,7 +16,10 @@
 3. h100: jmoe.plan for an H100 with every layer compiled (no extrapolation) of header-only DeepSeek-V3 checkpoints
    at 8 / 32 / 61 layers (cache 16, context 1024): each program's compile seconds, as the plan measures them (decode
    and prefill compile side by side on their own threads).
-4. scan: a stand-in layer (a dense product, a router, jmoe.kernels.moe_ffn on its experts) repeated L times, the
+4. h100_chain: DeepSeek-V3 with every expert resident, its greedy decode step compiled for an H100 (compile-only,
+   nothing allocated) as one program over every layer and chained in layer blocks, at 8 / 32 / 61 layers
+   (bench/helpers/chain_h100.py): compile seconds, programs compiled, loops and conditionals.
+5. scan: a stand-in layer (a dense product, a router, jmoe.kernels.moe_ffn on its experts) repeated L times, the
    loop unrolled over per-layer arrays against `lax.scan` over stacked ones: the CPU step time (a dense-only
    layer, the product XLA:CPU runs from a slice of a stacked weight; also a loop that picks each layer's own weight
    arrays with lax.switch), and for an H100 (compile-only) the compile
@@ -44,7 +47,7 @@ from bench.compare_cpu import load_average, load_warning, quiet_start_load
 from bench.helpers.common import (DEFAULT_MODEL, add_smoke_argument, read_bandwidth_gbs, smoke_run, smoke_spec,
                                   write_first_layers, write_random_checkpoint, write_result)
 
-PARTS = ("generate", "chain", "h100", "scan")
+PARTS = ("generate", "chain", "h100", "h100_chain", "scan")
 SMOKE_DEPTH = 2  # a smoke run's generate part: one cold start, the code of every depth (a second was ~2 s of CPU)
 # A DeepSeek-V3-shaped model at the shipped model's width, with its vocabulary so that its tokenizer applies.
 DEEPSEEK_SMALL = dict(
@@ -189,9 +192,10 @@ def h100_part(args) -> list[str]:
     return rows
 
 
-def scan_part(args) -> list[str]:
-    """In a child process: it must choose JAX's platform before any backend starts (bench/helpers/layer_scan.py)."""
-    command = [sys.executable, "-c", "import sys; from bench.helpers.layer_scan import main; main(sys.argv[1:])",
+def child_rows(module: str, args) -> list[str]:
+    """The table rows `module`'s main prints, in a child process: it must choose JAX's platform before any backend
+    starts (bench/helpers/layer_scan.py, chain_h100.py)."""
+    command = [sys.executable, "-c", f"import sys; from bench.helpers.{module} import main; main(sys.argv[1:])",
                *(["--smoke"] if args.smoke else [])]
     return subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()
 
@@ -215,10 +219,13 @@ def main(argv: list[str] | None = None) -> None:
         titles = {"generate": "First token against depth (CPU)",
                   "chain": "A deep model's step chained in layer blocks, against one program (CPU)",
                   "h100": "Compile seconds against depth, H100 compile-only, every layer compiled",
+                  "h100_chain": "A resident deep model's decode step chained, H100 compile-only",
                   "scan": "The layer loop unrolled or under lax.scan (stand-in layer)"}
         sections = []
         for part in args.parts:
-            rows = {"generate": generate_part, "chain": chain_part, "h100": h100_part, "scan": scan_part}[part](args)
+            rows = {"generate": generate_part, "chain": chain_part, "h100": h100_part,
+                    "h100_chain": lambda args: child_rows("chain_h100", args),
+                    "scan": lambda args: child_rows("layer_scan", args)}[part](args)
             sections += [f"## {titles[part]}", "", *rows, ""]
         text = "\n".join([load_warning(start_load) + f"Load average {start_load:.2f} at the start, "
                           f"{load_average():.2f} at the end; whole run {time.monotonic() - began:.0f} s.", "",

@@ -136,8 +136,9 @@ class StepChain:
         self.tied = module.lm_head is None
         self.blocks = layer_blocks(cfg.moe_layers, LAYERS_PER_PROGRAM)
         moe_before = np.cumsum([0, *cfg.moe_layers])
-        # each block's first MoE layer, where it reads forced routing from (arrays made once: not a conversion a step)
-        self.moe_starts = [jnp.int32(moe_before[start]) for start, _ in self.blocks]
+        # each block's first MoE layer, where it reads forced routing from (benchmarks; host scalars: a chain may be
+        # made where no device can hold an array, compiling for a GPU the machine lacks)
+        self.moe_starts = [np.int32(moe_before[start]) for start, _ in self.blocks]
         self.pieces: dict[tuple, jax.stages.Compiled] = {}  # compiled pieces, shared by all the programs below
         self._embed = jax.jit(_embed)
         self._layer_fns: dict[tuple, Callable] = {}  # jitted block programs by their layers and body
@@ -156,7 +157,8 @@ class StepChain:
             visible = tokens.shape[1] if tokens.shape[1] > 1 else None  # a prompt reads its own columns only
             x, new_cache, routing, finite = self._layers(
                 call, params, tokens, kv_cache, ("step", visible, forced_routing is not None),
-                lambda block: (write_index, pad_len, forced_routing, self.moe_starts[block]))
+                lambda block: (write_index, pad_len, forced_routing,
+                               None if forced_routing is None else self.moe_starts[block]))
             outputs, routing = call(self._step_heads[greedy], (params["final_norm"], self._head_weight(params), x,
                                                                routing, finite, key, step, sampling))
             return outputs, routing, new_cache, engine_state, self.engine.readback(engine_state)

@@ -48,6 +48,15 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_i
 
 def lowered_step(job):
     """The job's step traced and lowered for its compile-only topology (within compiling_for_gpu)."""
+    graphdef, engine, mesh, args = step_arguments(job)
+    step = make_step_fn(graphdef, engine, greedy=True)
+    with jax.set_mesh(mesh):
+        return step.trace(*args).lower()
+
+
+def step_arguments(job):
+    """(graphdef, engine, compile-only mesh, the step's arguments as shape structs on it) for the job's step, built
+    as a Model builds it from abstract parameters (within compiling_for_gpu)."""
     # One host's N GPUs (slices x hosts x devices), on the expert axis the expert-parallel engine splits over.
     topology = topologies.get_topology_desc(platform="cuda", target_config=job.target_config,
                                             topology=f"1x1x{job.devices}")
@@ -74,11 +83,9 @@ def lowered_step(job):
     nnx.replace_by_pure_dict(state, nest_params(params))
     engine_state = placed(engine.abstract_state(nnx.merge(graphdef, state).moe_layer_views()),
                           engine.placed if parallel else lambda a: on_device)
-    step = make_step_fn(graphdef, engine, greedy=True)
     inputs = abstract_step_inputs(cfg, job.batch, job.num_tokens, job.context, job.dtype)
     inputs = placed(inputs[:-2]) + inputs[-2:]  # no sampling arrays, no forced routing
-    with jax.set_mesh(mesh):
-        return step.trace(state, engine_state, *inputs).lower()
+    return graphdef, engine, mesh, (state, engine_state, *inputs)
 
 
 def write_compiled(lowered, lower_seconds: float, out_dir: Path) -> None:
