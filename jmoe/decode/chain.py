@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmoe.decode.sampling import greedy_tokens, sample
+from jmoe.decode.sampling import choose_tokens, greedy_tokens
 from jmoe.model.moe import MoEBlock
 from jmoe.model.transformer import (first_columns, gather_rows, kv_cache_shapes, output_logits, run_decoder_layers,
                                     scatter_first_columns, scatter_rows, step_context)
@@ -175,9 +175,9 @@ class StepChain:
                 k_shape, v_shape = kv_cache_shapes(self.config, *tokens.shape)
                 return tuple((jnp.zeros(k_shape, kv_dtype), jnp.zeros(v_shape, kv_dtype)) for _ in range(start, end))
 
-            x, _, routing, _ = self._layers(
-                call, params, tokens, empty_cache, ("step", tokens.shape[1], False),
-                lambda block: (jnp.int32(0), jnp.zeros(tokens.shape[:1], jnp.int32), None, jnp.int32(0)))
+            write_index, pad_len = jnp.int32(0), jnp.zeros(tokens.shape[:1], jnp.int32)  # every row from column 0
+            x, _, routing, _ = self._layers(call, params, tokens, empty_cache, ("step", tokens.shape[1], False),
+                                            lambda block: (write_index, pad_len, None, None))
             logits, routing = call(self._logits_head_fn, (params["final_norm"], self._head_weight(params), x, routing))
             return logits, routing, engine_state, self.engine.readback(engine_state)
 
@@ -219,8 +219,7 @@ class StepChain:
         layers (_block_fn), `block_args(block)` its arguments after (weights, x, its layers' caches)."""
         x = call(self._embed, (params["embed"].get_value(), tokens))
         new_cache, routing, finite = [], [], []
-        for block, (start, end) in enumerate(self.blocks):
-            leaves, treedef = self._block_params(params)[block]
+        for block, ((start, end), (leaves, treedef)) in enumerate(zip(self.blocks, self._block_params(params))):
             jitted = self._block_program(block, treedef, body)
             cache = kv_cache(start, end) if callable(kv_cache) else kv_cache[start:end]
             x, cache, block_routing, block_finite = call(jitted, (leaves, x, cache, *block_args(block)))
@@ -304,8 +303,7 @@ class StepChain:
                              valid_len)
 
     def _step_head(self, greedy, norm_state, head, x, routing, finite, key, step, sampling):
-        logits = self._logits(norm_state, head, x, True)[:, -1]
-        next_tokens = greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
+        next_tokens = choose_tokens(self._logits(norm_state, head, x, True)[:, -1], greedy, key, step, sampling)
         return (next_tokens, jnp.concatenate(finite)), jnp.concatenate(routing)
 
     def _logits_head(self, norm_state, head, x, routing):
@@ -316,7 +314,7 @@ class StepChain:
 
     def _decode_head(self, norm_state, head, x, routing, finite):
         logits = self._logits(norm_state, head, x, True)[:, 0]
-        return (logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.concatenate(finite)), \
+        return (logits, greedy_tokens(logits), jnp.concatenate(finite)), \
             jnp.concatenate(routing)
 
 

@@ -59,6 +59,12 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def choose_tokens(logits: jax.Array, greedy: bool, key: jax.Array, step, sampling: SamplingArrays | None) -> jax.Array:
+    """A generation step's next tokens from its logits [B, V]: the argmax (`greedy`), else drawn by `sampling` with the
+    key folded with the step number (one stream per seed, a fresh draw each step)."""
+    return greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
+
+
 def sample(logits: jax.Array, key: jax.Array, params: SamplingArrays) -> jax.Array:
     """logits float32 [B, V] -> token ids int32 [B] drawn after temperature, top-k and top-p filtering."""
     return jax.random.categorical(key, filter_logits(logits, params), axis=-1).astype(jnp.int32)

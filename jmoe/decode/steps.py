@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.decode.sampling import greedy_tokens, sample
+from jmoe.decode.sampling import choose_tokens
 from jmoe.model import empty_kv_cache
 
 
@@ -69,8 +69,7 @@ def make_step_fn(graphdef, engine, greedy: bool):
         out, engine_state, readback = forward(
             graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, last_only=True,
             forced_routing=forced_routing, visible_len=tokens.shape[1] if tokens.shape[1] > 1 else None)
-        logits = out.logits[:, -1]
-        next_tokens = greedy_tokens(logits) if greedy else sample(logits, jax.random.fold_in(key, step), sampling)
+        next_tokens = choose_tokens(out.logits[:, -1], greedy, key, step, sampling)
         return (next_tokens, out.finite), out.routing, out.kv_cache, engine_state, readback
 
     return jax.jit(step_fn, donate_argnums=(1, 3))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmoe.decode.sampling import SamplingArrays, sample
+from jmoe.decode.sampling import SamplingArrays, greedy_tokens, sample
 from jmoe.decode.steps import forward
 from jmoe.model.transformer import first_columns, gather_rows, scatter_first_columns, scatter_rows
 from jmoe.serve.params import MAX_TOP_LOGPROBS
@@ -65,7 +65,7 @@ def make_decode_fn(model, visible: int):
                                               positions, pad, last_only=True, visible_len=visible,
                                               valid_len=active.astype(jnp.int32))
         logits = out.logits[:, 0]
-        return (logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), out.finite), out.routing, out.kv_cache, \
+        return (logits, greedy_tokens(logits), out.finite), out.routing, out.kv_cache, \
             engine_state, readback
 
     return jax.jit(decode, donate_argnums=(1, 2))
