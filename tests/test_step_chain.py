@@ -18,7 +18,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 def chained(path, monkeypatch, layers_per_program: int, **options):
     """The model at `path` with its steps chained in blocks of `layers_per_program`, however few its layers."""
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", layers_per_program)
-    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.layer_local)
+    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.runs_in_blocks)
     model = jmoe.load(path, progress=False, **options)
     assert model.step_chain is not None
     return model
@@ -41,6 +41,30 @@ def test_chained_steps_and_logits_are_what_transformers_computes(name, hf_checkp
     assert routing.shape == (model.config.num_moe_layers, 2, 13, model.config.num_experts_per_tok)
 
 
+# Router prefetch handed on between blocks, across a dense layer (Qwen2-MoE's sparse step); planned admissions of
+# the last step's misses computed on the host (DeepSeek-V3's first dense layer, MLA); misses read in place with
+# prefetch (GPT-OSS's windows): blocks of one layer.
+@pytest.mark.parametrize("name, options", [("qwen2_moe_sparse_step_norm", dict(cache=1, prefetch=1)),
+                                           ("deepseek_v3_qlora_groups", dict(cache=2, miss_mode="host")),
+                                           ("gpt_oss_e4k2_window", dict(cache=2, prefetch=1, miss_mode="direct"))])
+def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name, options, hf_checkpoints,
+                                                                           monkeypatch):
+    path, reference = hf_checkpoints[name]
+    whole = jmoe.load(path, progress=False, **options)
+    assert whole.step_chain is None
+    model = chained(path, monkeypatch, 1, **options)
+    expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):]
+    for m in (whole, model):
+        assert m.generate(PROMPT, max_new_tokens=12)[0] == expected.tolist()
+    # the same hits, misses, copies and evictions in every layer: each block's slots and tables are the ones the
+    # one-program step would have used
+    assert model.stats() == whole.stats()
+    assert any(layer["misses"] for layer in model.stats())
+    ids = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 13))
+    np.testing.assert_allclose(np.asarray(model.logits_and_routing(ids)[0]),
+                               reference(torch.tensor(ids)).logits.detach().numpy(), atol=1e-4, rtol=0)
+
+
 def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_the_compiled_layers():
     deepseek_v3 = (False,) * 3 + (True,) * 58
     assert chain.layer_blocks(deepseek_v3, 8) == [(0, 3), *((s, s + 8) for s in range(3, 59, 8)), (59, 61)]
@@ -50,7 +74,10 @@ def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_t
         return SimpleNamespace(num_layers=layers, moe_layers=(False,) * dense + (True,) * (layers - dense),
                                sliding_windows=(None,) * layers)
 
-    resident, offload = SimpleNamespace(layer_local=True), SimpleNamespace(layer_local=False)
+    def engine(runs_in_blocks):
+        return SimpleNamespace(runs_in_blocks=runs_in_blocks, block_span=lambda *_: (None, None))
+
+    resident, offload = engine(True), engine(False)
     assert chain.chains(config(16), resident) and not chain.chains(config(12), resident)
     assert chain.chains(config(61, 3), resident) and not chain.chains(config(8, 3), resident)
     assert not chain.chains(config(61, 3), offload)
@@ -63,9 +90,8 @@ def test_alike_layers_share_one_program_and_sampling_matches_the_one_program_ste
     assert whole.step_chain is None  # no deeper than LAYERS_PER_PROGRAM
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", 1)
     assert chain.chains(whole.config, whole.engine)  # one program for its two layers: half of them
-    # Engines whose layers read more than their own weights keep one program: offloaded experts (slots and tables
-    # over every layer), parameters in pinned host memory (fetched as the step starts).
-    assert jmoe.load(path, cache=1, progress=False).step_chain is None
+    # Engines whose layers read more than their blocks' own weights and slots keep one program: parameters in pinned
+    # host memory (fetched as the step starts).
     assert jmoe.load(path, offload_params=["q"], progress=False).step_chain is None
     model = chained(path, monkeypatch, 1)
     sampling = dict(max_new_tokens=10, temperature=0.9, top_k=20, seed=7)
@@ -97,11 +123,12 @@ def test_forced_routing_reaches_each_block_s_own_layers(hf_checkpoints, monkeypa
     assert results[0] == results[1]
 
 
-def test_a_chained_model_serves_what_it_generates(hf_checkpoints, monkeypatch):
+@pytest.mark.parametrize("options", [{}, dict(cache=2, prefetch=1)], ids=["resident", "offloaded"])
+def test_a_chained_model_serves_what_it_generates(options, hf_checkpoints, monkeypatch):
     """The serving engine's prefill (first chunks, later chunks, a conversation's second turn in the row its first
     left) and decode programs, chained and compiled by its program cache, as a batch with rows at different columns."""
     path, _ = hf_checkpoints["deepseek_v3_qlora_groups"]  # a dense first layer, MLA's latent cache written per row
-    model = chained(path, monkeypatch, 1)
+    model = chained(path, monkeypatch, 1, **options)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, model.config.vocab_size, n).tolist() for n in (5, 40, 3)]
     lengths = (9, 4, 7)

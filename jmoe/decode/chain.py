@@ -13,8 +13,11 @@ A `ChainedProgram` is lowered and compiled as a jitted function is (`lower(*args
 so `Model` and the serving engine's program cache compile and time it as one program; its pieces are compiled once
 for every program that shares them (the same block in a prompt step and in `Model.logits`).
 
-Only an engine whose experts a layer reads by itself chains (`engine.layer_local`: the resident one without a mesh,
-host parameters or layer groups); the offload engine's state spans its layers, and its programs stay whole.
+The engine state goes through the chain: each block takes its own part (`engine.block_state`: the offload engine's
+slots of the block's layers, its tables and scratch) and binds it as the block's layout says (`engine.bind_block`), and
+a router prefetch into the next block's first layer is handed on between them (its router input, a carry). Engines
+whose layers read more (a mesh, parameters fetched as the step starts, history prefetch, the disk tier) keep one
+program (`engine.runs_in_blocks`).
 """
 
 from __future__ import annotations
@@ -55,14 +58,28 @@ def chains(config, engine) -> bool:
     hold at most half the model's layers, since each program of a chain costs a dispatch a step and the compile of a
     program besides its layers (a 12-layer model would compile blocks of 8 and 4 layers: no fewer)."""
     blocks = layer_blocks(config.moe_layers, LAYERS_PER_PROGRAM)
-    # What the config says differs between layers; their modules are otherwise alike (one family, one attention).
-    kinds = {tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])) for start, end in blocks}
-    return engine.layer_local and 2 * sum(map(len, kinds)) <= config.num_layers
+    moe_before = np.cumsum([0, *config.moe_layers])
+    # What the config and the engine's layout say differs between layers; their modules are otherwise alike (one
+    # family, one attention).
+    kinds = {(tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])),
+              engine.block_span(moe_before[start], moe_before[end])[1]) for start, end in blocks}
+    return engine.runs_in_blocks and 2 * sum(len(layers) for layers, _ in kinds) <= config.num_layers
 
 
 def _shapes(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_kept_sharding(a))
                         if isinstance(a, (jax.Array, np.ndarray)) else a, tree)
+
+
+def _kept_sharding(array):
+    """The array's sharding as a shape struct keeps it: a single device's as a NamedSharding over a mesh of that
+    device, since a shape struct drops a SingleDeviceSharding's memory kind (jax 0.10: pinned-host experts would be
+    traced as device arrays)."""
+    sharding = getattr(array, "sharding", None)
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    mesh = jax.sharding.Mesh(np.array(list(sharding.device_set)), ("device",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind)
 
 
 class ChainedProgram:
@@ -139,6 +156,7 @@ class StepChain:
         # each block's first MoE layer, where it reads forced routing from (benchmarks; host scalars: a chain may be
         # made where no device can hold an array, compiling for a GPU the machine lacks)
         self.moe_starts = [np.int32(moe_before[start]) for start, _ in self.blocks]
+        self.spans = [engine.block_span(int(moe_before[start]), int(moe_before[end])) for start, end in self.blocks]
         self.pieces: dict[tuple, jax.stages.Compiled] = {}  # compiled pieces, shared by all the programs below
         self._embed = jax.jit(_embed)
         self._layer_fns: dict[tuple, Callable] = {}  # jitted block programs by their layers and body
@@ -147,6 +165,8 @@ class StepChain:
         self._step_heads = {greedy: jax.jit(functools.partial(self._step_head, greedy)) for greedy in (True, False)}
         self._logits_head_fn, self._prefill_head_fn = jax.jit(self._logits_head), jax.jit(self._prefill_head)
         self._decode_head_fn = jax.jit(self._decode_head)
+        # the tables the manager reads, as arrays of their own: the state's are donated to the next step
+        self._readback = jax.jit(lambda state: jax.tree.map(jnp.copy, engine.readback(state)))
 
     # ---- the programs ---------------------------------------------------------------------------------------------
     def step_program(self, greedy: bool) -> ChainedProgram:
@@ -155,13 +175,13 @@ class StepChain:
         def run(call, args):
             params, engine_state, tokens, kv_cache, write_index, pad_len, key, step, sampling, forced_routing = args
             visible = tokens.shape[1] if tokens.shape[1] > 1 else None  # a prompt reads its own columns only
-            x, new_cache, routing, finite = self._layers(
-                call, params, tokens, kv_cache, ("step", visible, forced_routing is not None),
+            x, new_cache, routing, finite, engine_state = self._layers(
+                call, params, engine_state, tokens, kv_cache, ("step", visible, forced_routing is not None),
                 lambda block: (write_index, pad_len, forced_routing,
                                None if forced_routing is None else self.moe_starts[block]))
             outputs, routing = call(self._step_heads[greedy], (params["final_norm"], self._head_weight(params), x,
                                                                routing, finite, key, step, sampling))
-            return outputs, routing, new_cache, engine_state, self.engine.readback(engine_state)
+            return outputs, routing, new_cache, engine_state, self._read_back(call, engine_state)
 
         return ChainedProgram(run, self.pieces)
 
@@ -176,10 +196,11 @@ class StepChain:
                 return tuple((jnp.zeros(k_shape, kv_dtype), jnp.zeros(v_shape, kv_dtype)) for _ in range(start, end))
 
             write_index, pad_len = jnp.int32(0), jnp.zeros(tokens.shape[:1], jnp.int32)  # every row from column 0
-            x, _, routing, _ = self._layers(call, params, tokens, empty_cache, ("step", tokens.shape[1], False),
-                                            lambda block: (write_index, pad_len, None, None))
+            x, _, routing, _, engine_state = self._layers(call, params, engine_state, tokens, empty_cache,
+                                                          ("step", tokens.shape[1], False),
+                                                          lambda block: (write_index, pad_len, None, None))
             logits, routing = call(self._logits_head_fn, (params["final_norm"], self._head_weight(params), x, routing))
-            return logits, routing, engine_state, self.engine.readback(engine_state)
+            return logits, routing, engine_state, self._read_back(call, engine_state)
 
         return ChainedProgram(run, self.pieces)
 
@@ -189,12 +210,12 @@ class StepChain:
         def run(call, args):
             params, engine_state, kv_cache, tokens, rows, start, valid = args
             first_chunks = visible == tokens.shape[1]
-            x, new_cache, routing, finite = self._layers(call, params, tokens, kv_cache,
-                                                         ("prefill", visible, first_chunks),
-                                                         lambda block: (rows, start, valid))
+            x, new_cache, routing, finite, engine_state = self._layers(call, params, engine_state, tokens, kv_cache,
+                                                                       ("prefill", visible, first_chunks),
+                                                                       lambda block: (rows, start, valid))
             outputs, routing = call(self._prefill_head_fn, (params["final_norm"], self._head_weight(params), x,
                                                             routing, finite, valid))
-            return outputs, routing, new_cache, engine_state, self.engine.readback(engine_state)
+            return outputs, routing, new_cache, engine_state, self._read_back(call, engine_state)
 
         return ChainedProgram(run, self.pieces)
 
@@ -203,31 +224,43 @@ class StepChain:
 
         def run(call, args):
             params, engine_state, kv_cache, tokens, positions, active = args
-            x, new_cache, routing, finite = self._layers(call, params, tokens, kv_cache, ("decode", visible),
-                                                         lambda block: (positions, active))
+            x, new_cache, routing, finite, engine_state = self._layers(call, params, engine_state, tokens, kv_cache,
+                                                                       ("decode", visible),
+                                                                       lambda block: (positions, active))
             outputs, routing = call(self._decode_head_fn, (params["final_norm"], self._head_weight(params), x,
                                                            routing, finite))
-            return outputs, routing, new_cache, engine_state, self.engine.readback(engine_state)
+            return outputs, routing, new_cache, engine_state, self._read_back(call, engine_state)
 
         return ChainedProgram(run, self.pieces)
 
     # ---- the pieces -----------------------------------------------------------------------------------------------
-    def _layers(self, call: Call, params, tokens, kv_cache, body: tuple, block_args: Callable[[int], tuple]):
+    def _layers(self, call: Call, params, engine_state, tokens, kv_cache, body: tuple,
+                block_args: Callable[[int], tuple]):
         """The embedding and every block: (the last layer's output, the new cache pairs, each block's routing and
-        finite flags). `kv_cache`: every layer's cache pair, or a function (start, end) -> those of layers
-        [start, end), whose new pairs are then dropped (none returned). `body` names what a block does around its
-        layers (_block_fn), `block_args(block)` its arguments after (weights, x, its layers' caches)."""
+        finite flags, the engine state). `kv_cache`: every layer's cache pair, or a function (start, end) -> those of
+        layers [start, end), whose new pairs are then dropped (none returned). `body` names what a block does around
+        its layers (_block_fn), `block_args(block)` its arguments after (weights, x, its layers' caches, its part of
+        the engine state, the carry from the block before)."""
         x = call(self._embed, (params["embed"].get_value(), tokens))
-        new_cache, routing, finite = [], [], []
-        for block, ((start, end), (leaves, treedef)) in enumerate(zip(self.blocks, self._block_params(params))):
+        new_cache, routing, finite, carry = [], [], [], None
+        for block, ((start, end), (leaves, treedef), span) in enumerate(zip(self.blocks, self._block_params(params),
+                                                                             self.spans)):
             jitted = self._block_program(block, treedef, body)
             cache = kv_cache(start, end) if callable(kv_cache) else kv_cache[start:end]
-            x, cache, block_routing, block_finite = call(jitted, (leaves, x, cache, *block_args(block)))
+            x, cache, block_routing, block_finite, block_state, carry = call(
+                jitted, (leaves, x, cache, self.engine.block_state(engine_state, span), carry, *block_args(block)))
+            engine_state = self.engine.with_block_state(engine_state, span, block_state)
             if not callable(kv_cache):
                 new_cache += cache
             routing.append(block_routing)
             finite.append(block_finite)
-        return x, tuple(new_cache), routing, finite
+        return x, tuple(new_cache), routing, finite, engine_state
+
+    def _read_back(self, call: Call, engine_state):
+        """The engine's readback of the state after the last block, copied by a program of its own (none without)."""
+        if not jax.tree.leaves(self.engine.readback(engine_state)):
+            return self.engine.readback(engine_state)
+        return call(self._readback, (engine_state,))
 
     def _head_weight(self, params):
         return params["embed"].get_value() if self.tied else params["lm_head"].get_value()
@@ -250,51 +283,55 @@ class StepChain:
         jitted = self._block_fns.get((block, treedef, body))
         if jitted is None:
             start, end = self.blocks[block]
-            signature = (self.layer_defs[start:end], self.config.sliding_windows[start:end], treedef, body)
+            signature = (self.layer_defs[start:end], self.config.sliding_windows[start:end], self.spans[block][1],
+                         treedef, body)
             jitted = self._layer_fns.get(signature)
             if jitted is None:
-                jitted = self._layer_fns[signature] = jax.jit(self._block_fn(*signature), donate_argnums=(1, 2))
+                jitted = self._layer_fns[signature] = jax.jit(self._block_fn(*signature), donate_argnums=(1, 2, 3))
             self._block_fns[block, treedef, body] = jitted
         return jitted
 
-    def _block_fn(self, layer_defs: tuple, windows: tuple, treedef, body: tuple) -> Callable:
-        """A block's program: `body` is ("step", visible, forced) for Model's steps (`forced`: routing forced by an
+    def _block_fn(self, layer_defs: tuple, windows: tuple, layout, treedef, body: tuple) -> Callable:
+        """A block's program (its engine state bound as `layout`, the engine's block_span says): `body` is ("step", visible, forced) for Model's steps (`forced`: routing forced by an
         int32 [L_moe, B, T, k] array read from the block's first MoE layer), ("prefill", visible, first_chunks) and
         ("decode", visible) for the serving engine's batch (jmoe.serve.programs says what those do)."""
         cfg, engine = self.config, self.engine
 
-        def layers_of(leaves, x, kv_cache, write_index, pad_len, visible, valid_len=None, forced=None):
+        def layers_of(leaves, x, kv_cache, engine_state, carry, write_index, pad_len, visible, valid_len=None,
+                      forced=None):
             layers = [nnx.merge(graphdef, state) for graphdef, state in zip(layer_defs,
                                                                             jax.tree.unflatten(treedef, leaves))]
             views = [layer.mlp.view() for layer in layers if isinstance(layer.mlp, MoEBlock)]
-            compute, _ = engine.bind((), views, tokens_shape=x.shape[:2])
+            compute, finish = engine.bind_block(engine_state, views, x.shape[:2], layout, carry)
             if forced is not None:
                 forced_all, first = forced
                 forced = jax.lax.dynamic_slice_in_dim(forced_all, first, len(views))
             visible = kv_cache[0][0].shape[1] if visible is None else visible
             context = step_context(cfg, x.shape[:2], visible, write_index, pad_len, valid_len)
-            return run_decoder_layers(cfg, layers, windows, x, kv_cache, context, expert_compute=compute,
-                                      backend=engine.backend, forced_routing=forced)
+            x, new_cache, routing, finite = run_decoder_layers(cfg, layers, windows, x, kv_cache, context,
+                                                               expert_compute=compute, backend=engine.backend,
+                                                               forced_routing=forced)
+            return (x, tuple(new_cache), routing, finite, *finish())
 
         kind, visible, *flag = body
         if kind == "step":
-            def step(leaves, x, kv_cache, write_index, pad_len, forced_routing, moe_start):
+            def step(leaves, x, kv_cache, engine_state, carry, write_index, pad_len, forced_routing, moe_start):
                 forced = (forced_routing, moe_start) if flag[0] else None
-                return layers_of(leaves, x, kv_cache, write_index, pad_len, visible, forced=forced)
+                return layers_of(leaves, x, kv_cache, engine_state, carry, write_index, pad_len, visible,
+                                 forced=forced)
             return step
         if kind == "prefill":
-            def prefill(leaves, x, kv_cache, rows, start, valid):
+            def prefill(leaves, x, kv_cache, engine_state, carry, rows, start, valid):
                 step_cache = first_columns(kv_cache, *x.shape[:2]) if flag[0] else gather_rows(kv_cache, rows)
-                x, new_cache, routing, finite = layers_of(leaves, x, step_cache, start, jnp.zeros_like(start),
-                                                          visible, valid)
+                x, new_cache, *rest = layers_of(leaves, x, step_cache, engine_state, carry, start,
+                                                jnp.zeros_like(start), visible, valid)
                 scatter = scatter_first_columns if flag[0] else scatter_rows
-                return x, scatter(kv_cache, rows, tuple(new_cache)), routing, finite
+                return x, scatter(kv_cache, rows, new_cache), *rest
             return prefill
 
-        def decode(leaves, x, kv_cache, positions, active):
-            x, new_cache, routing, finite = layers_of(leaves, x, kv_cache, positions, jnp.zeros_like(positions),
-                                                      visible, active.astype(jnp.int32))
-            return x, tuple(new_cache), routing, finite
+        def decode(leaves, x, kv_cache, engine_state, carry, positions, active):
+            return layers_of(leaves, x, kv_cache, engine_state, carry, positions, jnp.zeros_like(positions), visible,
+                             active.astype(jnp.int32))
         return decode
 
     # ---- the heads (each after the last block) ---------------------------------------------------------------------

@@ -70,11 +70,21 @@ class EngineState(NamedTuple):
     host_row_of_expert: object = ()
 
 
+class BlockLayout(NamedTuple):
+    """What a step's program needs to know of a run of consecutive MoE layers (the whole step's, or a chained step's
+    block: jmoe.decode.chain) to bind their slots: the same for every run of alike layers wherever it sits, so that
+    alike blocks share one program."""
+
+    positions: tuple  # per MoE layer of the run: its position among the run's offloaded layers, or None (resident)
+    caches: tuple  # per offloaded layer of the run: its cache slots
+    # The layer before the run prefetches into its first by router guess (bind_block's carry). A run's last MoE layer
+    # hands its carry on wherever it is offloaded, so that a chain's last block is alike its middle ones.
+    prefetch_in: bool
+
+
 class OffloadEngine(ResidentEngine):
     """Expert slots for the offloaded MoE layers (the other layers' experts stay resident); parameters
     offloaded by pattern or layer group are fetched as in ResidentEngine."""
-
-    layer_local = False  # its state (slots, tables, prefetch of the next layer) spans the layers: one step program
 
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str = "auto"):
         super().__init__(config, placement, backend)
@@ -168,11 +178,66 @@ class OffloadEngine(ResidentEngine):
         self.start_managing(self.initial_policy)
         return jax.eval_shape(self.empty_state)
 
+    # ---- a run of consecutive layers: the whole step, or a block of a chained one (jmoe.decode.chain) -------------
+    @property
+    def runs_in_blocks(self) -> bool:
+        """Whether a step may run as a chain of layer-block programs: the slots and tables are split by block
+        (`block_span`) and router prefetch hands its guess across a block's end (`BlockLayout`); history prefetch
+        (its in-step scores read every earlier layer's routing of the token), the disk tier (its reader is called
+        at each layer's static position) and what the resident engine keeps whole keep one program."""
+        return (self._history_predictor is None and not self.placement.host_rows and self.mesh is None
+                and not self.host_param_keys and not self.placement.fetched_keys)
+
+    def block_span(self, moe_start: int, moe_stop: int):
+        """The offloaded positions [first, stop) of MoE layers [moe_start, moe_stop), and their BlockLayout."""
+        offloaded = [moe_start <= moe < moe_stop for moe in self.layers]
+        first = offloaded.index(True) if any(offloaded) else 0
+        stop = first + sum(offloaded)
+        local = {moe - moe_start: i - first for i, moe in enumerate(self.layers) if moe_start <= moe < moe_stop}
+        hands_on = {moe for moe in self.layers if moe + 1 in self.layers and self.prefetch
+                    and self.caches[self.layers.index(moe + 1)]}  # MoE layers that prefetch into the next one
+        layout = BlockLayout(tuple(local.get(m) for m in range(moe_stop - moe_start)), self.caches[first:stop],
+                             prefetch_in=moe_start < moe_stop and moe_start - 1 in hands_on)
+        return (first, stop), layout
+
+    def block_state(self, state: EngineState, span) -> EngineState | tuple:
+        """What a block's program takes of the state: its layers' slots and positions, the tables and scratch."""
+        (first, stop), _ = span
+        if first == stop:
+            return ()
+        return state._replace(buffers=state.buffers[first:stop], expert_in_slot=state.expert_in_slot[first:stop],
+                              layer_index=state.layer_index[first:stop])
+
+    @staticmethod
+    def with_block_state(state: EngineState, span, block: EngineState | tuple) -> EngineState:
+        """The state with what a block's program returned in place of what it took."""
+        (first, stop), _ = span
+        if first == stop:
+            return state
+
+        def spliced(whole, part):
+            return whole[:first] + part + whole[stop:]
+
+        return block._replace(buffers=spliced(state.buffers, block.buffers),
+                              expert_in_slot=spliced(state.expert_in_slot, block.expert_in_slot),
+                              layer_index=spliced(state.layer_index, block.layer_index))
+
     # ---- inside the jitted step -------------------------------------------------------------------
     def bind(self, state: EngineState, layers: list[MoELayerView], tokens_shape: tuple[int, int]):
+        compute, finish = self.bind_block(state, layers, tokens_shape, self.block_span(0, len(layers))[1], None)
+        return compute, lambda: finish()[0]
+
+    def bind_block(self, state: EngineState, layers: list[MoELayerView], tokens_shape: tuple[int, int],
+                   layout: "BlockLayout", carry):
+        """bind for a run of MoE layers (`layers`, counted from 0) laid out as `layout`, `state` holding their slots
+        (block_state); `carry` is the router input and routing of the MoE layer before the run where it prefetches
+        into the run's first (layout.prefetch_in). finish() gives the state and the carry for the run after."""
+        if not layout.caches:
+            return super().bind_block(state, layers, tokens_shape, layout, carry)
         cfg = self.config
-        lo = len(self.layers)
-        position = {moe: i for i, moe in enumerate(self.layers)}
+        caches = layout.caches
+        lo = len(caches)
+        position = {moe: i for moe, i in enumerate(layout.positions) if i is not None}
         kernel = self.kernel
         decode = tokens_shape[1] == 1  # one new token per row; prompts stream
 
@@ -182,15 +247,16 @@ class OffloadEngine(ResidentEngine):
 
         layer_slots = [LayerSlots(state.buffers[i], row(state.slot_of_expert, i), state.expert_in_slot[i])
                        for i in range(lo)]
-        victim_order = [row(state.victim_order, i)[:cache] for i, cache in enumerate(self.caches)]
+        victim_order = [row(state.victim_order, i)[:cache] for i, cache in enumerate(caches)]
         copied = [jnp.int32(0)] * lo  # experts copied ahead of each layer (plan, prefetch)
         evicted = [jnp.int32(0)] * lo
         counts = [None] * lo
         scratch = [Scratch(state.scratch)]  # threaded through the layers: each uses it in turn
+        handed_on = [None]  # the run's last MoE layer's router input and routing, for a router prefetch after it
         if decode and self.plan_width:
             # The manager's planned admissions, copied as the step starts: on a second stream (side_stream_copies)
             # they can overlap the attention and the layers before theirs.
-            for i, moe in enumerate(self.layers):
+            for moe, i in position.items():
                 layer_slots[i], evicted[i], copied[i] = copy_wanted(
                     layer_slots[i], layers[moe].experts, row(state.plan_experts, i), row(state.plan_slots, i),
                     side_stream=self.side_stream)
@@ -202,7 +268,7 @@ class OffloadEngine(ResidentEngine):
         def predict_into(moe_index):
             """History prefetch: copy the experts predicted for MoE layer `moe_index` into its cache."""
             i = position.get(moe_index)
-            if i is None or not self.caches[i]:
+            if i is None or not caches[i]:
                 return
             scores = self.history.in_step_scores(state.predict_base[moe_index], moe_index, token_ids)
             layer_slots[i], ahead_evicted, ahead_copied = prefetch_by_score(
@@ -210,8 +276,22 @@ class OffloadEngine(ResidentEngine):
             copied[i] = copied[i] + ahead_copied
             evicted[i] = evicted[i] + ahead_evicted
 
+        def router_prefetch(nxt, upcoming: MoELayerView, x, routed):
+            """Guess the next layer's experts with its router on this layer's input; the copies are independent of
+            this layer's compute, so they can overlap it."""
+            # A layer group may not have fetched that router yet: to_device is a no-op if it has.
+            probs = self.own_scores(router_probabilities(cfg, to_device(upcoming.router), x))
+            scores = jnp.max(jnp.where((routed >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
+            layer_slots[nxt], victim_order[nxt], ahead_evicted, ahead_copied = prefetch(
+                layer_slots[nxt], victim_order[nxt], upcoming.experts, scores,
+                count=min(self.prefetch, caches[nxt]), side_stream=self.side_stream)
+            copied[nxt] = copied[nxt] + ahead_copied
+            evicted[nxt] = evicted[nxt] + ahead_evicted
+
         if copies_ahead:
             predict_into(0)  # from the tokens before this one only
+        if decode and layout.prefetch_in:
+            router_prefetch(position[0], layers[0], *carry)
 
         def read_ahead_guesses(moe_index):
             """int32 [read_ahead]: the experts in no host row that the history predictor scores best for the next
@@ -235,19 +315,10 @@ class OffloadEngine(ResidentEngine):
                 return self.combine(self.resident_experts(layer, x, ids, weights), x)
             i = position[moe_index]
             nxt = position.get(moe_index + 1)
-            prefetch_count = 0 if nxt is None else min(self.prefetch, self.caches[nxt])  # only into cache slots
-            if decode and prefetch_count:
-                # Guess the next layer's experts with its router on this layer's input; the copies are
-                # independent of this layer's compute, so they can overlap it.
-                upcoming = layers[moe_index + 1]
-                # A layer group may not have fetched that router yet: to_device is a no-op if it has.
-                probs = self.own_scores(router_probabilities(cfg, to_device(upcoming.router), x))
-                scores = jnp.max(jnp.where((routed >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
-                layer_slots[nxt], victim_order[nxt], ahead_evicted, ahead_copied = prefetch(
-                    layer_slots[nxt], victim_order[nxt], upcoming.experts, scores, count=prefetch_count,
-                    side_stream=self.side_stream)
-                copied[nxt] = copied[nxt] + ahead_copied
-                evicted[nxt] = evicted[nxt] + ahead_evicted
+            if decode and nxt is not None and self.prefetch and caches[nxt]:
+                router_prefetch(nxt, layers[moe_index + 1], x, routed)
+            if decode and self.prefetch and moe_index == len(layers) - 1:
+                handed_on[0] = (x, routed)
             host, tier = layer.experts, {}
             if self.tier is not None:  # host rows, and the experts in none of them read from disk
                 # One expert a round, the next k in flight: a round's buffers are host memory the size of its
@@ -267,14 +338,17 @@ class OffloadEngine(ResidentEngine):
                                                chunk_size=self.placement.scratch, **tier)
             return self.combine(y, x)  # the one rounding of the float32 partial outputs
 
-        def finish() -> EngineState:
-            if not lo:
-                return state
-            step_counts = jnp.stack([jnp.stack([c.hits, c.misses, c.copied + ahead, c.evicted + out])
-                                     for c, ahead, out in zip(counts, copied, evicted)])
+        def finish() -> tuple[EngineState, object]:
+            slot_of_expert, step_counts = state.slot_of_expert, state.counts
+            for i, (slots, c) in enumerate(zip(layer_slots, counts)):  # each layer's rows at its own position
+                layer_counts = jnp.stack([c.hits, c.misses, c.copied + copied[i], c.evicted + evicted[i]])
+                slot_of_expert = jax.lax.dynamic_update_index_in_dim(slot_of_expert, slots.slot_of_expert,
+                                                                     state.layer_index[i], 0)
+                step_counts = jax.lax.dynamic_update_index_in_dim(step_counts, layer_counts, state.layer_index[i], 0)
             return state._replace(buffers=tuple(s.buffers for s in layer_slots), scratch=scratch[0].buffers,
-                                  slot_of_expert=jnp.stack([s.slot_of_expert for s in layer_slots]),
-                                  expert_in_slot=tuple(s.expert_in_slot for s in layer_slots), counts=step_counts)
+                                  slot_of_expert=slot_of_expert,
+                                  expert_in_slot=tuple(s.expert_in_slot for s in layer_slots),
+                                  counts=step_counts), handed_on[0]
 
         return compute, finish
 

@@ -135,7 +135,7 @@ class ExpertParallelEngine:
 
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str, mesh: Mesh):
         self.config, self.mesh, self.placement = config, mesh, placement
-        self.layer_local = False  # its step is one shard_map over the mesh (ResidentEngine.layer_local)
+        self.runs_in_blocks = False  # its step is one shard_map over the mesh (ResidentEngine.runs_in_blocks)
         self.engines = [make_engine(device_config(config, mesh.devices.size), placement, options, backend)
                         for _ in range(mesh.devices.size)]
         for engine in self.engines:

@@ -54,12 +54,26 @@ class ResidentEngine:
             if kind == PINNED_HOST and "experts" not in key.split(".") and key not in fetched_ahead)
 
     @property
-    def layer_local(self) -> bool:
-        """Whether a decoder layer's expert computation reads nothing but its own layer's weights (no state spanning
-        layers, no mesh, no parameter fetched at the step's start or a layer ahead), so that a deep model's step may
-        run as a chain of layer programs (jmoe.decode.chain)."""
+    def runs_in_blocks(self) -> bool:
+        """Whether a deep model's step may run as a chain of layer-block programs (jmoe.decode.chain), each block
+        binding only its layers (`bind_block`): not over a mesh, nor with parameters fetched at the step's start
+        or a layer ahead."""
         return (self.mesh is None and self.expert_axis is None and not self.host_param_keys
                 and not self.placement.fetched_keys)
+
+    def block_span(self, moe_start: int, moe_stop: int):
+        """(What `block_state` takes of the state, the static layout `bind_block` takes) for MoE layers [moe_start,
+        moe_stop): nothing here (the offload engine's: their slots' positions and BlockLayout)."""
+        return None, None
+
+    def block_state(self, state, span):
+        """What a block's program takes of the engine state: all of it (none) here."""
+        return state
+
+    @staticmethod
+    def with_block_state(state, span, block):
+        """The state once a block's program returned `block` (block_state's result, updated)."""
+        return block
 
     def attach(self, layers: list[MoELayerView]) -> None:
         """Called once with the loaded model's MoE layers (the offload engine keeps their host arrays)."""
@@ -127,6 +141,13 @@ class ResidentEngine:
             return self.combine(self.resident_experts(layers[moe_index], x, self.owned(ids), weights), x)
 
         return compute, lambda: state
+
+    def bind_block(self, state, layers: list[MoELayerView], tokens_shape: tuple[int, int], layout, carry):
+        """bind for a block of a chained step (`layers`: its MoE layers, `layout` its block_span's): finish()
+        gives (the state, what the next block's binding takes: `carry` as it came, which is None but past an
+        offload engine's blocks without offloaded layers)."""
+        compute, finish = ResidentEngine.bind(self, state, layers, tokens_shape)
+        return compute, lambda: (finish(), carry)
 
     def readback(self, state) -> tuple:
         return ()
