@@ -8,7 +8,8 @@
    model's width at 4 and 32 layers, and a DeepSeek-V3-shaped model of small width (MLA, grouped router, three
    dense layers first) at 8 and 61 layers. Each start is its own process, the depths alternate, medians of --rounds.
    Both deep models' steps run as chains of layer-block programs (jmoe.decode.chain), the shallow ones' as one program.
-2. chain (CPU): the deep models of part 1 with their steps chained and as one program over every layer, both loaded
+2. chain (CPU): the deep models of part 1, every expert resident and then 4 of each MoE layer's 16 in device slots
+   (router prefetch 1), with their steps chained and as one program over every layer, both loaded
    in one process without a compilation cache: the compile seconds of their prompt programs (16- and 256-token
    buckets) and decode program, then medians over 3 x --rounds alternated generations of 64 tokens: prefill ms at
    both lengths and decode ms a token, and the chain's against the one program's; the decode bound is the weights
@@ -16,9 +17,10 @@
 3. h100: jmoe.plan for an H100 with every layer compiled (no extrapolation) of header-only DeepSeek-V3 checkpoints
    at 8 / 32 / 61 layers (cache 16, context 1024): each program's compile seconds, as the plan measures them (decode
    and prefill compile side by side on their own threads).
-4. h100_chain: DeepSeek-V3 with every expert resident, its greedy decode step compiled for an H100 (compile-only,
-   nothing allocated) as one program over every layer and chained in layer blocks, at 8 / 32 / 61 layers
-   (bench/helpers/chain_h100.py): compile seconds, programs compiled, loops and conditionals.
+4. h100_chain: DeepSeek-V3 with every expert resident (8 / 32 / 61 layers) and with 16 cache slots a layer and
+   router prefetch 2 (8 / 61 layers), its greedy decode step compiled for an H100 (compile-only, nothing allocated)
+   as one program over every layer and chained in layer blocks (bench/helpers/chain_h100.py): compile seconds,
+   programs compiled, loops and conditionals.
 5. scan: a stand-in layer (a dense product, a router, jmoe.kernels.moe_ffn on its experts) repeated L times, the
    loop unrolled over per-layer arrays against `lax.scan` over stacked ones: the CPU step time (a dense-only
    layer, the product XLA:CPU runs from a slice of a stacked weight; also a loop that picks each layer's own weight
@@ -128,27 +130,33 @@ def chain_part(args) -> list[str]:
     from bench.decode import weight_reads
     from jmoe.decode.sampling import SamplingParams
 
+    offloaded = dict(cache=4, prefetch=1)  # 4 of the 16 experts of every MoE layer in device slots
     if args.smoke:  # the shipped model's first two layers chained one a block, whatever chains() would decide
-        models = [("default model's first layers", SMOKE_DEPTH, first_layers(args.workdir / "chain", SMOKE_DEPTH))]
+        path = first_layers(args.workdir / "chain", SMOKE_DEPTH)
+        models = [("default model's first layers", SMOKE_DEPTH, path, {}),
+                  ("the same, cache 4, prefetch 1", SMOKE_DEPTH, path, offloaded)]
         layers_per_program = 1
     else:
-        models = [(name, n, tokenized_checkpoint(args.workdir / f"{spec['model_type']}_{n}", spec, n))
-                  for name, spec, n in (("default width", default_width(), 32),
-                                        ("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, 61))]
+        paths = {name: (n, tokenized_checkpoint(args.workdir / f"{spec['model_type']}_{n}", spec, n))
+                 for name, spec, n in (("default width", default_width(), 32),
+                                       ("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, 61))}
+        models = [(name + label, *paths[name], options) for label, options in (("", {}), (", cache 4, prefetch 1",
+                                                                                          offloaded))
+                  for name in paths]
         layers_per_program = chain.LAYERS_PER_PROGRAM
     greedy, new_tokens = SamplingParams(0.0, 0, 1.0), 4 if args.smoke else 64
     bandwidth = read_bandwidth_gbs(args.smoke)
     prompts = {"16": [[(7 * i) % 4000 + 1 for i in range(10)]], "256": [[(7 * i) % 4000 + 1 for i in range(200)]]}
     rows = ["| model | layers | step | compile (s) | prefill 16 (ms) | prefill 256 (ms) | decode (ms/token) | "
             "share of decode bound |", "|---|---|---|---|---|---|---|---|"]
-    bounds = []
-    for name, n, path in models:
+    bounds, notes = [], []
+    for name, n, path, options in models:
         loaded = {}
         with mock.patch.object(chain, "LAYERS_PER_PROGRAM", layers_per_program):
             for form, decides in (("one program", lambda config, engine: False), ("chained", None)):
                 with mock.patch.object(jmoe.api, "chains", decides or (
                         lambda config, engine: engine.runs_in_blocks if args.smoke else chain.chains(config, engine))):
-                    model = jmoe.load(path, progress=False, compile_cache=False)
+                    model = jmoe.load(path, progress=False, compile_cache=False, **options)
                 compiled = sum(model.generate_detailed(p, new_tokens, greedy).compile_seconds for p in prompts.values())
                 loaded[form] = (model, compiled, {"16": [], "256": [], "decode": []})
         for round_index in range(max(3, 3 * args.rounds)):
@@ -159,6 +167,10 @@ def chain_part(args) -> list[str]:
                     result = model.generate_detailed(prompt, new_tokens, greedy)
                     runs[length].append(result.prefill_seconds * 1e3)
                     runs["decode"].append(result.decode_seconds * 1e3 / result.decode_steps)
+        if options:  # the same generations in the same order: each form's slots saw the same steps
+            same = loaded["chained"][0].stats() == loaded["one program"][0].stats()
+            notes.append(f"{name}: cache statistics (hits, misses, copies, evictions per layer) "
+                         f"{'equal' if same else 'DIFFERENT'} between the two forms.")
         medians = {form: {k: statistics.median(v) for k, v in runs.items()} for form, (_, _, runs) in loaded.items()}
         bound_ms = weight_reads(loaded["chained"][0]).step() / bandwidth / 1e6
         bounds.append(f"{name}: {weight_reads(loaded['chained'][0]).step() / 1e6:.1f} MB, {bound_ms:.2f} ms")
@@ -170,7 +182,7 @@ def chain_part(args) -> list[str]:
                 + f" | {bound_ms / m['decode']:.0%} |")
     return rows + ["", "Decode bound: the weights a decoded token reads (dense matrices, top-k experts per MoE layer, "
                    f"one embedding row; bench.decode.weight_reads) at the measured {bandwidth:.1f} GB/s streaming read "
-                   "bandwidth (a jitted sum over 1 GiB): " + "; ".join(bounds) + " a token."]
+                   "bandwidth (a jitted sum over 1 GiB): " + "; ".join(bounds) + " a token.", "", *notes]
 
 
 def h100_part(args) -> list[str]:
