@@ -63,12 +63,18 @@ def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name,
     ids = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 13))
     np.testing.assert_allclose(np.asarray(model.logits_and_routing(ids)[0]),
                                reference(torch.tensor(ids)).logits.detach().numpy(), atol=1e-4, rtol=0)
+    # two kinds of layer each (dense and MoE, or two windows), one program each for the prompt step, the decode step
+    # and the logits: the first MoE block, whose carry comes from the embedding, is alike the later ones
+    blocks = [key for key in model.step_chain.pieces if key[0] in model.step_chain._layer_fns.values()]
+    assert len(blocks) == 2 * 3
 
 
 def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_the_compiled_layers():
     deepseek_v3 = (False,) * 3 + (True,) * 58
-    assert chain.layer_blocks(deepseek_v3, 8) == [(0, 3), *((s, s + 8) for s in range(3, 59, 8)), (59, 61)]
-    assert chain.layer_blocks((True,) * 12, 8) == [(0, 8), (8, 12)]
+    assert chain.layer_blocks(deepseek_v3, 8) == [(0, 1), (1, 2), (2, 3), *((s, s + 8) for s in range(3, 59, 8)),
+                                                  (59, 60), (60, 61)]
+    assert chain.layer_blocks((True,) * 12, 8) == [(0, 8), (8, 9), (9, 10), (10, 11), (11, 12)]
+    assert chain.layer_blocks((True,) * 13, 8) == [(0, 8), (8, 13)]
 
     def config(layers, dense=0):
         return SimpleNamespace(num_layers=layers, moe_layers=(False,) * dense + (True,) * (layers - dense),
@@ -79,6 +85,7 @@ def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_t
 
     resident, offload = engine(True), engine(False)
     assert chain.chains(config(16), resident) and not chain.chains(config(12), resident)
+    assert not chain.chains(config(4), resident)  # four blocks of one layer: no full block
     assert chain.chains(config(61, 3), resident) and not chain.chains(config(8, 3), resident)
     assert not chain.chains(config(61, 3), offload)
 

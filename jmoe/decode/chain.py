@@ -15,7 +15,8 @@ for every program that shares them (the same block in a prompt step and in `Mode
 
 The engine state goes through the chain: each block takes its own part (`engine.block_state`: the offload engine's
 slots of the block's layers, its tables and scratch) and binds it as the block's layout says (`engine.bind_block`), and
-a router prefetch into the next block's first layer is handed on between them (its router input, a carry). Engines
+a router prefetch into the next block's first layer is handed on between them (its router input, a carry; the
+embedding's program makes the first block's, which prefetches nothing, so that the first block is alike the others). Engines
 whose layers read more (a mesh, parameters fetched as the step starts, history prefetch, the disk tier) keep one
 program (`engine.runs_in_blocks`).
 """
@@ -44,26 +45,36 @@ Call = Callable[[Callable, tuple], Any]
 
 
 def layer_blocks(moe_layers: tuple[bool, ...], size: int) -> list[tuple[int, int]]:
-    """[start, end) of each block of at most `size` consecutive layers. The dense layers before the first MoE layer
-    (DeepSeek's first_k_dense_replace) are blocks of their own, so that the MoE layers' blocks start alike:
-    DeepSeek-V3's 61 layers make 3 programs of 3, 8 and 2 layers, where blocks from layer 0 would make 3 of 8, 8
-    and 5."""
+    """[start, end) of each block: `size` consecutive layers, and where a run of layers ends short of a full block,
+    the rest as one block or, when it is at most half a block, as blocks of one layer (alike one-layer blocks share one
+    program, so r layers compile as one, not r, for r - 1 more dispatches a step). The dense layers before the first
+    MoE layer (DeepSeek's first_k_dense_replace) are a run of their own, so that the MoE layers' blocks start alike:
+    DeepSeek-V3's 61 layers make 3 + 7 + 2 blocks, whose programs hold 1, 8 and 1 layers."""
     first_moe = next((i for i, moe in enumerate(moe_layers) if moe), 0)
-    starts = [*range(0, first_moe, size), *range(first_moe, len(moe_layers), size)]
-    return list(zip(starts, [*starts[1:], len(moe_layers)]))
+    blocks = []
+    for run_start, run_end in ((0, first_moe), (first_moe, len(moe_layers))):
+        full_end = run_start + (run_end - run_start) // size * size
+        blocks += [(start, start + size) for start in range(run_start, full_end, size)]
+        if run_end - full_end > size // 2:
+            blocks.append((full_end, run_end))
+        else:
+            blocks += [(start, start + 1) for start in range(full_end, run_end)]
+    return blocks
 
 
 def chains(config, engine) -> bool:
-    """Whether `engine`'s programs of a model of `config` run as chains (module docstring): where its distinct blocks
-    hold at most half the model's layers, since each program of a chain costs a dispatch a step and the compile of a
-    program besides its layers (a 12-layer model would compile blocks of 8 and 4 layers: no fewer)."""
+    """Whether `engine`'s programs of a model of `config` run as chains (module docstring): where a block is full and
+    the distinct blocks hold at most half the model's layers, since each program of a chain costs a dispatch a step
+    and the compile of a program besides its layers (a 12-layer model would compile blocks of 8 and 1 layers, most of
+    its own; a 4-layer one would run four one-layer blocks for nothing)."""
     blocks = layer_blocks(config.moe_layers, LAYERS_PER_PROGRAM)
     moe_before = np.cumsum([0, *config.moe_layers])
     # What the config and the engine's layout say differs between layers; their modules are otherwise alike (one
     # family, one attention).
     kinds = {(tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])),
               engine.block_span(moe_before[start], moe_before[end])[1]) for start, end in blocks}
-    return engine.runs_in_blocks and 2 * sum(len(layers) for layers, _ in kinds) <= config.num_layers
+    full = any(end - start == LAYERS_PER_PROGRAM for start, end in blocks)
+    return engine.runs_in_blocks and full and 2 * sum(len(layers) for layers, _ in kinds) <= config.num_layers
 
 
 def _shapes(tree):
@@ -158,7 +169,7 @@ class StepChain:
         self.moe_starts = [np.int32(moe_before[start]) for start, _ in self.blocks]
         self.spans = [engine.block_span(int(moe_before[start]), int(moe_before[end])) for start, end in self.blocks]
         self.pieces: dict[tuple, jax.stages.Compiled] = {}  # compiled pieces, shared by all the programs below
-        self._embed = jax.jit(_embed)
+        self._embed = jax.jit(functools.partial(_embed, engine))
         self._layer_fns: dict[tuple, Callable] = {}  # jitted block programs by their layers and body
         self._block_fns: dict[tuple, Callable] = {}  # the same by (block, treedef, body)
         self._flat_params = (None, None)  # (the parameters, each block's flattened layer parameters)
@@ -241,8 +252,8 @@ class StepChain:
         layers [start, end), whose new pairs are then dropped (none returned). `body` names what a block does around
         its layers (_block_fn), `block_args(block)` its arguments after (weights, x, its layers' caches, its part of
         the engine state, the carry from the block before)."""
-        x = call(self._embed, (params["embed"].get_value(), tokens))
-        new_cache, routing, finite, carry = [], [], [], None
+        x, carry = call(self._embed, (params["embed"].get_value(), tokens))
+        new_cache, routing, finite = [], [], []
         for block, ((start, end), (leaves, treedef), span) in enumerate(zip(self.blocks, self._block_params(params),
                                                                              self.spans)):
             jitted = self._block_program(block, treedef, body)
@@ -355,6 +366,8 @@ class StepChain:
             jnp.concatenate(routing)
 
 
-def _embed(embed, tokens):
-    """The embedding of tokens [B, T], or of [R] (a serving decode step's, one a row) as [R, 1]."""
-    return jnp.take(embed, tokens if tokens.ndim == 2 else tokens[:, None], axis=0)
+def _embed(engine, embed, tokens):
+    """The embedding of tokens [B, T], or of [R] (a serving decode step's, one a row) as [R, 1]; and the carry the
+    first block's engine binding takes (`engine.first_carry`)."""
+    x = jnp.take(embed, tokens if tokens.ndim == 2 else tokens[:, None], axis=0)
+    return x, engine.first_carry(x)

@@ -77,8 +77,9 @@ class BlockLayout(NamedTuple):
 
     positions: tuple  # per MoE layer of the run: its position among the run's offloaded layers, or None (resident)
     caches: tuple  # per offloaded layer of the run: its cache slots
-    # The layer before the run prefetches into its first by router guess (bind_block's carry). A run's last MoE layer
-    # hands its carry on wherever it is offloaded, so that a chain's last block is alike its middle ones.
+    # The run's first MoE layer takes router prefetch from the MoE layer before it, by bind_block's carry (a traced
+    # flag in it says whether that layer was offloaded and prefetched): so the first block of a chain, given a carry
+    # from no layer (first_carry), is alike the ones after it.
     prefetch_in: bool
 
 
@@ -194,11 +195,19 @@ class OffloadEngine(ResidentEngine):
         first = offloaded.index(True) if any(offloaded) else 0
         stop = first + sum(offloaded)
         local = {moe - moe_start: i - first for i, moe in enumerate(self.layers) if moe_start <= moe < moe_stop}
-        hands_on = {moe for moe in self.layers if moe + 1 in self.layers and self.prefetch
-                    and self.caches[self.layers.index(moe + 1)]}  # MoE layers that prefetch into the next one
+        first_cached = 0 in local and self.caches[first] > 0  # the run's first MoE layer, offloaded with a cache
         layout = BlockLayout(tuple(local.get(m) for m in range(moe_stop - moe_start)), self.caches[first:stop],
-                             prefetch_in=moe_start < moe_stop and moe_start - 1 in hands_on)
+                             prefetch_in=bool(self.prefetch) and first_cached)
         return (first, stop), layout
+
+    def first_carry(self, x):
+        """A chained step's first carry (bind_block's): with router prefetch, a router input and routing like a MoE
+        layer's, marked as coming from no offloaded layer, so that the first block prefetches nothing."""
+        if not self.prefetch:
+            return None
+        tokens = x.shape[0] * x.shape[1]
+        return (jnp.zeros((tokens, x.shape[-1]), x.dtype),
+                jnp.full((tokens, self.config.num_experts_per_tok), -1, jnp.int32), jnp.asarray(False))
 
     def block_state(self, state: EngineState, span) -> EngineState | tuple:
         """What a block's program takes of the state: its layers' slots and positions, the tables and scratch."""
@@ -233,7 +242,11 @@ class OffloadEngine(ResidentEngine):
         (block_state); `carry` is the router input and routing of the MoE layer before the run where it prefetches
         into the run's first (layout.prefetch_in). finish() gives the state and the carry for the run after."""
         if not layout.caches:
-            return super().bind_block(state, layers, tokens_shape, layout, carry)
+            compute, finish = super().bind_block(state, layers, tokens_shape, layout, carry)
+            if not layers or carry is None:
+                return compute, finish
+            # its last MoE layer is resident: the next one prefetches nothing from it
+            return compute, lambda: (finish()[0], (*carry[:2], jnp.asarray(False)))
         cfg = self.config
         caches = layout.caches
         lo = len(caches)
@@ -252,7 +265,9 @@ class OffloadEngine(ResidentEngine):
         evicted = [jnp.int32(0)] * lo
         counts = [None] * lo
         scratch = [Scratch(state.scratch)]  # threaded through the layers: each uses it in turn
-        handed_on = [None]  # the run's last MoE layer's router input and routing, for a router prefetch after it
+        # the carry for the next block: the run's last MoE layer's router input and routing (the carry as it came
+        # where the run has no MoE layer)
+        handed_on = [carry if not layers else None]
         if decode and self.plan_width:
             # The manager's planned admissions, copied as the step starts: on a second stream (side_stream_copies)
             # they can overlap the attention and the layers before theirs.
@@ -276,21 +291,21 @@ class OffloadEngine(ResidentEngine):
             copied[i] = copied[i] + ahead_copied
             evicted[i] = evicted[i] + ahead_evicted
 
-        def router_prefetch(nxt, upcoming: MoELayerView, x, routed):
+        def router_prefetch(nxt, upcoming: MoELayerView, x, routed, enabled=True):
             """Guess the next layer's experts with its router on this layer's input; the copies are independent of
-            this layer's compute, so they can overlap it."""
+            this layer's compute, so they can overlap it (`enabled` False, traced: none)."""
             # A layer group may not have fetched that router yet: to_device is a no-op if it has.
             probs = self.own_scores(router_probabilities(cfg, to_device(upcoming.router), x))
             scores = jnp.max(jnp.where((routed >= 0).any(-1, keepdims=True), probs, 0.0), axis=0)
             layer_slots[nxt], victim_order[nxt], ahead_evicted, ahead_copied = prefetch(
                 layer_slots[nxt], victim_order[nxt], upcoming.experts, scores,
-                count=min(self.prefetch, caches[nxt]), side_stream=self.side_stream)
+                count=min(self.prefetch, caches[nxt]), side_stream=self.side_stream, enabled=enabled)
             copied[nxt] = copied[nxt] + ahead_copied
             evicted[nxt] = evicted[nxt] + ahead_evicted
 
         if copies_ahead:
             predict_into(0)  # from the tokens before this one only
-        if decode and layout.prefetch_in:
+        if decode and layout.prefetch_in and carry is not None:  # a chained block's (bind gives no carry)
             router_prefetch(position[0], layers[0], *carry)
 
         def read_ahead_guesses(moe_index):
@@ -311,14 +326,14 @@ class OffloadEngine(ResidentEngine):
             if copies_ahead:
                 predict_into(moe_index + 1)
             ids = self.owned(routed)
+            if carry is not None and moe_index == len(layers) - 1:  # the next block's first layer prefetches from it
+                handed_on[0] = (x, routed, jnp.asarray(moe_index in position))
             if moe_index not in position:
                 return self.combine(self.resident_experts(layer, x, ids, weights), x)
             i = position[moe_index]
             nxt = position.get(moe_index + 1)
             if decode and nxt is not None and self.prefetch and caches[nxt]:
                 router_prefetch(nxt, layers[moe_index + 1], x, routed)
-            if decode and self.prefetch and moe_index == len(layers) - 1:
-                handed_on[0] = (x, routed)
             host, tier = layer.experts, {}
             if self.tier is not None:  # host rows, and the experts in none of them read from disk
                 # One expert a round, the next k in flight: a round's buffers are host memory the size of its

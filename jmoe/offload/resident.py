@@ -66,6 +66,11 @@ class ResidentEngine:
         moe_stop): nothing here (the offload engine's: their slots' positions and BlockLayout)."""
         return None, None
 
+    def first_carry(self, x):
+        """What a chained step's first block's bind_block takes as its carry, made from the embedded tokens x
+        [B, T, d] (the offload engine's router prefetch from no layer; none here)."""
+        return None
+
     def block_state(self, state, span):
         """What a block's program takes of the engine state: all of it (none) here."""
         return state

@@ -260,17 +260,19 @@ def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel:
                            activation=kernel.activation)
 
 
-def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int, side_stream: bool = False):
+def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, count: int, side_stream: bool = False,
+             enabled=True):
     """Copy the `count` highest-scoring experts (scores [E]) that are not cached into the first `count`
     victim cache slots, ahead of the layer that will use them (`copy_wanted`: fewer when fewer than `count`
     experts are uncached or the policy offers fewer victims; `side_stream` passed on). Returns (slots, the victim
-    order left, evicted, the experts copied)."""
+    order left, evicted, the experts copied). `enabled` False (a traced bool) copies nothing and leaves every victim."""
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
     # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already, and
     # copy_wanted admits nothing for them.
-    slots, evicted, copied = copy_wanted(slots, host, wanted, victim_order[:count], side_stream=side_stream)
+    destinations = jnp.where(enabled, victim_order[:count], -1)
+    slots, evicted, copied = copy_wanted(slots, host, wanted, destinations, side_stream=side_stream)
     remaining = jnp.concatenate([victim_order[count:], jnp.full((count,), -1, victim_order.dtype)])
-    return slots, remaining, evicted, copied
+    return slots, jnp.where(enabled, remaining, victim_order), evicted, copied
 
 
 def prefetch_by_score(slots: LayerSlots, host: ExpertWeights, scores, *, count: int, min_score: float,
