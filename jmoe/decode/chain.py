@@ -24,6 +24,8 @@ program (`engine.runs_in_blocks`).
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
@@ -105,21 +107,27 @@ class ChainedProgram:
         return _Lowered(self, args)
 
     def compile_for(self, args: tuple) -> "ChainedCompiled":
-        """Every piece compiled from the shapes of `args` (their outputs' shapes carried along, nothing run)."""
-        order = []
+        """Every piece compiled from the shapes of `args` (their outputs' shapes carried along, nothing run): lowered
+        in turn, each from the shapes the one before gives, then the new ones compiled side by side on threads (XLA
+        compiles without Python's lock)."""
+        order, lowered = [], {}
 
         def call(jitted, piece_args):
             piece_args = _shapes(piece_args)
             shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(piece_args))
             key = (jitted, jax.tree.structure(piece_args), shapes)
-            piece = self._pieces.get(key)
-            if piece is None:
-                piece = self._pieces[key] = jitted.lower(*piece_args).compile()
-            order.append(piece)
-            return piece.out_info
+            order.append(key)
+            if key in self._pieces:
+                return self._pieces[key].out_info
+            if key not in lowered:
+                lowered[key] = jitted.lower(*piece_args)
+            return lowered[key].out_info
 
         self._run(call, _shapes(args))
-        return ChainedCompiled(self._run, order)
+        if lowered:
+            with ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+                self._pieces.update(zip(lowered, pool.map(lambda piece: piece.compile(), lowered.values())))
+        return ChainedCompiled(self._run, [self._pieces[key] for key in order])
 
     def __call__(self, *args):
         key = (jax.tree.structure(args), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
