@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         titles = {"generate": "First token against depth (CPU)",
                   "chain": "A deep model's step chained in layer blocks, against one program (CPU)",
                   "h100": "Compile seconds against depth, H100 compile-only, every layer compiled",
-                  "h100_chain": "A resident deep model's decode step chained, H100 compile-only",
+                  "h100_chain": "A deep model's decode step chained, H100 compile-only",
                   "scan": "The layer loop unrolled or under lax.scan (stand-in layer)"}
         sections = []
         for part in args.parts:
