@@ -11,6 +11,7 @@ import jmoe
 from jmoe.decode import chain
 from jmoe.decode.sampling import SamplingParams
 from jmoe.serve import RequestParams, ServingEngine
+from test_disk_tier import budget_for
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -67,6 +68,19 @@ def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name,
     # and the logits: the first MoE block, whose carry comes from the embedding, is alike the later ones
     blocks = [key for key in model.step_chain.pieces if key[0] in model.step_chain._layer_fns.values()]
     assert len(blocks) == 2 * 3
+
+
+def test_a_chained_model_reads_from_disk_what_the_one_program_step_reads(hf_checkpoints, monkeypatch):
+    path, reference = hf_checkpoints["olmoe_e8k4_clip"]
+    options = dict(cache=1, host_budget_gb=budget_for(path, 2))  # one slot, two host rows of 8 experts a layer
+    expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):]
+    with jmoe.load(path, progress=False, **options) as whole, chained(path, monkeypatch, 1, **options) as model:
+        for m in (whole, model):
+            assert m.generate(PROMPT, max_new_tokens=8)[0] == expected.tolist()
+        assert model.stats() == whole.stats()  # the same disk reads, host rows and slots in every layer
+        assert all(layer["disk_reads"] for layer in model.stats())
+        blocks = [key for key in model.step_chain.pieces if key[0] in model.step_chain._layer_fns.values()]
+        assert len(blocks) == 2  # the prompt step's and the decode step's: each layer reads from disk by its position
 
 
 def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_the_compiled_layers():

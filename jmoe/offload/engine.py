@@ -70,6 +70,11 @@ class EngineState(NamedTuple):
     host_row_of_expert: object = ()
 
 
+# The state's fields that hold a tuple of one entry per offloaded layer (the others are stacked over the layers, or
+# shared by them): what a block of a chained step takes of them is its own layers' entries.
+PER_LAYER = ("buffers", "expert_in_slot", "layer_index", "host_tier")
+
+
 class BlockLayout(NamedTuple):
     """What a step's program needs to know of a run of consecutive MoE layers (the whole step's, or a chained step's
     block: jmoe.decode.chain) to bind their slots: the same for every run of alike layers wherever it sits, so that
@@ -182,12 +187,12 @@ class OffloadEngine(ResidentEngine):
     # ---- a run of consecutive layers: the whole step, or a block of a chained one (jmoe.decode.chain) -------------
     @property
     def runs_in_blocks(self) -> bool:
-        """Whether a step may run as a chain of layer-block programs: the slots and tables are split by block
-        (`block_span`) and router prefetch hands its guess across a block's end (`BlockLayout`); history prefetch
-        (its in-step scores read every earlier layer's routing of the token), the disk tier (its reader is called
-        at each layer's static position) and what the resident engine keeps whole keep one program."""
-        return (self._history_predictor is None and not self.placement.host_rows and self.mesh is None
-                and not self.host_param_keys and not self.placement.fetched_keys)
+        """Whether a step may run as a chain of layer-block programs: the slots, host rows and tables are split by
+        block (`block_span`) and router prefetch hands its guess across a block's end (`BlockLayout`); history
+        prefetch (its in-step scores read every earlier layer's routing of the token) and what the resident engine
+        keeps whole keep one program."""
+        return (self._history_predictor is None and self.mesh is None and not self.host_param_keys
+                and not self.placement.fetched_keys)
 
     def block_span(self, moe_start: int, moe_stop: int):
         """The offloaded positions [first, stop) of MoE layers [moe_start, moe_stop), and their BlockLayout."""
@@ -210,12 +215,12 @@ class OffloadEngine(ResidentEngine):
                 jnp.full((tokens, self.config.num_experts_per_tok), -1, jnp.int32), jnp.asarray(False))
 
     def block_state(self, state: EngineState, span) -> EngineState | tuple:
-        """What a block's program takes of the state: its layers' slots and positions, the tables and scratch."""
+        """What a block's program takes of the state: its layers' slots, host rows and positions, the tables and
+        scratch."""
         (first, stop), _ = span
         if first == stop:
             return ()
-        return state._replace(buffers=state.buffers[first:stop], expert_in_slot=state.expert_in_slot[first:stop],
-                              layer_index=state.layer_index[first:stop])
+        return state._replace(**{name: getattr(state, name)[first:stop] for name in PER_LAYER})
 
     @staticmethod
     def with_block_state(state: EngineState, span, block: EngineState | tuple) -> EngineState:
@@ -224,12 +229,8 @@ class OffloadEngine(ResidentEngine):
         if first == stop:
             return state
 
-        def spliced(whole, part):
-            return whole[:first] + part + whole[stop:]
-
-        return block._replace(buffers=spliced(state.buffers, block.buffers),
-                              expert_in_slot=spliced(state.expert_in_slot, block.expert_in_slot),
-                              layer_index=spliced(state.layer_index, block.layer_index))
+        return block._replace(**{name: getattr(state, name)[:first] + getattr(block, name) + getattr(state, name)[stop:]
+                                 for name in PER_LAYER})
 
     # ---- inside the jitted step -------------------------------------------------------------------
     def bind(self, state: EngineState, layers: list[MoELayerView], tokens_shape: tuple[int, int]):
@@ -340,8 +341,8 @@ class OffloadEngine(ResidentEngine):
                 # experts, so a round of k held k experts at once, and none computed before all k had arrived.
                 host = state.host_tier[i]
                 tier = {"host_rows": row(state.host_row_of_expert, i), "disk": functools.partial(
-                    disk_experts, like=self.host_experts[i], read_expert=functools.partial(self.tier.read_expert, i),
-                    kernel=kernel, ahead=read_ahead_guesses(moe_index))}
+                    disk_experts, like=layer.experts, read_expert=self.tier.read_expert,
+                    position=state.layer_index[i], kernel=kernel, ahead=read_ahead_guesses(moe_index))}
             if decode and self.miss_mode in COMPUTED_WHERE_THEY_LIE:
                 y, counts[i] = compute_misses_where_they_lie(layer_slots[i], layer.experts, x, ids, weights,
                                                              kernel=kernel, miss_mode=self.miss_mode)

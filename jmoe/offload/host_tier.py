@@ -64,11 +64,12 @@ def expert_weights_from(read: dict[str, np.ndarray], like: ExpertWeights) -> Exp
     return ExpertWeights(weight("w_gate_up"), weight("w_down"), *biases)
 
 
-def disk_experts(x, ids, weights, on_disk, *, like: ExpertWeights, read_expert, kernel, ahead=None):
+def disk_experts(x, ids, weights, on_disk, *, like: ExpertWeights, read_expert, position, kernel, ahead=None):
     """float32 [T, d]: the contribution of the experts marked in `on_disk` (bool [E]), one a round: round r calls
-    `read_expert(order int32 [E], count int32, r, ahead)` (a host callback returning expert order[r]'s leaves,
-    shaped like `like`'s with a leading axis of 1; order[:count] are the marked experts, lowest first) and computes
-    it. `ahead`: int32 [N], experts of the next offloaded layer to read ahead (-1: none; None: no read-ahead)."""
+    `read_expert(position, order int32 [E], count int32, r, ahead)` (a host callback returning expert order[r]'s
+    leaves of offloaded layer `position` (an int32 scalar array, so that alike layers make alike programs), shaped like
+    `like`'s with a leading axis of 1; order[:count] are the marked experts, lowest first) and computes it. `ahead`:
+    int32 [N], experts of the next offloaded layer to read ahead (-1: none; None: no read-ahead)."""
     ahead = jnp.zeros((0,), jnp.int32) if ahead is None else ahead.astype(jnp.int32)
     count = jnp.sum(on_disk, dtype=jnp.int32)
     order = jnp.nonzero(on_disk, size=on_disk.shape[0], fill_value=0)[0].astype(jnp.int32)
@@ -77,7 +78,7 @@ def disk_experts(x, ids, weights, on_disk, *, like: ExpertWeights, read_expert, 
 
     def body(carry):
         r, y = carry
-        buffers = jax.experimental.io_callback(read_expert, shapes, order, count, r, ahead, ordered=False)
+        buffers = jax.experimental.io_callback(read_expert, shapes, position, order, count, r, ahead, ordered=False)
         return r + 1, y + kernel(x, chunk_slot_ids(token_rank, r, 1), weights, buffers, out_dtype=jnp.float32)
 
     _, y = jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), jnp.zeros(x.shape, jnp.float32)))
@@ -182,7 +183,7 @@ class HostTier:
         """The leaves of expert order[r] of offloaded layer `position` (order[:count]: the experts the layer reads
         from disk this step), read from disk; first the reads of order[r:r + k] not yet in flight are submitted,
         and in round 0 the reads ahead of `ahead` (experts of the next offloaded layer, -1 none)."""
-        order, count, r = np.asarray(order), int(count), int(r)
+        position, order, count, r = int(position), np.asarray(order), int(count), int(r)
         layer = self.moe_layers[position]
         with self._lock:
             for e in map(int, order[r:min(count, r + self.queue_depth)]):
