@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import jmoe
+import jmoe.api
 from hf_models import VOCAB, write_checkpoint
+from jmoe.decode import chain
 from jmoe.decode.sampling import SamplingParams
 from jmoe.kernels import ExpertWeights
 from jmoe.memory import PINNED_HOST, sharding_for
@@ -142,3 +144,24 @@ def test_bad_prefetch_trace(checkpoint, tmp_path):
     wrong_layers = markov_trace(50, seed=0)[:, :3]
     with pytest.raises(jmoe.InputError, match="for 3 MoE layers x 32 experts, the model has 4 x 32"):
         jmoe.load(checkpoint, cache=3, prefetch_trace=wrong_layers, progress=False)
+
+
+def test_a_chained_step_prefetches_what_the_one_program_step_prefetches(checkpoint, monkeypatch):
+    """Blocks of one layer (jmoe.decode.chain): each block's first layer is predicted from the ids of every earlier
+    layer of the token, handed on between the blocks, so the copies, hits and misses are the one program's."""
+    trace = markov_trace(500, seed=5)
+    rows = trace[400:448]
+    options = dict(cache=CACHE, prefetch_trace=trace[:400], progress=False)
+    whole = jmoe.load(checkpoint, **options)
+    monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", 1)
+    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.runs_in_blocks)
+    model = jmoe.load(checkpoint, **options)
+    assert whole.step_chain is None and model.step_chain is not None
+    for m in (whole, model):
+        routing = TraceRouting(rows, prompt_len=1, config=m.config)
+        m.generate_detailed([[1]], routing.max_new_tokens, SamplingParams(), routing_override=routing)
+    assert model.stats() == whole.stats()
+    assert sum(layer["bytes_moved"] for layer in model.stats()) > 0
+    # one block program for the four layers per step shape (the one-token prompt, decode): the first block, handed
+    # the embedding's carry, is alike the others
+    assert len([key for key in model.step_chain.pieces if key[0] in model.step_chain._layer_fns.values()]) == 2

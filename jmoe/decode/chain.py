@@ -14,11 +14,11 @@ so `Model` and the serving engine's program cache compile and time it as one pro
 for every program that shares them (the same block in a prompt step and in `Model.logits`).
 
 The engine state goes through the chain: each block takes its own part (`engine.block_state`: the offload engine's
-slots of the block's layers, its tables and scratch) and binds it as the block's layout says (`engine.bind_block`), and
-a router prefetch into the next block's first layer is handed on between them (its router input, a carry; the
-embedding's program makes the first block's, which prefetches nothing, so that the first block is alike the others). Engines
-whose layers read more (a mesh, parameters fetched as the step starts, history prefetch, the disk tier) keep one
-program (`engine.runs_in_blocks`).
+slots and host rows of the block's layers, its tables and scratch) and binds it as the block's layout says
+(`engine.bind_block`), and what router and history prefetch need of earlier layers is handed on between blocks (a
+carry; the embedding's program makes the first block's, from which nothing is prefetched, so that the first block
+is alike the others). Engines whose layers read more (a mesh, parameters fetched as the step starts, history prefetch
+reading ahead from disk) keep one program (`engine.runs_in_blocks`).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def chains(config, engine) -> bool:
     the distinct blocks hold at most half the model's layers, since each program of a chain costs a dispatch a step
     and the compile of a program besides its layers (a 12-layer model would compile blocks of 8 and 1 layers, most of
     its own; a 4-layer one would run four one-layer blocks for nothing)."""
+    if not engine.runs_in_blocks:
+        return False
     blocks = layer_blocks(config.moe_layers, LAYERS_PER_PROGRAM)
     moe_before = np.cumsum([0, *config.moe_layers])
     # What the config and the engine's layout say differs between layers; their modules are otherwise alike (one
@@ -76,7 +78,7 @@ def chains(config, engine) -> bool:
     kinds = {(tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])),
               engine.block_span(moe_before[start], moe_before[end])[1]) for start, end in blocks}
     full = any(end - start == LAYERS_PER_PROGRAM for start, end in blocks)
-    return engine.runs_in_blocks and full and 2 * sum(len(layers) for layers, _ in kinds) <= config.num_layers
+    return full and 2 * sum(len(layers) for layers, _ in kinds) <= config.num_layers
 
 
 def _shapes(tree):
@@ -311,9 +313,10 @@ class StepChain:
         return jitted
 
     def _block_fn(self, layer_defs: tuple, windows: tuple, layout, treedef, body: tuple) -> Callable:
-        """A block's program (its engine state bound as `layout`, the engine's block_span says): `body` is ("step", visible, forced) for Model's steps (`forced`: routing forced by an
-        int32 [L_moe, B, T, k] array read from the block's first MoE layer), ("prefill", visible, first_chunks) and
-        ("decode", visible) for the serving engine's batch (jmoe.serve.programs says what those do)."""
+        """A block's program (its engine state bound as `layout`, the engine's block_span says): `body` is ("step",
+        visible, forced) for Model's steps (`forced`: routing forced by an int32 [L_moe, B, T, k] array read from the
+        block's first MoE layer), ("prefill", visible, first_chunks) and ("decode", visible) for the serving engine's
+        batch (jmoe.serve.programs says what those do)."""
         cfg, engine = self.config, self.engine
 
         def layers_of(leaves, x, kv_cache, engine_state, carry, write_index, pad_len, visible, valid_len=None,

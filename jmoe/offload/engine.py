@@ -75,6 +75,13 @@ class EngineState(NamedTuple):
 PER_LAYER = ("buffers", "expert_in_slot", "layer_index", "host_tier")
 
 
+class Carry(NamedTuple):
+    """What a chained step's block hands the next (bind_block): None where the engine needs no part of it."""
+
+    router: tuple | None  # router prefetch: the last MoE layer's input [N, d], routing [N, k], whether it is offloaded
+    history: tuple | None  # history prefetch: the next MoE layer's place (int32) and this token's ids [L_moe, N, k]
+
+
 class BlockLayout(NamedTuple):
     """What a step's program needs to know of a run of consecutive MoE layers (the whole step's, or a chained step's
     block: jmoe.decode.chain) to bind their slots: the same for every run of alike layers wherever it sits, so that
@@ -188,11 +195,11 @@ class OffloadEngine(ResidentEngine):
     @property
     def runs_in_blocks(self) -> bool:
         """Whether a step may run as a chain of layer-block programs: the slots, host rows and tables are split by
-        block (`block_span`) and router prefetch hands its guess across a block's end (`BlockLayout`); history
-        prefetch (its in-step scores read every earlier layer's routing of the token) and what the resident engine
-        keeps whole keep one program."""
-        return (self._history_predictor is None and self.mesh is None and not self.host_param_keys
-                and not self.placement.fetched_keys)
+        block (`block_span`), and router and history prefetch hand what they need across a block's end (`Carry`);
+        history prefetch reading ahead from disk (into the next layer's host rows, which belong to the next block)
+        and what the resident engine keeps whole keep one program."""
+        return (not (self.history_reads_ahead and self._history_predictor is not None) and self.mesh is None
+                and not self.host_param_keys and not self.placement.fetched_keys)
 
     def block_span(self, moe_start: int, moe_stop: int):
         """The offloaded positions [first, stop) of MoE layers [moe_start, moe_stop), and their BlockLayout."""
@@ -205,14 +212,16 @@ class OffloadEngine(ResidentEngine):
                              prefetch_in=bool(self.prefetch) and first_cached)
         return (first, stop), layout
 
-    def first_carry(self, x):
-        """A chained step's first carry (bind_block's): with router prefetch, a router input and routing like a MoE
-        layer's, marked as coming from no offloaded layer, so that the first block prefetches nothing."""
-        if not self.prefetch:
+    def first_carry(self, x) -> "Carry | None":
+        """A chained step's first carry (bind_block's), from the embedded tokens x [B, T, d]: with router prefetch, a
+        router input and routing like a MoE layer's, marked as coming from no offloaded layer, so that the first block
+        prefetches nothing; with history prefetch, MoE layer 0 as the next and no layer's ids seen."""
+        if not self.prefetch and self._history_predictor is None:
             return None
-        tokens = x.shape[0] * x.shape[1]
-        return (jnp.zeros((tokens, x.shape[-1]), x.dtype),
-                jnp.full((tokens, self.config.num_experts_per_tok), -1, jnp.int32), jnp.asarray(False))
+        tokens, k = x.shape[0] * x.shape[1], self.config.num_experts_per_tok
+        router = (jnp.zeros((tokens, x.shape[-1]), x.dtype), jnp.full((tokens, k), -1, jnp.int32), jnp.asarray(False))
+        history = (jnp.int32(0), jnp.full((self.config.num_moe_layers, tokens, k), -1, jnp.int32))
+        return Carry(router if self.prefetch else None, history if self._history_predictor is not None else None)
 
     def block_state(self, state: EngineState, span) -> EngineState | tuple:
         """What a block's program takes of the state: its layers' slots, host rows and positions, the tables and
@@ -228,7 +237,6 @@ class OffloadEngine(ResidentEngine):
         (first, stop), _ = span
         if first == stop:
             return state
-
         return block._replace(**{name: getattr(state, name)[:first] + getattr(block, name) + getattr(state, name)[stop:]
                                  for name in PER_LAYER})
 
@@ -240,14 +248,9 @@ class OffloadEngine(ResidentEngine):
     def bind_block(self, state: EngineState, layers: list[MoELayerView], tokens_shape: tuple[int, int],
                    layout: "BlockLayout", carry):
         """bind for a run of MoE layers (`layers`, counted from 0) laid out as `layout`, `state` holding their slots
-        (block_state); `carry` is the router input and routing of the MoE layer before the run where it prefetches
-        into the run's first (layout.prefetch_in). finish() gives the state and the carry for the run after."""
-        if not layout.caches:
-            compute, finish = super().bind_block(state, layers, tokens_shape, layout, carry)
-            if not layers or carry is None:
-                return compute, finish
-            # its last MoE layer is resident: the next one prefetches nothing from it
-            return compute, lambda: (finish()[0], (*carry[:2], jnp.asarray(False)))
+        (block_state); `carry`: what router and history prefetch need of the MoE layers before the run (a Carry from
+        the block before, or first_carry's; None in one program over every layer). finish() gives the state and the
+        carry for the run after."""
         cfg = self.config
         caches = layout.caches
         lo = len(caches)
@@ -265,10 +268,15 @@ class OffloadEngine(ResidentEngine):
         copied = [jnp.int32(0)] * lo  # experts copied ahead of each layer (plan, prefetch)
         evicted = [jnp.int32(0)] * lo
         counts = [None] * lo
-        scratch = [Scratch(state.scratch)]  # threaded through the layers: each uses it in turn
-        # the carry for the next block: the run's last MoE layer's router input and routing (the carry as it came
-        # where the run has no MoE layer)
-        handed_on = [carry if not layers else None]
+        scratch = [Scratch(state.scratch) if lo else None]  # threaded through the layers: each uses it in turn
+        # the next block's router carry: the run's last MoE layer's router input and routing (as it came where the run
+        # has no MoE layer)
+        handed_on = [None if carry is None else carry.router]
+        # History prefetch: the first layer's place among the MoE layers (an int in one program, traced in a chain's
+        # block) and this token's expert ids of every MoE layer so far ([L_moe, N, k], -1 = not yet; made at the first
+        # MoE layer in one program)
+        first_moe, seen = (0, [None]) if carry is None or carry.history is None else (carry.history[0],
+                                                                                       [carry.history[1]])
         if decode and self.plan_width:
             # The manager's planned admissions, copied as the step starts: on a second stream (side_stream_copies)
             # they can overlap the attention and the layers before theirs.
@@ -276,7 +284,6 @@ class OffloadEngine(ResidentEngine):
                 layer_slots[i], evicted[i], copied[i] = copy_wanted(
                     layer_slots[i], layers[moe].experts, row(state.plan_experts, i), row(state.plan_slots, i),
                     side_stream=self.side_stream)
-        token_ids = {}  # MoE layer -> this token's expert ids [B, k], as the layers route (history prefetch)
         by_history = decode and self.history is not None
         copies_ahead = by_history and not self.history_reads_ahead  # into the device's slots
         reads_ahead = by_history and self.history_reads_ahead  # from disk into the host tier
@@ -286,7 +293,8 @@ class OffloadEngine(ResidentEngine):
             i = position.get(moe_index)
             if i is None or not caches[i]:
                 return
-            scores = self.history.in_step_scores(state.predict_base[moe_index], moe_index, token_ids)
+            scores = self.history.in_step_scores(state.predict_base[first_moe + moe_index], first_moe + moe_index,
+                                                 seen[0])
             layer_slots[i], ahead_evicted, ahead_copied = prefetch_by_score(
                 layer_slots[i], layers[moe_index].experts, scores, **BEST, side_stream=self.side_stream)
             copied[i] = copied[i] + ahead_copied
@@ -307,7 +315,7 @@ class OffloadEngine(ResidentEngine):
         if copies_ahead:
             predict_into(0)  # from the tokens before this one only
         if decode and layout.prefetch_in and carry is not None:  # a chained block's (bind gives no carry)
-            router_prefetch(position[0], layers[0], *carry)
+            router_prefetch(position[0], layers[0], *carry.router)
 
         def read_ahead_guesses(moe_index):
             """int32 [read_ahead]: the experts in no host row that the history predictor scores best for the next
@@ -315,7 +323,7 @@ class OffloadEngine(ResidentEngine):
             nxt = position.get(moe_index + 1)
             if not reads_ahead or nxt is None:
                 return None
-            scores = self.history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1, token_ids)
+            scores = self.history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1, seen[0])
             scores = jnp.where(row(state.host_row_of_expert, nxt) >= 0, -jnp.inf, scores)
             best, experts = jax.lax.top_k(scores, min(self.read_ahead, scores.shape[-1]))  # at most all of them
             return jnp.where(best > -jnp.inf, experts, -1)
@@ -323,12 +331,15 @@ class OffloadEngine(ResidentEngine):
         def compute(moe_index, x, routed, weights):
             layer = layers[moe_index]
             if by_history:
-                token_ids[moe_index] = routed
+                if seen[0] is None:
+                    seen[0] = jnp.full((cfg.num_moe_layers, *routed.shape), -1, jnp.int32)
+                seen[0] = jax.lax.dynamic_update_index_in_dim(seen[0], routed.astype(jnp.int32),
+                                                              first_moe + moe_index, 0)
             if copies_ahead:
                 predict_into(moe_index + 1)
             ids = self.owned(routed)
-            if carry is not None and moe_index == len(layers) - 1:  # the next block's first layer prefetches from it
-                handed_on[0] = (x, routed, jnp.asarray(moe_index in position))
+            if handed_on[0] is not None and moe_index == len(layers) - 1:  # the next block's first layer prefetches
+                handed_on[0] = (x, routed, jnp.asarray(moe_index in position))  # from it, if it is offloaded
             if moe_index not in position:
                 return self.combine(self.resident_experts(layer, x, ids, weights), x)
             i = position[moe_index]
@@ -354,7 +365,12 @@ class OffloadEngine(ResidentEngine):
                                                chunk_size=self.placement.scratch, **tier)
             return self.combine(y, x)  # the one rounding of the float32 partial outputs
 
-        def finish() -> tuple[EngineState, object]:
+        def finish() -> tuple[EngineState, "Carry | None"]:
+            if carry is not None:
+                carry_out = Carry(handed_on[0], None if carry.history is None
+                                  else (carry.history[0] + len(layers), seen[0]))
+            if not lo:
+                return state, carry_out if carry is not None else None
             slot_of_expert, step_counts = state.slot_of_expert, state.counts
             for i, (slots, c) in enumerate(zip(layer_slots, counts)):  # each layer's rows at its own position
                 layer_counts = jnp.stack([c.hits, c.misses, c.copied + copied[i], c.evicted + evicted[i]])
@@ -364,7 +380,7 @@ class OffloadEngine(ResidentEngine):
             return state._replace(buffers=tuple(s.buffers for s in layer_slots), scratch=scratch[0].buffers,
                                   slot_of_expert=slot_of_expert,
                                   expert_in_slot=tuple(s.expert_in_slot for s in layer_slots),
-                                  counts=step_counts), handed_on[0]
+                                  counts=step_counts), carry_out if carry is not None else None
 
         return compute, finish
 

@@ -79,14 +79,18 @@ class HistoryPrefetch:
             return self.predictor.next_token_base(np.zeros((0, num_layers, top_k), np.int64))
         return np.max([self.predictor.next_token_base(rows) for rows in self.history], axis=0)
 
-    def in_step_scores(self, base, layer: int, token_ids: dict):
+    def in_step_scores(self, base, layer, token_ids):
         """Inside the step: float32 [E], the scores for MoE layer `layer` from `base` [E] plus the evidence
-        of this token's layers `layer - d` (token_ids: MoE layer -> int [B, k] ids, -1 = none)."""
+        of this token's layers `layer - d` (token_ids int [L, B, k]: each MoE layer's ids so far, -1 = none).
+        `layer` is an int, or an int32 array (a chained step's block, whose layers' places are its arguments: a
+        lag past the first layer then adds nothing, as the int's skips it)."""
         num_experts = base.shape[0]
         rows = base
         for index, lag in enumerate(self.lags):
-            if layer - lag < 0:
+            known = isinstance(layer, int)
+            if known and layer - lag < 0:
                 continue
-            ids = token_ids[layer - lag]
-            rows = rows + self.within[index, layer][jnp.where(ids < 0, num_experts, ids)].sum(axis=-2)
+            ids = token_ids[layer - lag if known else jnp.maximum(layer - lag, 0)]
+            evidence = self.within[index, layer][jnp.where(ids < 0, num_experts, ids)].sum(axis=-2)
+            rows = rows + (evidence if known else jnp.where(layer >= lag, evidence, 0.0))
         return rows.max(axis=0) if rows.ndim == 2 else rows
