@@ -13,13 +13,16 @@ import jax
 import numpy as np
 
 import jmoe
+import jmoe.api
 from jmoe.collector import freeze_loaded
+from jmoe.decode import chain
 
 PROMPTS = [[3, 5, 7, 9, 11, 2], [4, 1, 8]]  # two rows of different lengths: a padded prompt, then decode
 LOGIT_TOKENS = [[3, 5, 7, 9, 11, 2, 6], [1, 1, 4, 9, 2, 3, 8]]
 NEW_TOKENS = 5
 # Tokens each MoE layer routes in `run`: the prompts' real tokens, one per row at each later step, the logits' rows
 ROUTED_TOKENS = sum(map(len, PROMPTS)) + (NEW_TOKENS - 1) * len(PROMPTS) + sum(map(len, LOGIT_TOKENS))
+LAYERS_PER_PROGRAM = chain.LAYERS_PER_PROGRAM
 
 
 def accesses(model) -> dict[int, int]:
@@ -65,6 +68,7 @@ def main(cases: list[dict]) -> None:
     for case in cases:
         references = {}  # expert storage -> the one-device model's (every expert resident) tokens and logits
         for options in case["options"]:
+            chain.LAYERS_PER_PROGRAM, jmoe.api.chains = LAYERS_PER_PROGRAM, chain.chains  # the reference: as shipped
             storage = options.get("expert_dtype")
             if storage not in references:
                 references[storage] = run(jmoe.load(case["path"], expert_dtype=storage, progress=False))
@@ -73,9 +77,12 @@ def main(cases: list[dict]) -> None:
             kwargs = dict(options)
             if "mesh_devices" in kwargs:
                 kwargs["mesh"] = jax.make_mesh((kwargs.pop("mesh_devices"),), ("expert",))
+            if kwargs.pop("chained", False):  # in blocks of one layer, however few the model's (jmoe.decode.chain)
+                chain.LAYERS_PER_PROGRAM, jmoe.api.chains = 1, lambda config, engine: engine.runs_in_blocks
             model = jmoe.load(case["path"], progress=False, **kwargs)
             tokens, logits = run(model)
             runs.append({"case": case["name"], "options": options, "tokens_equal": tokens == ref_tokens,
+                         "chained": model.step_chain is not None,
                          "logits_error": float(np.abs(logits - ref_logits).max()) / scale,
                          "accesses": accesses(model),
                          "routed_accesses": ROUTED_TOKENS * model.config.num_experts_per_tok,

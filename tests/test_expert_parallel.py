@@ -36,12 +36,15 @@ CASES = {
                                 num_attention_heads=2, num_key_value_heads=1), [
         dict(devices=DEVICES, cache=[0, 1], prefetch=1),
         dict(mesh_devices=2, cache=3, miss_mode="host", policy="lru"),
+        # each layer a program of its own (jmoe.decode.chain), each a shard_map over the mesh
+        dict(devices=DEVICES, cache=[0, 1], prefetch=1, chained=True),
     ]),
     # shared expert with its gate, a dense layer between the MoE layers
     "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                                     shared_expert_intermediate_size=24, intermediate_size=32, mlp_only_layers=[1],
                                     num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2), [
         dict(devices=DEVICES, cache=[1, None], miss_mode="host"),
+        dict(devices=DEVICES, cache=[1, None], miss_mode="host", chained=True),
     ]),
     # top-3 when a device owns 2: the grouped router picks over all 8, each device computes its share; experts
     # stored as int8 (values and scales split alike; the one-device reference stores them so too)
@@ -92,6 +95,7 @@ def test_tokens_and_logits_equal_one_device(runs, case):
     for run in runs_of(runs, case):
         assert run["tokens_equal"], run["options"]
         assert run["logits_error"] <= 1e-5, run
+        assert run["chained"] == run["options"].get("chained", False)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -87,10 +87,13 @@ def _shapes(tree):
 
 
 def _kept_sharding(array):
-    """The array's sharding as a shape struct keeps it: a single device's as a NamedSharding over a mesh of that
-    device, since a shape struct drops a SingleDeviceSharding's memory kind (jax 0.10: pinned-host experts would be
-    traced as device arrays)."""
+    """The array's sharding as a shape struct keeps it: none for an array JAX may still move (uncommitted, as a
+    jitted function would take it), a single device's as a NamedSharding over a mesh of that device, since a shape
+    struct drops a SingleDeviceSharding's memory kind (jax 0.10: pinned-host experts would be traced as device
+    arrays)."""
     sharding = getattr(array, "sharding", None)
+    if not getattr(array, "committed", True):
+        return None
     if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return sharding
     mesh = jax.sharding.Mesh(np.array(list(sharding.device_set)), ("device",))
@@ -102,8 +105,8 @@ class ChainedProgram:
     order whatever the arrays. Compiled like a jitted function (`lower(*args).compile()`), or called directly (compiled
     the first time its arguments' shapes are seen). `pieces` holds the compiled pieces of every program of a chain."""
 
-    def __init__(self, run: Callable[[Call, tuple], Any], pieces: dict):
-        self._run, self._pieces, self._compiled = run, pieces, {}
+    def __init__(self, run: Callable[[Call, tuple], Any], pieces: dict, side_by_side: bool = True):
+        self._run, self._pieces, self._compiled, self._side_by_side = run, pieces, {}, side_by_side
 
     def lower(self, *args) -> "_Lowered":
         return _Lowered(self, args)
@@ -111,7 +114,8 @@ class ChainedProgram:
     def compile_for(self, args: tuple) -> "ChainedCompiled":
         """Every piece compiled from the shapes of `args` (their outputs' shapes carried along, nothing run): lowered
         in turn, each from the shapes the one before gives, then the new ones compiled side by side on threads (XLA
-        compiles without Python's lock)."""
+        compiles without Python's lock). Not `side_by_side` (over a mesh, where the compiler chooses where a piece's
+        outputs lie, which the next piece must be lowered for), each is compiled before the next is lowered."""
         order, lowered = [], {}
 
         def call(jitted, piece_args):
@@ -123,6 +127,9 @@ class ChainedProgram:
                 return self._pieces[key].out_info
             if key not in lowered:
                 lowered[key] = jitted.lower(*piece_args)
+                if not self._side_by_side:
+                    self._pieces[key] = lowered.pop(key).compile()
+                    return self._pieces[key].out_info
             return lowered[key].out_info
 
         self._run(call, _shapes(args))
@@ -204,7 +211,7 @@ class StepChain:
                                                                routing, finite, key, step, sampling))
             return outputs, routing, new_cache, engine_state, self._read_back(call, engine_state)
 
-        return ChainedProgram(run, self.pieces)
+        return self._program(run)
 
     def logits_program(self, kv_dtype) -> ChainedProgram:
         """`steps.make_logits_fn`'s program, chained; its blocks are a prompt step's of T tokens in a T-column cache."""
@@ -223,7 +230,7 @@ class StepChain:
             logits, routing = call(self._logits_head_fn, (params["final_norm"], self._head_weight(params), x, routing))
             return logits, routing, engine_state, self._read_back(call, engine_state)
 
-        return ChainedProgram(run, self.pieces)
+        return self._program(run)
 
     def prefill_program(self, visible: int) -> ChainedProgram:
         """jmoe.serve.programs.make_prefill_fn's program, chained (its docstring says what it does)."""
@@ -238,7 +245,7 @@ class StepChain:
                                                             routing, finite, valid))
             return outputs, routing, new_cache, engine_state, self._read_back(call, engine_state)
 
-        return ChainedProgram(run, self.pieces)
+        return self._program(run)
 
     def decode_program(self, visible: int) -> ChainedProgram:
         """jmoe.serve.programs.make_decode_fn's program, chained."""
@@ -252,7 +259,10 @@ class StepChain:
                                                            routing, finite))
             return outputs, routing, new_cache, engine_state, self._read_back(call, engine_state)
 
-        return ChainedProgram(run, self.pieces)
+        return self._program(run)
+
+    def _program(self, run: Callable[[Call, tuple], Any]) -> ChainedProgram:
+        return ChainedProgram(run, self.pieces, side_by_side=self.engine.mesh is None)
 
     # ---- the pieces -----------------------------------------------------------------------------------------------
     def _layers(self, call: Call, params, engine_state, tokens, kv_cache, body: tuple,
@@ -321,19 +331,26 @@ class StepChain:
 
         def layers_of(leaves, x, kv_cache, engine_state, carry, write_index, pad_len, visible, valid_len=None,
                       forced=None):
-            layers = [nnx.merge(graphdef, state) for graphdef, state in zip(layer_defs,
-                                                                            jax.tree.unflatten(treedef, leaves))]
-            views = [layer.mlp.view() for layer in layers if isinstance(layer.mlp, MoEBlock)]
-            compute, finish = engine.bind_block(engine_state, views, x.shape[:2], layout, carry)
-            if forced is not None:
-                forced_all, first = forced
-                forced = jax.lax.dynamic_slice_in_dim(forced_all, first, len(views))
+            def run(layer_states, engine_state, inputs):  # on every device of the engine's mesh (engine.spmd)
+                x, kv_cache, carry, write_index, pad_len, valid_len, forced = inputs
+                layers = [nnx.merge(graphdef, state) for graphdef, state in zip(layer_defs, layer_states)]
+                views = [layer.mlp.view() for layer in layers if isinstance(layer.mlp, MoEBlock)]
+                compute, finish = engine.bind_block(engine_state, views, x.shape[:2], layout, carry)
+                if forced is not None:
+                    forced_all, first = forced
+                    forced = jax.lax.dynamic_slice_in_dim(forced_all, first, len(views))
+                context = step_context(cfg, x.shape[:2], visible, write_index, pad_len, valid_len)
+                x, new_cache, routing, finite = run_decoder_layers(cfg, layers, windows, x, kv_cache, context,
+                                                                   expert_compute=compute, backend=engine.backend,
+                                                                   forced_routing=forced)
+                engine_state, carry = finish()
+                return (x, tuple(new_cache), routing, finite, carry), engine_state
+
             visible = kv_cache[0][0].shape[1] if visible is None else visible
-            context = step_context(cfg, x.shape[:2], visible, write_index, pad_len, valid_len)
-            x, new_cache, routing, finite = run_decoder_layers(cfg, layers, windows, x, kv_cache, context,
-                                                               expert_compute=compute, backend=engine.backend,
-                                                               forced_routing=forced)
-            return (x, tuple(new_cache), routing, finite, *finish())
+            layer_states = jax.tree.unflatten(treedef, leaves)
+            (x, new_cache, routing, finite, carry), engine_state = engine.spmd(run, layer_states)(
+                layer_states, engine_state, (x, kv_cache, carry, write_index, pad_len, valid_len, forced))
+            return x, new_cache, routing, finite, engine_state, carry
 
         kind, visible, *flag = body
         if kind == "step":

@@ -134,8 +134,7 @@ class ExpertParallelEngine:
     jmoe.offload.resident, its state stacked over the devices."""
 
     def __init__(self, config: ModelConfig, placement: Placement, options: OffloadOptions, backend: str, mesh: Mesh):
-        self.config, self.mesh, self.placement = config, mesh, placement
-        self.runs_in_blocks = False  # its step is one shard_map over the mesh (ResidentEngine.runs_in_blocks)
+        self.config, self.mesh, self.placement, self.backend = config, mesh, placement, backend
         self.engines = [make_engine(device_config(config, mesh.devices.size), placement, options, backend)
                         for _ in range(mesh.devices.size)]
         for engine in self.engines:
@@ -192,6 +191,32 @@ class ExpertParallelEngine:
     def bind(self, state, layers, tokens_shape: tuple[int, int]):
         compute, finish = self.engines[0].bind(this_device(state), layers, tokens_shape)
         return compute, lambda: stacked(finish())
+
+    # ---- a chained step's blocks (jmoe.decode.chain): each block's program a shard_map of its own ----------------
+    @property
+    def runs_in_blocks(self) -> bool:
+        return self.engines[0].runs_in_blocks
+
+    def block_span(self, moe_start: int, moe_stop: int):
+        return self.engines[0].block_span(moe_start, moe_stop)
+
+    def first_carry(self, x):
+        return self.engines[0].first_carry(x)  # replicated, as the block's activations
+
+    def block_state(self, state, span):
+        return self.engines[0].block_state(state, span)  # every leaf keeps its leading device axis
+
+    def with_block_state(self, state, span, block):
+        return self.engines[0].with_block_state(state, span, block)
+
+    def bind_block(self, state, layers, tokens_shape: tuple[int, int], layout, carry):
+        compute, finish = self.engines[0].bind_block(this_device(state), layers, tokens_shape, layout, carry)
+
+        def finished():
+            block_state, carry_out = finish()
+            return stacked(block_state), carry_out
+
+        return compute, finished
 
     # ---- between steps: every device's manager ------------------------------------------------------------
     def attach(self, layers) -> None:

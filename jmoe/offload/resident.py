@@ -56,10 +56,9 @@ class ResidentEngine:
     @property
     def runs_in_blocks(self) -> bool:
         """Whether a deep model's step may run as a chain of layer-block programs (jmoe.decode.chain), each block
-        binding only its layers (`bind_block`): not over a mesh, nor with parameters fetched at the step's start
-        or a layer ahead."""
-        return (self.mesh is None and self.expert_axis is None and not self.host_param_keys
-                and not self.placement.fetched_keys)
+        binding only its layers (`bind_block`): not with parameters fetched at the step's start or a layer ahead
+        (over a mesh, the expert-parallel engine asks its first device's engine)."""
+        return not self.host_param_keys and not self.placement.fetched_keys
 
     def block_span(self, moe_start: int, moe_stop: int):
         """(What `block_state` takes of the state, the static layout `bind_block` takes) for MoE layers [moe_start,
