@@ -11,7 +11,10 @@ device-to-host read, and writes what its manager decides into the latest state. 
 gives the state's shapes without allocating it, so the steps can be compiled for another device. `spmd`
 wraps the step's forward: as is here; the expert-parallel engine (jmoe.offload.expert_parallel) runs it on
 every device of its mesh, each device's engine computing its own experts' share (`owned`, `combine`).
-The offload engine (jmoe.offload.engine) implements the same methods.
+A deep model's chained step (jmoe.decode.chain) binds each block of layers on its own: `block_span` says which part
+of the state a block takes and its static layout, `block_state` / `with_block_state` take that part out and put it
+back, `bind_block` binds it, and `first_carry` starts what the blocks hand each other (the offload engine's
+prefetch needs the layers before a block's). The offload engine (jmoe.offload.engine) implements the same methods.
 """
 
 from __future__ import annotations
