@@ -44,10 +44,13 @@ def test_chained_steps_and_logits_are_what_transformers_computes(name, hf_checkp
 
 # Router prefetch handed on between blocks, across a dense layer (Qwen2-MoE's sparse step); planned admissions of
 # the last step's misses computed on the host (DeepSeek-V3's first dense layer, MLA); misses read in place with
-# prefetch (GPT-OSS's windows): blocks of one layer.
-@pytest.mark.parametrize("name, options", [("qwen2_moe_sparse_step_norm", dict(cache=1, prefetch=1)),
-                                           ("deepseek_v3_qlora_groups", dict(cache=2, miss_mode="host")),
-                                           ("gpt_oss_e4k2_window", dict(cache=2, prefetch=1, miss_mode="direct"))])
+# prefetch (GPT-OSS's windows); parameters in pinned host memory, the tied embedding and the first layer's queries
+# (Mixtral): blocks of one layer.
+@pytest.mark.parametrize("name, options", [
+    ("qwen2_moe_sparse_step_norm", dict(cache=1, prefetch=1)),
+    ("deepseek_v3_qlora_groups", dict(cache=2, miss_mode="host")),
+    ("gpt_oss_e4k2_window", dict(cache=2, prefetch=1, miss_mode="direct")),
+    ("mixtral_e8k3_mqa_tied_window", dict(cache=2, offload_params=["embed", r"re:layers\.0\.attn\.q\.kernel"]))])
 def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name, options, hf_checkpoints,
                                                                            monkeypatch):
     path, reference = hf_checkpoints[name]
@@ -64,8 +67,9 @@ def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name,
     ids = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 13))
     np.testing.assert_allclose(np.asarray(model.logits_and_routing(ids)[0]),
                                reference(torch.tensor(ids)).logits.detach().numpy(), atol=1e-4, rtol=0)
-    # two kinds of layer each (dense and MoE, or two windows), one program each for the prompt step, the decode step
-    # and the logits: the first MoE block, whose carry comes from the embedding, is alike the later ones
+    # two kinds of layer each (dense and MoE, two windows, queries in host memory or not), one program each for the
+    # prompt step, the decode step and the logits: the first MoE block, whose carry comes from the embedding, is alike
+    # the later ones
     blocks = [key for key in model.step_chain.pieces if key[0] in model.step_chain._layer_fns.values()]
     assert len(blocks) == 2 * 3
 
@@ -95,7 +99,8 @@ def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_t
                                sliding_windows=(None,) * layers)
 
     def engine(runs_in_blocks):
-        return SimpleNamespace(runs_in_blocks=runs_in_blocks, block_span=lambda *_: (None, None))
+        return SimpleNamespace(runs_in_blocks=runs_in_blocks, block_span=lambda *_: (None, None),
+                               block_host_params=lambda start, end: ((),) * (end - start))
 
     resident, offload = engine(True), engine(False)
     assert chain.chains(config(16), resident) and not chain.chains(config(12), resident)
@@ -111,9 +116,8 @@ def test_alike_layers_share_one_program_and_sampling_matches_the_one_program_ste
     assert whole.step_chain is None  # no deeper than LAYERS_PER_PROGRAM
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", 1)
     assert chain.chains(whole.config, whole.engine)  # one program for its two layers: half of them
-    # Engines whose layers read more than their blocks' own weights and slots keep one program: parameters in pinned
-    # host memory (fetched as the step starts).
-    assert jmoe.load(path, offload_params=["q"], progress=False).step_chain is None
+    # Layer groups keep one program: a layer's weights are fetched a layer ahead, maybe in the block before.
+    assert jmoe.load(path, offload_group_size=2, progress=False).step_chain is None
     model = chained(path, monkeypatch, 1)
     sampling = dict(max_new_tokens=10, temperature=0.9, top_k=20, seed=7)
     assert model.generate(PROMPT, **sampling) == whole.generate(PROMPT, **sampling)

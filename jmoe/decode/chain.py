@@ -17,8 +17,9 @@ The engine state goes through the chain: each block takes its own part (`engine.
 slots and host rows of the block's layers, its tables and scratch) and binds it as the block's layout says
 (`engine.bind_block`), and what router and history prefetch need of earlier layers is handed on between blocks (a
 carry; the embedding's program makes the first block's, from which nothing is prefetched, so that the first block
-is alike the others). Engines whose layers read more (a mesh, parameters fetched as the step starts, history prefetch
-reading ahead from disk) keep one program (`engine.runs_in_blocks`).
+is alike the others). Over an expert mesh each block's program is a shard_map of its own (`engine.spmd`), and each
+block copies in its own parameters offloaded by pattern. Layer groups (a layer's weights fetched a layer ahead) and
+history prefetch reading ahead from disk keep one program (`engine.runs_in_blocks`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from flax import nnx
 
 from jmoe.decode.sampling import choose_tokens, greedy_tokens
 from jmoe.model.moe import MoEBlock
+from jmoe.offload.resident import fetched
 from jmoe.model.transformer import (first_columns, gather_rows, kv_cache_shapes, output_logits, run_decoder_layers,
                                     scatter_first_columns, scatter_rows, step_context)
 
@@ -76,9 +78,10 @@ def chains(config, engine) -> bool:
     # What the config and the engine's layout say differs between layers; their modules are otherwise alike (one
     # family, one attention).
     kinds = {(tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])),
-              engine.block_span(moe_before[start], moe_before[end])[1]) for start, end in blocks}
+              engine.block_span(moe_before[start], moe_before[end])[1], engine.block_host_params(start, end))
+             for start, end in blocks}
     full = any(end - start == LAYERS_PER_PROGRAM for start, end in blocks)
-    return full and 2 * sum(len(layers) for layers, _ in kinds) <= config.num_layers
+    return full and 2 * sum(len(layers) for layers, _, _ in kinds) <= config.num_layers
 
 
 def _shapes(tree):
@@ -185,8 +188,12 @@ class StepChain:
         # made where no device can hold an array, compiling for a GPU the machine lacks)
         self.moe_starts = [np.int32(moe_before[start]) for start, _ in self.blocks]
         self.spans = [engine.block_span(int(moe_before[start]), int(moe_before[end])) for start, end in self.blocks]
+        # parameters offloaded by pattern: each block copies in its layers' (named within the layer), the embedding
+        # and the head theirs
+        self.host_params = [engine.block_host_params(start, end) for start, end in self.blocks]
+        self.host_keys = engine.host_param_keys
         self.pieces: dict[tuple, jax.stages.Compiled] = {}  # compiled pieces, shared by all the programs below
-        self._embed = jax.jit(functools.partial(_embed, engine))
+        self._embed = jax.jit(functools.partial(_embed, engine, self.host_keys))
         self._layer_fns: dict[tuple, Callable] = {}  # jitted block programs by their layers and body
         self._block_fns: dict[tuple, Callable] = {}  # the same by (block, treedef, body)
         self._flat_params = (None, None)  # (the parameters, each block's flattened layer parameters)
@@ -315,15 +322,17 @@ class StepChain:
         if jitted is None:
             start, end = self.blocks[block]
             signature = (self.layer_defs[start:end], self.config.sliding_windows[start:end], self.spans[block][1],
-                         treedef, body)
+                         self.host_params[block], treedef, body)
             jitted = self._layer_fns.get(signature)
             if jitted is None:
                 jitted = self._layer_fns[signature] = jax.jit(self._block_fn(*signature), donate_argnums=(1, 2, 3))
             self._block_fns[block, treedef, body] = jitted
         return jitted
 
-    def _block_fn(self, layer_defs: tuple, windows: tuple, layout, treedef, body: tuple) -> Callable:
-        """A block's program (its engine state bound as `layout`, the engine's block_span says): `body` is ("step",
+    def _block_fn(self, layer_defs: tuple, windows: tuple, layout, host_params: tuple, treedef,
+                  body: tuple) -> Callable:
+        """A block's program (its engine state bound as `layout`, the engine's block_span says; the parameters
+        `host_params` names copied in as it starts): `body` is ("step",
         visible, forced) for Model's steps (`forced`: routing forced by an int32 [L_moe, B, T, k] array read from the
         block's first MoE layer), ("prefill", visible, first_chunks) and ("decode", visible) for the serving engine's
         batch (jmoe.serve.programs says what those do)."""
@@ -333,7 +342,8 @@ class StepChain:
                       forced=None):
             def run(layer_states, engine_state, inputs):  # on every device of the engine's mesh (engine.spmd)
                 x, kv_cache, carry, write_index, pad_len, valid_len, forced = inputs
-                layers = [nnx.merge(graphdef, state) for graphdef, state in zip(layer_defs, layer_states)]
+                layers = [nnx.merge(graphdef, fetched(state, keys))
+                          for graphdef, state, keys in zip(layer_defs, layer_states, host_params)]
                 views = [layer.mlp.view() for layer in layers if isinstance(layer.mlp, MoEBlock)]
                 compute, finish = engine.bind_block(engine_state, views, x.shape[:2], layout, carry)
                 if forced is not None:
@@ -375,8 +385,9 @@ class StepChain:
 
     # ---- the heads (each after the last block) ---------------------------------------------------------------------
     def _logits(self, norm_state, head, x, last_only, valid_len=None):
-        return output_logits(nnx.merge(self.norm_def, norm_state), head.T if self.tied else head, x, last_only,
-                             valid_len)
+        norm = nnx.merge(self.norm_def, fetched(norm_state, self.host_keys, ("final_norm",)))
+        head = fetched(head, self.host_keys, ("embed" if self.tied else "lm_head",))
+        return output_logits(norm, head.T if self.tied else head, x, last_only, valid_len)
 
     def _step_head(self, greedy, norm_state, head, x, routing, finite, key, step, sampling):
         next_tokens = choose_tokens(self._logits(norm_state, head, x, True)[:, -1], greedy, key, step, sampling)
@@ -394,8 +405,9 @@ class StepChain:
             jnp.concatenate(routing)
 
 
-def _embed(engine, embed, tokens):
-    """The embedding of tokens [B, T], or of [R] (a serving decode step's, one a row) as [R, 1]; and the carry the
-    first block's engine binding takes (`engine.first_carry`)."""
-    x = jnp.take(embed, tokens if tokens.ndim == 2 else tokens[:, None], axis=0)
+def _embed(engine, host_keys, embed, tokens):
+    """The embedding of tokens [B, T], or of [R] (a serving decode step's, one a row) as [R, 1], from the table copied
+    in if `host_keys` name it (offloaded by pattern); and the carry the first block's engine binding takes
+    (`engine.first_carry`)."""
+    x = jnp.take(fetched(embed, host_keys, ("embed",)), tokens if tokens.ndim == 2 else tokens[:, None], axis=0)
     return x, engine.first_carry(x)

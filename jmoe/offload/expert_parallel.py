@@ -200,6 +200,13 @@ class ExpertParallelEngine:
     def block_span(self, moe_start: int, moe_stop: int):
         return self.engines[0].block_span(moe_start, moe_stop)
 
+    @property
+    def host_param_keys(self) -> frozenset:
+        return self.engines[0].host_param_keys
+
+    def block_host_params(self, start: int, end: int) -> tuple[frozenset, ...]:
+        return self.engines[0].block_host_params(start, end)
+
     def first_carry(self, x):
         return self.engines[0].first_carry(x)  # replicated, as the block's activations
 

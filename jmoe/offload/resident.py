@@ -33,6 +33,20 @@ from jmoe.offload.layer_groups import layer_fetch_hook
 from jmoe.offload.placement import Placement
 
 
+def fetched(tree, keys, prefix: tuple = ()):
+    """Inside a jitted program: `tree` (parameters at path `prefix`) with the leaves whose dotted name is in `keys`
+    copied to the device."""
+    if not keys:
+        return tree
+
+    def fetch(path, leaf):
+        # Parameter paths are dict keys followed by the Variable's `.value` attribute.
+        key = param_key(prefix + tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey)))
+        return to_device(leaf) if key in keys else leaf
+
+    return jax.tree_util.tree_map_with_path(fetch, tree)
+
+
 class ResidentEngine:
     """Every expert on the device, read from the model's own stacked weights: no state, nothing to manage.
     Parameters the placement keeps in pinned host memory (not experts) are copied in during each step: at
@@ -59,9 +73,10 @@ class ResidentEngine:
     @property
     def runs_in_blocks(self) -> bool:
         """Whether a deep model's step may run as a chain of layer-block programs (jmoe.decode.chain), each block
-        binding only its layers (`bind_block`): not with parameters fetched at the step's start or a layer ahead
-        (over a mesh, the expert-parallel engine asks its first device's engine)."""
-        return not self.host_param_keys and not self.placement.fetched_keys
+        binding only its layers (`bind_block`; each block copies in its own parameters offloaded by pattern,
+        `block_host_params`): not with layer groups, whose layers' weights are fetched a layer ahead (over a mesh,
+        the expert-parallel engine asks its first device's engine)."""
+        return not self.placement.fetched_keys
 
     def block_span(self, moe_start: int, moe_stop: int):
         """(What `block_state` takes of the state, the static layout `bind_block` takes) for MoE layers [moe_start,
@@ -94,15 +109,13 @@ class ResidentEngine:
 
     def prepare_params(self, params):
         """Parameters offloaded by pattern (not experts, not layer groups) are copied in at every step."""
-        if not self.host_param_keys:
-            return params
+        return fetched(params, self.host_param_keys)
 
-        def fetch(path, leaf):
-            # Parameter paths are dict keys followed by the Variable's `.value` attribute.
-            key = param_key(tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey)))
-            return to_device(leaf) if key in self.host_param_keys else leaf
-
-        return jax.tree_util.tree_map_with_path(fetch, params)
+    def block_host_params(self, start: int, end: int) -> tuple[frozenset, ...]:
+        """Per decoder layer of [start, end), the names within it of its parameters offloaded by pattern, which a
+        chained step's block copies in as it starts (alike blocks name the same ones)."""
+        return tuple(frozenset(key.removeprefix(f"layers.{i}.") for key in self.host_param_keys
+                               if key.startswith(f"layers.{i}.")) for i in range(start, end))
 
     def layer_hook(self, model):
         """The model's before-layer callback that fetches grouped layers' weights ahead (None without groups)."""
