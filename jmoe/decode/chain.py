@@ -37,8 +37,8 @@ from flax import nnx
 from jmoe.decode.sampling import choose_tokens, greedy_tokens
 from jmoe.model.moe import MoEBlock
 from jmoe.offload.resident import fetched
-from jmoe.model.transformer import (first_columns, gather_rows, kv_cache_shapes, output_logits, run_decoder_layers,
-                                    scatter_first_columns, scatter_rows, step_context)
+from jmoe.model.transformer import (chunk_cache, chunk_written, kv_cache_shapes, output_logits, run_decoder_layers,
+                                    step_context)
 
 # Decoder layers a block program holds. A block of 8 compiles in about a quarter of a 32-layer step, and the chained
 # steps of the shipped width at 32 layers run as fast as one program (bench/results/depth.md).
@@ -371,11 +371,9 @@ class StepChain:
             return step
         if kind == "prefill":
             def prefill(leaves, x, kv_cache, engine_state, carry, rows, start, valid):
-                step_cache = first_columns(kv_cache, *x.shape[:2]) if flag[0] else gather_rows(kv_cache, rows)
-                x, new_cache, *rest = layers_of(leaves, x, step_cache, engine_state, carry, start,
-                                                jnp.zeros_like(start), visible, valid)
-                scatter = scatter_first_columns if flag[0] else scatter_rows
-                return x, scatter(kv_cache, rows, new_cache), *rest
+                x, new_cache, *rest = layers_of(leaves, x, chunk_cache(kv_cache, rows, x.shape[:2], flag[0]),
+                                                engine_state, carry, start, jnp.zeros_like(start), visible, valid)
+                return x, chunk_written(kv_cache, rows, new_cache, flag[0]), *rest
             return prefill
 
         def decode(leaves, x, kv_cache, engine_state, carry, positions, active):

@@ -198,22 +198,19 @@ def empty_kv_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> tuple:
     return tuple((jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers))
 
 
-def gather_rows(kv_cache, rows: jax.Array):
-    """The cache's rows `rows` (clipped: a row index past the cache reads its last row)."""
+def chunk_cache(kv_cache, rows: jax.Array, tokens_shape: tuple[int, int], first_chunks: bool):
+    """The cache a serving batch's prefill chunk of tokens [P, T] runs on: the batch cache's rows `rows` (clipped: a
+    row index past the cache reads its last row), or, where every entry starts its prompt (`first_chunks`), zeros in
+    the shape of their first T columns, the only ones it writes."""
+    if first_chunks:
+        return jax.tree.map(lambda c: jnp.zeros((tokens_shape[0], tokens_shape[1], *c.shape[2:]), c.dtype), kv_cache)
     return jax.tree.map(lambda c: jnp.take(c, rows, axis=0, mode="clip"), kv_cache)
 
 
-def scatter_rows(kv_cache, rows: jax.Array, new):
-    """The cache with rows `rows` replaced by `new` (rows past the cache dropped)."""
+def chunk_written(kv_cache, rows: jax.Array, new, first_chunks: bool):
+    """The batch cache with a chunk's cache `new` (chunk_cache's, written) put back into rows `rows`: whole rows, or
+    with `first_chunks` their first columns only (rows past the cache dropped)."""
+    if first_chunks:
+        columns = jnp.arange(jax.tree.leaves(new)[0].shape[1])
+        return jax.tree.map(lambda c, n: c.at[rows[:, None], columns[None, :]].set(n, mode="drop"), kv_cache, new)
     return jax.tree.map(lambda c, n: c.at[rows].set(n, mode="drop"), kv_cache, new)
-
-
-def first_columns(kv_cache, entries: int, columns: int):
-    """Zeros in the shape of `entries` rows of the cache's first `columns` columns."""
-    return jax.tree.map(lambda c: jnp.zeros((entries, columns, *c.shape[2:]), c.dtype), kv_cache)
-
-
-def scatter_first_columns(kv_cache, rows: jax.Array, new):
-    """The cache with rows[p]'s first columns replaced by new[p] (rows past the cache dropped)."""
-    columns = jnp.arange(jax.tree.leaves(new)[0].shape[1])
-    return jax.tree.map(lambda c, n: c.at[rows[:, None], columns[None, :]].set(n, mode="drop"), kv_cache, new)

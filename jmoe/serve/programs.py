@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jmoe.decode.sampling import SamplingArrays, greedy_tokens, sample
 from jmoe.decode.steps import forward
-from jmoe.model.transformer import first_columns, gather_rows, scatter_first_columns, scatter_rows
+from jmoe.model.transformer import chunk_cache, chunk_written
 from jmoe.serve.params import MAX_TOP_LOGPROBS
 
 
@@ -37,11 +37,10 @@ def make_prefill_fn(model, visible: int):
     def prefill(params, engine_state, kv_cache, tokens, rows, start, valid):
         pad = jnp.zeros(tokens.shape[:1], jnp.int32)
         first_chunks = visible == tokens.shape[1]
-        step_cache = first_columns(kv_cache, *tokens.shape) if first_chunks else gather_rows(kv_cache, rows)
-        out, engine_state, readback = forward(graphdef, params, engine, engine_state, tokens, step_cache,
-                                              start, pad, last_only=True, visible_len=visible, valid_len=valid)
-        scatter = scatter_first_columns if first_chunks else scatter_rows
-        kv_cache = scatter(kv_cache, rows, out.kv_cache)
+        out, engine_state, readback = forward(graphdef, params, engine, engine_state, tokens,
+                                              chunk_cache(kv_cache, rows, tokens.shape, first_chunks), start, pad,
+                                              last_only=True, visible_len=visible, valid_len=valid)
+        kv_cache = chunk_written(kv_cache, rows, out.kv_cache, first_chunks)
         return (out.logits[:, 0], out.finite), out.routing, kv_cache, engine_state, readback
 
     return jax.jit(prefill, donate_argnums=(1, 2))
