@@ -6,7 +6,7 @@
 1. generate (CPU): `python -m jmoe.generate --max-new-tokens 1` from an empty compilation cache, wall seconds to its
    first token and the compile seconds it reports; random checkpoints written by transformers: the shipped
    model's width at 4 and 32 layers, and a DeepSeek-V3-shaped model of small width (MLA, grouped router, three
-   dense layers first) at 8 and 61 layers. Each start is its own process, the depths alternate, medians of --rounds.
+   dense layers first) at 8 and 61 layers, every expert resident and with `--cache 4` (4 of 16 in device slots). Each start is its own process, the depths alternate, medians of --rounds.
    Both deep models' steps run as chains of layer-block programs (jmoe.decode.chain), the shallow ones' as one program.
 2. chain (CPU): the deep models of part 1, every expert resident and then 4 of each MoE layer's 16 in device slots
    (router prefetch 1), with their steps chained and as one program over every layer, both loaded
@@ -81,36 +81,38 @@ def first_layers(directory: Path, layers: int) -> Path:
     return directory
 
 
-def first_token(model: Path, workdir: Path) -> dict:
-    """One cold `python -m jmoe.generate` for one token: wall seconds and generate's own timing."""
+def first_token(model: Path, workdir: Path, flags: tuple[str, ...] = ()) -> dict:
+    """One cold `python -m jmoe.generate` for one token (with `flags`): wall seconds and generate's own timing."""
     cache = Path(tempfile.mkdtemp(prefix="cache_", dir=workdir))
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "jmoe.generate", "--model", str(model), "--max-new-tokens", "1",
-                           "--json", "--compile-cache", str(cache)], check=True, capture_output=True, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                           "--json", "--compile-cache", str(cache), *flags], check=True, capture_output=True,
+                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     wall = time.monotonic() - began
     shutil.rmtree(cache)
     return {"wall": wall, "compile": json.loads(done.stdout)["timing"]["compile_seconds"]}
 
 
 def generate_part(args) -> list[str]:
+    offloaded = ("--cache", "4")  # 4 of the 16 experts of every MoE layer in device slots
     if args.smoke:  # the shipped model's first layers, one depth (each is a cold process): no transformers to import
-        models = [("default model's first layers", (SMOKE_DEPTH,),
-                   lambda n: first_layers(args.workdir / f"default_{n}", n))]
+        models = [(name, (SMOKE_DEPTH,), lambda n: first_layers(args.workdir / f"default_{n}", n), flags)
+                  for name, flags in (("default model's first layers", ()), ("the same, --cache 4", offloaded))]
     else:
-        models = [(name, depths, lambda n, spec=spec: tokenized_checkpoint(
-                   args.workdir / f"{spec['model_type']}_{n}", spec, n))
+        models = [(name + label, depths, lambda n, spec=spec: tokenized_checkpoint(
+                   args.workdir / f"{spec['model_type']}_{n}", spec, n), flags)
+                  for label, flags in (("", ()), (", --cache 4", offloaded))
                   for name, spec, depths in (("default width", default_width(), (4, 32)),
                                              ("DeepSeek-V3 shape, small width", DEEPSEEK_SMALL, (8, 61)))]
     rows = ["| model | layers | first token, cold (s) | of which generate's compile (s) | against the shallowest |",
             "|---|---|---|---|---|"]
-    for name, depths, write in models:
+    for name, depths, write, flags in models:
         paths = {n: write(n) for n in depths}
         runs = {n: [] for n in depths}
         for round_index in range(args.rounds):
             for n in (depths if round_index % 2 == 0 else depths[::-1]):
                 print(f"generate: {name}, {n} layers, round {round_index + 1}", file=sys.stderr, flush=True)
-                runs[n].append(first_token(paths[n], args.workdir))
+                runs[n].append(first_token(paths[n], args.workdir, flags))
         wall = {n: statistics.median(r["wall"] for r in runs[n]) for n in depths}
         for n in depths:
             compile_s = statistics.median(r["compile"] for r in runs[n])

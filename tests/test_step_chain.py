@@ -46,12 +46,14 @@ def test_chained_steps_and_logits_are_what_transformers_computes(name, hf_checkp
 # the last step's misses computed on the host (DeepSeek-V3's first dense layer, MLA); misses read in place with
 # prefetch (GPT-OSS's windows); parameters in pinned host memory, the tied embedding and the first layer's queries
 # (Mixtral): blocks of one layer.
-@pytest.mark.parametrize("name, options", [
-    ("qwen2_moe_sparse_step_norm", dict(cache=1, prefetch=1)),
-    ("deepseek_v3_qlora_groups", dict(cache=2, miss_mode="host")),
-    ("gpt_oss_e4k2_window", dict(cache=2, prefetch=1, miss_mode="direct")),
-    ("mixtral_e8k3_mqa_tied_window", dict(cache=2, offload_params=["embed", r"re:layers\.0\.attn\.q\.kernel"]))])
-def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name, options, hf_checkpoints,
+@pytest.mark.parametrize("name, options, kinds", [
+    ("qwen2_moe_sparse_step_norm", dict(cache=1, prefetch=1), 2),
+    ("deepseek_v3_qlora_groups", dict(cache=2, miss_mode="host"), 2),
+    ("gpt_oss_e4k2_window", dict(cache=2, prefetch=1, miss_mode="direct"), 2),
+    ("mixtral_e8k3_mqa_tied_window", dict(cache=2, offload_params=["embed", r"re:layers\.0\.attn\.q\.kernel"]), 2),
+    # the first MoE layer resident: the second prefetches nothing from it, as in one program
+    ("qwen2_moe_sparse_step_norm", dict(cache=[None, 1], prefetch=1), 3)])
+def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name, options, kinds, hf_checkpoints,
                                                                            monkeypatch):
     path, reference = hf_checkpoints[name]
     whole = jmoe.load(path, progress=False, **options)
@@ -67,11 +69,11 @@ def test_offloaded_chains_compute_and_cache_what_the_one_program_step_does(name,
     ids = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 13))
     np.testing.assert_allclose(np.asarray(model.logits_and_routing(ids)[0]),
                                reference(torch.tensor(ids)).logits.detach().numpy(), atol=1e-4, rtol=0)
-    # two kinds of layer each (dense and MoE, two windows, queries in host memory or not), one program each for the
-    # prompt step, the decode step and the logits: the first MoE block, whose carry comes from the embedding, is alike
-    # the later ones
+    # `kinds` of layer (dense and MoE, two windows, queries in host memory or not, experts resident or offloaded), one
+    # program each for the prompt step, the decode step and the logits: the first MoE block, whose carry comes from
+    # the embedding, is alike the later ones
     blocks = [key for key in model.step_chain.pieces if key[0] in model.step_chain._layer_fns.values()]
-    assert len(blocks) == 2 * 3
+    assert len(blocks) == kinds * 3
 
 
 def test_a_chained_model_reads_from_disk_what_the_one_program_step_reads(hf_checkpoints, monkeypatch):

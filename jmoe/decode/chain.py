@@ -5,9 +5,9 @@ shipped model's width: 2.3 s of passes against 0.16 s at 4 layers); a loop over 
 copies each layer's weights before its products read them, on a CPU and on a GPU alike (bench/results/depth.md). So a
 deep model's generation steps, logits and serving programs run as programs dispatched one after another: the
 embedding, the decoder layers in blocks of LAYERS_PER_PROGRAM consecutive layers, and a head (the next token's choice,
-the logits). Blocks whose layers are alike (their modules' structure and sliding windows) run one program, compiled
-once and called at every such block with that block's own weights and caches as its arguments (read in place, the
-donated caches written in place). JAX dispatches asynchronously, so a chain is enqueued at once and run ahead holds.
+the logits). Blocks whose layers are alike (their modules' structure and sliding windows, and what the engine's
+layout and the parameters in host memory say of them) run one program, compiled once and called at every such block
+with that block's own weights and caches as its arguments (read in place, the donated caches written in place). JAX dispatches asynchronously, so a chain is enqueued at once and run ahead holds.
 
 A `ChainedProgram` is lowered and compiled as a jitted function is (`lower(*args).compile()`, arrays or shape structs),
 so `Model` and the serving engine's program cache compile and time it as one program; its pieces are compiled once
@@ -36,9 +36,9 @@ from flax import nnx
 
 from jmoe.decode.sampling import choose_tokens, greedy_tokens
 from jmoe.model.moe import MoEBlock
-from jmoe.offload.resident import fetched
 from jmoe.model.transformer import (chunk_cache, chunk_written, kv_cache_shapes, output_logits, run_decoder_layers,
                                     step_context)
+from jmoe.offload.resident import fetched
 
 # Decoder layers a block program holds. A block of 8 compiles in about a quarter of a 32-layer step, and the chained
 # steps of the shipped width at 32 layers run as fast as one program (bench/results/depth.md).
@@ -91,9 +91,9 @@ def _shapes(tree):
 
 def _kept_sharding(array):
     """The array's sharding as a shape struct keeps it: none for an array JAX may still move (uncommitted, as a
-    jitted function would take it), a single device's as a NamedSharding over a mesh of that device, since a shape
-    struct drops a SingleDeviceSharding's memory kind (jax 0.10: pinned-host experts would be traced as device
-    arrays)."""
+    jitted function would take it), a single device's as a NamedSharding over a mesh of that device, since jax 0.10
+    traces a shape struct with a pinned-host SingleDeviceSharding as a device array (its aval has no host memory
+    space), which broke the chained host-compute miss mode."""
     sharding = getattr(array, "sharding", None)
     if not getattr(array, "committed", True):
         return None
@@ -117,8 +117,9 @@ class ChainedProgram:
     def compile_for(self, args: tuple) -> "ChainedCompiled":
         """Every piece compiled from the shapes of `args` (their outputs' shapes carried along, nothing run): lowered
         in turn, each from the shapes the one before gives, then the new ones compiled side by side on threads (XLA
-        compiles without Python's lock). Not `side_by_side` (over a mesh, where the compiler chooses where a piece's
-        outputs lie, which the next piece must be lowered for), each is compiled before the next is lowered."""
+        compiles without Python's lock). Not `side_by_side` (where a piece's outputs may lie elsewhere than the
+        default device: the next piece must be lowered for where they are, which only the compiled piece says), each
+        is compiled before the next is lowered."""
         order, lowered = [], {}
 
         def call(jitted, piece_args):
@@ -269,7 +270,11 @@ class StepChain:
         return self._program(run)
 
     def _program(self, run: Callable[[Call, tuple], Any]) -> ChainedProgram:
-        return ChainedProgram(run, self.pieces, side_by_side=self.engine.mesh is None)
+        # A lowered piece says nothing of where its outputs lie (the compiled one does), and the next piece is lowered
+        # from them: as if on the default device, which holds for one device and no engine state in host memory
+        # (the disk tier's host rows pass through the blocks).
+        side_by_side = self.engine.mesh is None and not self.engine.placement.host_rows
+        return ChainedProgram(run, self.pieces, side_by_side=side_by_side)
 
     # ---- the pieces -----------------------------------------------------------------------------------------------
     def _layers(self, call: Call, params, engine_state, tokens, kv_cache, body: tuple,
@@ -332,10 +337,10 @@ class StepChain:
     def _block_fn(self, layer_defs: tuple, windows: tuple, layout, host_params: tuple, treedef,
                   body: tuple) -> Callable:
         """A block's program (its engine state bound as `layout`, the engine's block_span says; the parameters
-        `host_params` names copied in as it starts): `body` is ("step",
-        visible, forced) for Model's steps (`forced`: routing forced by an int32 [L_moe, B, T, k] array read from the
-        block's first MoE layer), ("prefill", visible, first_chunks) and ("decode", visible) for the serving engine's
-        batch (jmoe.serve.programs says what those do)."""
+        `host_params` names copied in as it starts): `body` is ("step", visible, forced) for Model's steps (`forced`:
+        routing forced by an int32 [L_moe, B, T, k] array read from the block's first MoE layer), ("prefill", visible,
+        first_chunks) and ("decode", visible) for the serving engine's batch (jmoe.serve.programs says what those
+        do)."""
         cfg, engine = self.config, self.engine
 
         def layers_of(leaves, x, kv_cache, engine_state, carry, write_index, pad_len, visible, valid_len=None,

@@ -68,6 +68,10 @@ class EngineState(NamedTuple):
     # rows in pinned host memory, and int32 [Lo, E] the row of each expert (-1 = on disk only).
     host_tier: tuple = ()
     host_row_of_expert: object = ()
+    # History prefetch's within-token evidence tables (HistoryPrefetch.within, [D, L_moe, E + 1, E]; () when off):
+    # an argument, so that a chained step's block programs, which read them at traced layers, do not each hold them
+    # as a constant.
+    history_evidence: object = ()
 
 
 # The state's fields that hold a tuple of one entry per offloaded layer (the others are stacked over the layers, or
@@ -167,6 +171,7 @@ class OffloadEngine(ResidentEngine):
             counts=jnp.zeros((lo, 4), jnp.int32),
             layer_index=tuple(jnp.int32(i) for i in range(lo)),
             **self.tier_state(),
+            history_evidence=() if self.history is None else self.history.within,
         )
 
     def tier_state(self) -> dict:
@@ -212,11 +217,11 @@ class OffloadEngine(ResidentEngine):
         return (first, stop), layout
 
     def first_carry(self, x) -> "Carry | None":
-        """A chained step's first carry (bind_block's), from the embedded tokens x [B, T, d]: with router prefetch, a
-        router input and routing like a MoE layer's, marked as coming from no offloaded layer, so that the first block
-        prefetches nothing; with history prefetch, MoE layer 0 as the next and no layer's ids seen."""
-        if not self.prefetch and self._history_predictor is None:
-            return None
+        """A chained decode step's first carry (bind_block's), from the embedded tokens x [B, 1, d]: with router
+        prefetch, a router input and routing like a MoE layer's, marked as coming from no offloaded layer, so that the
+        first block prefetches nothing; with history prefetch, MoE layer 0 as the next and no layer's ids seen."""
+        if x.shape[1] > 1 or (not self.prefetch and self._history_predictor is None):
+            return None  # a prompt step prefetches nothing
         tokens, k = x.shape[0] * x.shape[1], self.config.num_experts_per_tok
         router = (jnp.zeros((tokens, x.shape[-1]), x.dtype), jnp.full((tokens, k), -1, jnp.int32), jnp.asarray(False))
         history = (jnp.int32(0), jnp.full((self.config.num_moe_layers, tokens, k), -1, jnp.int32))
@@ -293,7 +298,7 @@ class OffloadEngine(ResidentEngine):
             if i is None or not caches[i]:
                 return
             scores = self.history.in_step_scores(state.predict_base[first_moe + moe_index], first_moe + moe_index,
-                                                 seen[0])
+                                                 seen[0], state.history_evidence)
             layer_slots[i], ahead_evicted, ahead_copied = prefetch_by_score(
                 layer_slots[i], layers[moe_index].experts, scores, **BEST, side_stream=self.side_stream)
             copied[i] = copied[i] + ahead_copied
@@ -322,7 +327,8 @@ class OffloadEngine(ResidentEngine):
             nxt = position.get(moe_index + 1)
             if not reads_ahead or nxt is None:
                 return None
-            scores = self.history.in_step_scores(state.predict_base[moe_index + 1], moe_index + 1, seen[0])
+            scores = self.history.in_step_scores(state.predict_base[first_moe + moe_index + 1],
+                                                 first_moe + moe_index + 1, seen[0], state.history_evidence)
             scores = jnp.where(row(state.host_row_of_expert, nxt) >= 0, -jnp.inf, scores)
             best, experts = jax.lax.top_k(scores, min(self.read_ahead, scores.shape[-1]))  # at most all of them
             return jnp.where(best > -jnp.inf, experts, -1)

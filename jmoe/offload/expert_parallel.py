@@ -6,7 +6,7 @@ its own engine as if the model had E/N experts: its own cache slots (`cache` cou
 slots, slot tables and manager (policy state, statistics). Dense weights, the KV cache and the tokens are
 replicated: every device runs the attention and the routers (over all E experts), so no activation but the
 MoE layers' outputs crosses between devices. Each jitted step runs `jmoe.decode.steps.forward` under
-shard_map: a device maps the routers' choice to its own experts (`ResidentEngine.owned`; the others' become
+shard_map (a deep model's chained step, each block's program: jmoe.decode.chain): a device maps the routers' choice to its own experts (`ResidentEngine.owned`; the others' become
 -1, routed nowhere here), computes its share with the one-device machinery (slots, scratch copies, host
 compute, prefill streaming), and one psum per MoE layer adds the float32 partial outputs before the one
 rounding (`ResidentEngine.combine`). The engine state has a leading device axis sharded over the mesh;

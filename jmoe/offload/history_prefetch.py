@@ -57,7 +57,7 @@ class HistoryPrefetch:
                              f"{num_moe_layers} x {num_experts}: fit it on this model's routing")
         self.predictor = predictor
         self.lags = predictor.within_token_lags()
-        self.within = jnp.asarray(predictor.within_token_evidence())  # [D, L, E + 1, E], a step constant
+        self.within = jnp.asarray(predictor.within_token_evidence())  # [D, L, E + 1, E]: EngineState.history_evidence
         self.history: np.ndarray | None = None  # int [rows, H, L, k]
 
     def observe(self, routing: np.ndarray) -> None:
@@ -79,11 +79,12 @@ class HistoryPrefetch:
             return self.predictor.next_token_base(np.zeros((0, num_layers, top_k), np.int64))
         return np.max([self.predictor.next_token_base(rows) for rows in self.history], axis=0)
 
-    def in_step_scores(self, base, layer, token_ids):
+    def in_step_scores(self, base, layer, token_ids, within):
         """Inside the step: float32 [E], the scores for MoE layer `layer` from `base` [E] plus the evidence
-        of this token's layers `layer - d` (token_ids int [L, B, k]: each MoE layer's ids so far, -1 = none).
-        `layer` is an int, or an int32 array (a chained step's block, whose layers' places are its arguments: a
-        lag past the first layer then adds nothing, as the int's skips it)."""
+        of this token's layers `layer - d` (token_ids int [L, N, k]: each MoE layer's ids so far, -1 = none) in
+        `within` (the step's copy of `self.within`). `layer` is an int, or an int32 array (a chained step's block,
+        whose layers' places are its arguments: a lag past the first layer then adds nothing, as the int's skips
+        it)."""
         num_experts = base.shape[0]
         rows = base
         for index, lag in enumerate(self.lags):
@@ -91,6 +92,6 @@ class HistoryPrefetch:
             if known and layer - lag < 0:
                 continue
             ids = token_ids[layer - lag if known else jnp.maximum(layer - lag, 0)]
-            evidence = self.within[index, layer][jnp.where(ids < 0, num_experts, ids)].sum(axis=-2)
+            evidence = within[index, layer][jnp.where(ids < 0, num_experts, ids)].sum(axis=-2)
             rows = rows + (evidence if known else jnp.where(layer >= lag, evidence, 0.0))
         return rows.max(axis=0) if rows.ndim == 2 else rows

@@ -164,8 +164,7 @@ class ResidentEngine:
 
     def bind_block(self, state, layers: list[MoELayerView], tokens_shape: tuple[int, int], layout, carry):
         """bind for a block of a chained step (`layers`: its MoE layers, `layout` its block_span's): finish()
-        gives (the state, what the next block's binding takes: `carry` as it came, which is None but past an
-        offload engine's blocks without offloaded layers)."""
+        gives (the state, what the next block's binding takes: `carry` as it came, None here)."""
         compute, finish = ResidentEngine.bind(self, state, layers, tokens_shape)
         return compute, lambda: (finish(), carry)
 
