@@ -4,10 +4,11 @@
   python -m bench.depth --smoke   # every part at toy sizes and depths, no result file
 
 1. generate (CPU): `python -m jmoe.generate --max-new-tokens 1` from an empty compilation cache, wall seconds to its
-   first token and the compile seconds it reports; random checkpoints written by transformers: the shipped
-   model's width at 4 and 32 layers, and a DeepSeek-V3-shaped model of small width (MLA, grouped router, three
-   dense layers first) at 8 and 61 layers, every expert resident and with `--cache 4` (4 of 16 in device slots). Each start is its own process, the depths alternate, medians of --rounds.
-   Both deep models' steps run as chains of layer-block programs (jmoe.decode.chain), the shallow ones' as one program.
+   first token and the compile seconds it reports; random checkpoints written by transformers: the shipped model's width
+   at 4 and 32 layers, and a DeepSeek-V3-shaped model of small width (MLA, grouped router, three dense layers first) at
+   8 and 61 layers, every expert resident and with `--cache 4` (4 of 16 in device slots). Each start is its own process,
+   the depths alternate, medians of --rounds. Both deep models' steps run as chains of layer-block programs
+   (jmoe.decode.chain), the shallow ones' as one program.
 2. chain (CPU): the deep models of part 1, every expert resident and then 4 of each MoE layer's 16 in device slots
    (router prefetch 1), with their steps chained and as one program over every layer, both loaded
    in one process without a compilation cache: the compile seconds of their prompt programs (16- and 256-token

@@ -5,9 +5,10 @@ shipped model's width: 2.3 s of passes against 0.16 s at 4 layers); a loop over 
 copies each layer's weights before its products read them, on a CPU and on a GPU alike (bench/results/depth.md). So a
 deep model's generation steps, logits and serving programs run as programs dispatched one after another: the
 embedding, the decoder layers in blocks of LAYERS_PER_PROGRAM consecutive layers, and a head (the next token's choice,
-the logits). Blocks whose layers are alike (their modules' structure and sliding windows, and what the engine's
-layout and the parameters in host memory say of them) run one program, compiled once and called at every such block
-with that block's own weights and caches as its arguments (read in place, the donated caches written in place). JAX dispatches asynchronously, so a chain is enqueued at once and run ahead holds.
+the logits). Blocks whose layers are alike (their modules' structure and sliding windows, and what the engine's layout
+and the parameters in host memory say of them) run one program, compiled once and called at every such block with that
+block's own weights and caches as its arguments (read in place, the donated caches written in place). JAX dispatches
+asynchronously, so a chain is enqueued at once and run ahead holds.
 
 A `ChainedProgram` is lowered and compiled as a jitted function is (`lower(*args).compile()`, arrays or shape structs),
 so `Model` and the serving engine's program cache compile and time it as one program; its pieces are compiled once

@@ -4,12 +4,12 @@ The device at position d of an N-device `expert` axis owns experts [d*E/N, (d+1)
 their weights (pinned host memory when offloaded, else device memory) are sharded on that axis, and it runs
 its own engine as if the model had E/N experts: its own cache slots (`cache` counts per device), scratch
 slots, slot tables and manager (policy state, statistics). Dense weights, the KV cache and the tokens are
-replicated: every device runs the attention and the routers (over all E experts), so no activation but the
-MoE layers' outputs crosses between devices. Each jitted step runs `jmoe.decode.steps.forward` under
-shard_map (a deep model's chained step, each block's program: jmoe.decode.chain): a device maps the routers' choice to its own experts (`ResidentEngine.owned`; the others' become
--1, routed nowhere here), computes its share with the one-device machinery (slots, scratch copies, host
-compute, prefill streaming), and one psum per MoE layer adds the float32 partial outputs before the one
-rounding (`ResidentEngine.combine`). The engine state has a leading device axis sharded over the mesh;
+replicated: every device runs the attention and the routers (over all E experts), so no activation but the MoE layers'
+outputs crosses between devices. Each jitted step runs `jmoe.decode.steps.forward` under shard_map (a deep model's
+chained step, each block's program: jmoe.decode.chain): a device maps the routers' choice to its own experts
+(`ResidentEngine.owned`; the others' become -1, routed nowhere here), computes its share with the one-device machinery
+(slots, scratch copies, host compute, prefill streaming), and one psum per MoE layer adds the float32 partial outputs
+before the one rounding (`ResidentEngine.combine`). The engine state has a leading device axis sharded over the mesh;
 between steps each device's manager reads its own row of the step's tables.
 
 In a jax.distributed run each process splits the experts over its own devices (a mesh spanning processes is
