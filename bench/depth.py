@@ -78,7 +78,9 @@ def tokenized_checkpoint(directory: Path, spec: dict, layers: int) -> Path:
 
 
 def first_layers(directory: Path, layers: int) -> Path:
-    write_first_layers(DEFAULT_MODEL, directory, layers)
+    """The shipped model's first `layers` layers (written once into `directory`)."""
+    if not (directory / "config.json").is_file():
+        write_first_layers(DEFAULT_MODEL, directory, layers)
     return directory
 
 
