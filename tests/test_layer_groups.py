@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import jmoe
+import jmoe.api
 from hf_models import VOCAB
+from jmoe.decode import chain
 from jmoe.offload.layer_groups import LayerGroups, prefetch_buffer_bytes
 
 PROMPTS = [list(np.random.RandomState(7).randint(0, VOCAB, 9)), list(np.random.RandomState(8).randint(0, VOCAB, 3))]
@@ -39,6 +41,25 @@ def test_grouped_weights_give_identical_results(sparse_step_dir, reference, grou
     ref_logits, ref_tokens = reference
     np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
     assert model.generate(PROMPTS, max_new_tokens=8) == ref_tokens
+
+
+@pytest.mark.parametrize("layers_per_program", [1, 2])
+def test_a_chained_step_fetches_each_block_s_group_weights(sparse_step_dir, reference, layers_per_program,
+                                                           monkeypatch):
+    """Chained (jmoe.decode.chain) in blocks of one layer, and of two: the dense first layer, layers 1-2 (layer 1
+    fetched as its block starts), layer 3; the offloaded layers' weights fetched inside the blocks."""
+    monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", layers_per_program)
+    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.runs_in_blocks)
+    model = jmoe.load(sparse_step_dir, offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1,
+                      progress=False)
+    assert model.step_chain is not None
+    ref_logits, ref_tokens = reference
+    np.testing.assert_allclose(np.asarray(model.logits(LOGIT_IDS)), ref_logits, atol=1e-5, rtol=0)
+    assert model.generate(PROMPTS, max_new_tokens=8) == ref_tokens
+    blocks = {key[0] for key in model.step_chain.pieces if key[0] in model.step_chain._layer_fns.values()}
+    # per step form (prompt, decode, logits): two kinds of one-layer block (dense on the device, MoE fetched), or
+    # three blocks of their own
+    assert len(blocks) == 3 * {1: 2, 2: 3}[layers_per_program]
 
 
 @pytest.mark.quick

@@ -19,8 +19,8 @@ slots and host rows of the block's layers, its tables and scratch) and binds it 
 (`engine.bind_block`), and what router and history prefetch need of earlier layers is handed on between blocks (a
 carry; the embedding's program makes the first block's, from which nothing is prefetched, so that the first block
 is alike the others). Over an expert mesh each block's program is a shard_map of its own (`engine.spmd`), and each
-block copies in its own parameters offloaded by pattern. Layer groups (a layer's weights fetched a layer ahead) and
-history prefetch reading ahead from disk keep one program (`engine.runs_in_blocks`).
+block copies in its own parameters in host memory (those of layer groups a few layers ahead within the block). Only
+history prefetch reading ahead from disk keeps one program (`engine.runs_in_blocks`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from jmoe.decode.sampling import choose_tokens, greedy_tokens
 from jmoe.model.moe import MoEBlock
 from jmoe.model.transformer import (chunk_cache, chunk_written, kv_cache_shapes, output_logits, run_decoder_layers,
                                     step_context)
+from jmoe.offload.layer_groups import layer_fetch_hook
 from jmoe.offload.resident import fetched
 
 # Decoder layers a block program holds. A block of 8 compiles in about a quarter of a 32-layer step, and the chained
@@ -79,10 +80,11 @@ def chains(config, engine) -> bool:
     # What the config and the engine's layout say differs between layers; their modules are otherwise alike (one
     # family, one attention).
     kinds = {(tuple(zip(config.moe_layers[start:end], config.sliding_windows[start:end])),
-              engine.block_span(moe_before[start], moe_before[end])[1], engine.block_host_params(start, end))
+              engine.block_span(moe_before[start], moe_before[end])[1], engine.block_host_params(start, end),
+              engine.block_fetched_params(start, end))
              for start, end in blocks}
     full = any(end - start == LAYERS_PER_PROGRAM for start, end in blocks)
-    return full and 2 * sum(len(layers) for layers, _, _ in kinds) <= config.num_layers
+    return full and 2 * sum(len(kind[0]) for kind in kinds) <= config.num_layers
 
 
 def _shapes(tree):
@@ -190,9 +192,10 @@ class StepChain:
         # made where no device can hold an array, compiling for a GPU the machine lacks)
         self.moe_starts = [np.int32(moe_before[start]) for start, _ in self.blocks]
         self.spans = [engine.block_span(int(moe_before[start]), int(moe_before[end])) for start, end in self.blocks]
-        # parameters offloaded by pattern: each block copies in its layers' (named within the layer), the embedding
-        # and the head theirs
-        self.host_params = [engine.block_host_params(start, end) for start, end in self.blocks]
+        # parameters in host memory: each block copies in its layers' (named within the layer; those of layer groups
+        # a few layers ahead, the first ones as it starts), the embedding and the head theirs
+        self.host_params = [(engine.block_host_params(start, end), engine.block_fetched_params(start, end))
+                            for start, end in self.blocks]
         self.host_keys = engine.host_param_keys
         self.pieces: dict[tuple, jax.stages.Compiled] = {}  # compiled pieces, shared by all the programs below
         self._embed = jax.jit(functools.partial(_embed, engine, self.host_keys))
@@ -337,8 +340,8 @@ class StepChain:
 
     def _block_fn(self, layer_defs: tuple, windows: tuple, layout, host_params: tuple, treedef,
                   body: tuple) -> Callable:
-        """A block's program (its engine state bound as `layout`, the engine's block_span says; the parameters
-        `host_params` names copied in as it starts): `body` is ("step", visible, forced) for Model's steps (`forced`:
+        """A block's program (its engine state bound as `layout`, the engine's block_span says; `host_params`: the
+        parameters in host memory it copies in, as it starts and by layer group): `body` is ("step", visible, forced) for Model's steps (`forced`:
         routing forced by an int32 [L_moe, B, T, k] array read from the block's first MoE layer), ("prefill", visible,
         first_chunks) and ("decode", visible) for the serving engine's batch (jmoe.serve.programs says what those
         do)."""
@@ -348,8 +351,11 @@ class StepChain:
                       forced=None):
             def run(layer_states, engine_state, inputs):  # on every device of the engine's mesh (engine.spmd)
                 x, kv_cache, carry, write_index, pad_len, valid_len, forced = inputs
+                by_pattern, by_group = host_params
                 layers = [nnx.merge(graphdef, fetched(state, keys))
-                          for graphdef, state, keys in zip(layer_defs, layer_states, host_params)]
+                          for graphdef, state, keys in zip(layer_defs, layer_states, by_pattern)]
+                before_layer = (layer_fetch_hook(engine.placement.layer_groups, by_group, layers) if any(by_group)
+                                else None)
                 views = [layer.mlp.view() for layer in layers if isinstance(layer.mlp, MoEBlock)]
                 compute, finish = engine.bind_block(engine_state, views, x.shape[:2], layout, carry)
                 if forced is not None:
@@ -358,7 +364,7 @@ class StepChain:
                 context = step_context(cfg, x.shape[:2], visible, write_index, pad_len, valid_len)
                 x, new_cache, routing, finite = run_decoder_layers(cfg, layers, windows, x, kv_cache, context,
                                                                    expert_compute=compute, backend=engine.backend,
-                                                                   forced_routing=forced)
+                                                                   forced_routing=forced, before_layer=before_layer)
                 engine_state, carry = finish()
                 return (x, tuple(new_cache), routing, finite, carry), engine_state
 

@@ -201,9 +201,9 @@ class OffloadEngine(ResidentEngine):
     def runs_in_blocks(self) -> bool:
         """Whether a step may run as a chain of layer-block programs: the slots, host rows and tables are split by
         block (`block_span`), and router and history prefetch hand what they need across a block's end (`Carry`);
-        history prefetch reading ahead from disk (into the next layer's host rows, which belong to the next block)
-        and what the resident engine keeps whole keep one program."""
-        return super().runs_in_blocks and not (self.history_reads_ahead and self._history_predictor is not None)
+        only history prefetch reading ahead from disk (into the next layer's host rows, which belong to the next
+        block) keeps one program."""
+        return not (self.history_reads_ahead and self._history_predictor is not None)
 
     def block_span(self, moe_start: int, moe_stop: int):
         """The offloaded positions [first, stop) of MoE layers [moe_start, moe_stop), and their BlockLayout."""

@@ -207,6 +207,9 @@ class ExpertParallelEngine:
     def block_host_params(self, start: int, end: int) -> tuple[frozenset, ...]:
         return self.engines[0].block_host_params(start, end)
 
+    def block_fetched_params(self, start: int, end: int) -> tuple[tuple[str, ...], ...]:
+        return self.engines[0].block_fetched_params(start, end)
+
     def first_carry(self, x):
         return self.engines[0].first_carry(x)  # replicated, as the block's activations
 

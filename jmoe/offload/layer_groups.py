@@ -3,7 +3,7 @@
 In every group of `group_size` consecutive decoder layers, the last `num_in_group` keep their selected
 weights in pinned host memory. Inside the jitted step, when layer i starts, the weights of the offloaded
 layer i + `prefetch_step` are copied to the device, so the copy overlaps layers i .. i + K - 1 (the
-first K layers' copies start with the step). Each copy is tied to layer i's input with an optimization
+first K layers' copies start with the step; in a chained step, with each block of layers). Each copy is tied to layer i's input with an optimization
 barrier: XLA may not start it earlier, so at most the offloaded layers among i .. i + K are ever on the
 device at once. Those device copies are the buffers XLA assigns statically at compile time.
 """
@@ -59,21 +59,25 @@ def prefetch_buffer_bytes(groups: LayerGroups, layer_bytes: dict[int, int], num_
                 for i in range(num_layers)), default=0)
 
 
-def layer_fetch_hook(groups: LayerGroups, fetched_keys: dict[int, tuple[str, ...]], model):
-    """A `before_layer(i, x) -> x` callback for MoETransformer: at the start of layer i, copy the offloaded
-    weights of the layers fetched at i to the device and put the copies in the (traced) module."""
-    variables = {param_key(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
+def layer_fetch_hook(groups: LayerGroups, fetched: tuple[tuple[str, ...], ...], layers: list):
+    """A `before_layer(i, x) -> x` callback for a run of consecutive decoder layers (a whole model's, or a chained
+    step's block: positions count from the run's first): at the start of layer i, copy the offloaded weights of the
+    layers whose copy it issues (`groups.fetched_at`, so the run's first layers' at its start) to the device and put
+    the copies in the (traced) modules. `fetched[j]`: the names within layer j of its weights fetched ahead."""
+    variables = [{param_key(path): node for path, node in nnx.iter_graph(layer) if isinstance(node, nnx.Variable)}
+                 for layer in layers]
     issue_at: dict[int, list[int]] = {}
-    for layer in sorted(fetched_keys):
-        issue_at.setdefault(groups.fetched_at(layer), []).append(layer)
+    for layer, keys in enumerate(fetched):
+        if keys:
+            issue_at.setdefault(groups.fetched_at(layer), []).append(layer)
 
     def before_layer(i: int, x: jax.Array) -> jax.Array:
         for layer in issue_at.get(i, ()):
-            keys = fetched_keys[layer]
+            keys = fetched[layer]
             # The barrier makes the copies depend on layer i's input, so they cannot be hoisted earlier.
-            x, host_values = jax.lax.optimization_barrier((x, [variables[k][...] for k in keys]))
+            x, host_values = jax.lax.optimization_barrier((x, [variables[layer][k][...] for k in keys]))
             for key, value in zip(keys, host_values):
-                variables[key][...] = to_device(value)
+                variables[layer][key][...] = to_device(value)
         return x
 
     return before_layer

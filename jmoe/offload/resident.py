@@ -70,13 +70,10 @@ class ResidentEngine:
             key for key, kind in placement.memory_kind.items()
             if kind == PINNED_HOST and "experts" not in key.split(".") and key not in fetched_ahead)
 
-    @property
-    def runs_in_blocks(self) -> bool:
-        """Whether a deep model's step may run as a chain of layer-block programs (jmoe.decode.chain), each block
-        binding only its layers (`bind_block`; each block copies in its own parameters offloaded by pattern,
-        `block_host_params`): not with layer groups, whose layers' weights are fetched a layer ahead (over a mesh,
-        the expert-parallel engine asks its first device's engine)."""
-        return not self.placement.fetched_keys
+    # Whether a deep model's step may run as a chain of layer-block programs (jmoe.decode.chain), each block binding
+    # only its layers (`bind_block`) and copying in its own parameters in host memory (`block_host_params`,
+    # `block_fetched_params`). Over a mesh, the expert-parallel engine asks its first device's engine.
+    runs_in_blocks = True
 
     def block_span(self, moe_start: int, moe_stop: int):
         """(What `block_state` takes of the state, the static layout `bind_block` takes) for MoE layers [moe_start,
@@ -117,11 +114,15 @@ class ResidentEngine:
         return tuple(frozenset(key.removeprefix(f"layers.{i}.") for key in self.host_param_keys
                                if key.startswith(f"layers.{i}.")) for i in range(start, end))
 
+    def block_fetched_params(self, start: int, end: int) -> tuple[tuple[str, ...], ...]:
+        """Per decoder layer of [start, end), the names within it of its weights a layer group fetches ahead."""
+        return tuple(tuple(key.removeprefix(f"layers.{i}.") for key in self.placement.fetched_keys.get(i, ()))
+                     for i in range(start, end))
+
     def layer_hook(self, model):
         """The model's before-layer callback that fetches grouped layers' weights ahead (None without groups)."""
-        if not self.placement.fetched_keys:
-            return None
-        return layer_fetch_hook(self.placement.layer_groups, self.placement.fetched_keys, model)
+        fetched = self.block_fetched_params(0, self.config.num_layers)
+        return layer_fetch_hook(self.placement.layer_groups, fetched, list(model.layers)) if any(fetched) else None
 
     def resident_experts(self, layer: MoELayerView, x, ids, weights) -> jax.Array:
         """The MoE FFN of x [N, d] over experts held whole on the device (ids this engine's, `owned`):
