@@ -160,7 +160,7 @@ def chain_part(args) -> list[str]:
         with mock.patch.object(chain, "LAYERS_PER_PROGRAM", layers_per_program):
             for form, decides in (("one program", lambda config, engine: False), ("chained", None)):
                 with mock.patch.object(jmoe.api, "chains", decides or (
-                        lambda config, engine: engine.runs_in_blocks if args.smoke else chain.chains(config, engine))):
+                        lambda config, engine: args.smoke or chain.chains(config, engine))):
                     model = jmoe.load(path, progress=False, compile_cache=False, **options)
                 compiled = sum(model.generate_detailed(p, new_tokens, greedy).compile_seconds for p in prompts.values())
                 loaded[form] = (model, compiled, {"16": [], "256": [], "decode": []})

@@ -78,7 +78,7 @@ def main(cases: list[dict]) -> None:
             if "mesh_devices" in kwargs:
                 kwargs["mesh"] = jax.make_mesh((kwargs.pop("mesh_devices"),), ("expert",))
             if kwargs.pop("chained", False):  # in blocks of one layer, however few the model's (jmoe.decode.chain)
-                chain.LAYERS_PER_PROGRAM, jmoe.api.chains = 1, lambda config, engine: engine.runs_in_blocks
+                chain.LAYERS_PER_PROGRAM, jmoe.api.chains = 1, lambda config, engine: True
             model = jmoe.load(case["path"], progress=False, **kwargs)
             tokens, logits = run(model)
             runs.append({"case": case["name"], "options": options, "tokens_equal": tokens == ref_tokens,

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import jmoe
+import jmoe.api
 from hf_models import VOCAB, write_checkpoint
+from jmoe.decode import chain
 from jmoe.checkpoint.convert import convert_checkpoint
 from jmoe.checkpoint.expert_reader import THREAD_PREFIX
 from jmoe.checkpoint.read_buffers import PIECE_THREAD_PREFIX
@@ -155,6 +157,32 @@ def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_p
                    read_ahead=4, progress=False) as model:
         assert model.generate(prompts, max_new_tokens=8) == expected
         assert sum(layer["read_ahead_reads"] for layer in model.stats()) > 0
+
+
+def test_a_chained_step_reads_ahead_what_the_one_program_step_reads_ahead(tmp_path, monkeypatch):
+    """Blocks of one layer (jmoe.decode.chain): each layer's read-ahead for the next, in the next block, reads that
+    layer's host rows' table, so the reads, reads ahead and reads used are the one program's."""
+    layers, experts = 4, 32
+    directory = tmp_path / "m"
+    write_checkpoint(directory, "mixtral", seed=3, num_local_experts=experts, num_experts_per_tok=4,
+                     num_hidden_layers=layers, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
+    split = split_trace(load_trace("gptoss"), None)
+    tuning, rows = split["tune_ids"][:, :layers], split["eval_ids"][:24, :layers]
+    options = dict(cache=4, host_budget_gb=budget_for(directory, 8, read_ahead=6), prefetch_trace=tuning,
+                   read_ahead=6, progress=False)
+    stats = []
+    for chained in (False, True):
+        if chained:
+            monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", 1)
+            monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: True)
+        with jmoe.load(directory, **options) as model:
+            assert (model.step_chain is not None) == chained
+            routing = TraceRouting(rows, prompt_len=1, config=model.config)
+            model.generate_detailed([[1]], routing.max_new_tokens, SamplingParams(), routing_override=routing)
+            stats.append(model.stats())
+    assert stats[0] == stats[1]
+    assert sum(layer["read_ahead_used"] for layer in stats[1]) > 0
+    assert not reader_threads()
 
 
 @pytest.mark.quick

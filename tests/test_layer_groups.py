@@ -49,7 +49,7 @@ def test_a_chained_step_fetches_each_block_s_group_weights(sparse_step_dir, refe
     """Chained (jmoe.decode.chain) in blocks of one layer, and of two: the dense first layer, layers 1-2 (layer 1
     fetched as its block starts), layer 3; the offloaded layers' weights fetched inside the blocks."""
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", layers_per_program)
-    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.runs_in_blocks)
+    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: True)
     model = jmoe.load(sparse_step_dir, offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1,
                       progress=False)
     assert model.step_chain is not None

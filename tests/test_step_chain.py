@@ -19,7 +19,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 def chained(path, monkeypatch, layers_per_program: int, **options):
     """The model at `path` with its steps chained in blocks of `layers_per_program`, however few its layers."""
     monkeypatch.setattr(chain, "LAYERS_PER_PROGRAM", layers_per_program)
-    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: engine.runs_in_blocks)
+    monkeypatch.setattr(jmoe.api, "chains", lambda config, engine: True)
     model = jmoe.load(path, progress=False, **options)
     assert model.step_chain is not None
     return model
@@ -100,16 +100,16 @@ def test_blocks_start_after_the_first_dense_layers_and_chain_where_that_halves_t
         return SimpleNamespace(num_layers=layers, moe_layers=(False,) * dense + (True,) * (layers - dense),
                                sliding_windows=(None,) * layers)
 
-    def engine(runs_in_blocks):
-        return SimpleNamespace(runs_in_blocks=runs_in_blocks, block_span=lambda *_: (None, None),
+    def engine(layout):
+        return SimpleNamespace(block_span=lambda start, stop: (None, layout(start, stop)),
                                block_host_params=lambda start, end: ((),) * (end - start),
                                block_fetched_params=lambda start, end: ((),) * (end - start))
 
-    resident, offload = engine(True), engine(False)
+    resident, unlike = engine(lambda start, stop: None), engine(lambda start, stop: start)
     assert chain.chains(config(16), resident) and not chain.chains(config(12), resident)
     assert not chain.chains(config(4), resident)  # four blocks of one layer: no full block
     assert chain.chains(config(61, 3), resident) and not chain.chains(config(8, 3), resident)
-    assert not chain.chains(config(61, 3), offload)
+    assert not chain.chains(config(61, 3), unlike)  # an engine that lays every block out its own way
 
 
 @pytest.mark.quick

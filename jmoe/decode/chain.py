@@ -18,9 +18,9 @@ The engine state goes through the chain: each block takes its own part (`engine.
 slots and host rows of the block's layers, its tables and scratch) and binds it as the block's layout says
 (`engine.bind_block`), and what router and history prefetch need of earlier layers is handed on between blocks (a
 carry; the embedding's program makes the first block's, from which nothing is prefetched, so that the first block
-is alike the others). Over an expert mesh each block's program is a shard_map of its own (`engine.spmd`), and each
-block copies in its own parameters in host memory (those of layer groups a few layers ahead within the block). Only
-history prefetch reading ahead from disk keeps one program (`engine.runs_in_blocks`).
+is alike the others; the disk tier's read-ahead into the next block's first layer reads its row of the stacked host
+row table). Over an expert mesh each block's program is a shard_map of its own (`engine.spmd`), and each block
+copies in its own parameters in host memory (those of layer groups a few layers ahead within the block).
 """
 
 from __future__ import annotations
@@ -73,8 +73,6 @@ def chains(config, engine) -> bool:
     the distinct blocks hold at most half the model's layers, since each program of a chain costs a dispatch a step
     and the compile of a program besides its layers (a 12-layer model would compile blocks of 8 and 1 layers, most of
     its own; a 4-layer one would run four one-layer blocks for nothing)."""
-    if not engine.runs_in_blocks:
-        return False
     blocks = layer_blocks(config.moe_layers, LAYERS_PER_PROGRAM)
     moe_before = np.cumsum([0, *config.moe_layers])
     # What the config and the engine's layout say differs between layers; their modules are otherwise alike (one

@@ -97,6 +97,9 @@ class BlockLayout(NamedTuple):
     # flag in it says whether that layer was offloaded and prefetched): so the first block of a chain, given a carry
     # from no layer (first_carry), is alike the ones after it.
     prefetch_in: bool
+    # The run's last MoE layer reads ahead from disk the experts history prefetch predicts for the offloaded MoE layer
+    # after the run (the disk tier's read_ahead), whose host rows are the next block's.
+    reads_ahead_out: bool = False
 
 
 class OffloadEngine(ResidentEngine):
@@ -197,14 +200,6 @@ class OffloadEngine(ResidentEngine):
         return jax.eval_shape(self.empty_state)
 
     # ---- a run of consecutive layers: the whole step, or a block of a chained one (jmoe.decode.chain) -------------
-    @property
-    def runs_in_blocks(self) -> bool:
-        """Whether a step may run as a chain of layer-block programs: the slots, host rows and tables are split by
-        block (`block_span`), and router and history prefetch hand what they need across a block's end (`Carry`);
-        only history prefetch reading ahead from disk (into the next layer's host rows, which belong to the next
-        block) keeps one program."""
-        return not (self.history_reads_ahead and self._history_predictor is not None)
-
     def block_span(self, moe_start: int, moe_stop: int):
         """The offloaded positions [first, stop) of MoE layers [moe_start, moe_stop), and their BlockLayout."""
         offloaded = [moe_start <= moe < moe_stop for moe in self.layers]
@@ -212,8 +207,10 @@ class OffloadEngine(ResidentEngine):
         stop = first + sum(offloaded)
         local = {moe - moe_start: i - first for i, moe in enumerate(self.layers) if moe_start <= moe < moe_stop}
         first_cached = 0 in local and self.caches[first] > 0  # the run's first MoE layer, offloaded with a cache
+        reads_ahead = self.history_reads_ahead and self._history_predictor is not None and bool(self.read_ahead)
         layout = BlockLayout(tuple(local.get(m) for m in range(moe_stop - moe_start)), self.caches[first:stop],
-                             prefetch_in=bool(self.prefetch) and first_cached)
+                             prefetch_in=bool(self.prefetch) and first_cached,
+                             reads_ahead_out=reads_ahead and moe_stop - 1 in self.layers and moe_stop in self.layers)
         return (first, stop), layout
 
     def first_carry(self, x) -> "Carry | None":
@@ -323,13 +320,16 @@ class OffloadEngine(ResidentEngine):
 
         def read_ahead_guesses(moe_index):
             """int32 [read_ahead]: the experts in no host row that the history predictor scores best for the next
-            MoE layer given this token's layers so far (-1 where fewer); None: no read-ahead there."""
-            nxt = position.get(moe_index + 1)
-            if not reads_ahead or nxt is None:
+            MoE layer given this token's layers so far (-1 where fewer); None: no read-ahead there. The next layer
+            may be the next block's (layout.reads_ahead_out): its row of the stacked table is this layer's plus one."""
+            after_run = layout.reads_ahead_out and moe_index == len(layers) - 1
+            if not reads_ahead or (moe_index + 1 not in position and not after_run):
                 return None
             scores = self.history.in_step_scores(state.predict_base[first_moe + moe_index + 1],
                                                  first_moe + moe_index + 1, seen[0], state.history_evidence)
-            scores = jnp.where(row(state.host_row_of_expert, nxt) >= 0, -jnp.inf, scores)
+            next_rows = jax.lax.dynamic_index_in_dim(state.host_row_of_expert,
+                                                     state.layer_index[position[moe_index]] + 1, keepdims=False)
+            scores = jnp.where(next_rows >= 0, -jnp.inf, scores)
             best, experts = jax.lax.top_k(scores, min(self.read_ahead, scores.shape[-1]))  # at most all of them
             return jnp.where(best > -jnp.inf, experts, -1)
 

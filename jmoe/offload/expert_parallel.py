@@ -193,10 +193,6 @@ class ExpertParallelEngine:
         return compute, lambda: stacked(finish())
 
     # ---- a chained step's blocks (jmoe.decode.chain): each block's program a shard_map of its own ----------------
-    @property
-    def runs_in_blocks(self) -> bool:
-        return self.engines[0].runs_in_blocks
-
     def block_span(self, moe_start: int, moe_stop: int):
         return self.engines[0].block_span(moe_start, moe_stop)
 

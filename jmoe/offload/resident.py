@@ -70,10 +70,6 @@ class ResidentEngine:
             key for key, kind in placement.memory_kind.items()
             if kind == PINNED_HOST and "experts" not in key.split(".") and key not in fetched_ahead)
 
-    # Whether a deep model's step may run as a chain of layer-block programs (jmoe.decode.chain), each block binding
-    # only its layers (`bind_block`) and copying in its own parameters in host memory (`block_host_params`,
-    # `block_fetched_params`). Over a mesh, the expert-parallel engine asks its first device's engine.
-    runs_in_blocks = True
 
     def block_span(self, moe_start: int, moe_stop: int):
         """(What `block_state` takes of the state, the static layout `bind_block` takes) for MoE layers [moe_start,
