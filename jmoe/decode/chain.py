@@ -339,10 +339,10 @@ class StepChain:
     def _block_fn(self, layer_defs: tuple, windows: tuple, layout, host_params: tuple, treedef,
                   body: tuple) -> Callable:
         """A block's program (its engine state bound as `layout`, the engine's block_span says; `host_params`: the
-        parameters in host memory it copies in, as it starts and by layer group): `body` is ("step", visible, forced) for Model's steps (`forced`:
-        routing forced by an int32 [L_moe, B, T, k] array read from the block's first MoE layer), ("prefill", visible,
-        first_chunks) and ("decode", visible) for the serving engine's batch (jmoe.serve.programs says what those
-        do)."""
+        parameters in host memory it copies in, as it starts and by layer group): `body` is ("step", visible, forced)
+        for Model's steps (`forced`: routing forced by an int32 [L_moe, B, T, k] array read from the block's first MoE
+        layer), ("prefill", visible, first_chunks) and ("decode", visible) for the serving engine's batch
+        (jmoe.serve.programs says what those do)."""
         cfg, engine = self.config, self.engine
 
         def layers_of(leaves, x, kv_cache, engine_state, carry, write_index, pad_len, visible, valid_len=None,

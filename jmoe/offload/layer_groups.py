@@ -1,11 +1,11 @@
 """Layer-group weight prefetch: for models whose non-expert weights do not fit on the device either.
 
-In every group of `group_size` consecutive decoder layers, the last `num_in_group` keep their selected
-weights in pinned host memory. Inside the jitted step, when layer i starts, the weights of the offloaded
-layer i + `prefetch_step` are copied to the device, so the copy overlaps layers i .. i + K - 1 (the
-first K layers' copies start with the step; in a chained step, with each block of layers). Each copy is tied to layer i's input with an optimization
-barrier: XLA may not start it earlier, so at most the offloaded layers among i .. i + K are ever on the
-device at once. Those device copies are the buffers XLA assigns statically at compile time.
+In every group of `group_size` consecutive decoder layers, the last `num_in_group` keep their selected weights in pinned
+host memory. Inside the jitted step, when layer i starts, the weights of the offloaded layer i + `prefetch_step` are
+copied to the device, so the copy overlaps layers i .. i + K - 1 (the first K layers' copies start with the step; in a
+chained step, with each block of layers). Each copy is tied to layer i's input with an optimization barrier: XLA may not
+start it earlier, so at most the offloaded layers among i .. i + K are ever on the device at once. Those device copies
+are the buffers XLA assigns statically at compile time.
 """
 
 from __future__ import annotations
