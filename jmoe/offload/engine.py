@@ -371,11 +371,10 @@ class OffloadEngine(ResidentEngine):
             return self.combine(y, x)  # the one rounding of the float32 partial outputs
 
         def finish() -> tuple[EngineState, "Carry | None"]:
-            if carry is not None:
-                carry_out = Carry(handed_on[0], None if carry.history is None
-                                  else (carry.history[0] + len(layers), seen[0]))
+            carry_out = None if carry is None else Carry(
+                handed_on[0], None if carry.history is None else (carry.history[0] + len(layers), seen[0]))
             if not lo:
-                return state, carry_out if carry is not None else None
+                return state, carry_out
             slot_of_expert, step_counts = state.slot_of_expert, state.counts
             for i, (slots, c) in enumerate(zip(layer_slots, counts)):  # each layer's rows at its own position
                 layer_counts = jnp.stack([c.hits, c.misses, c.copied + copied[i], c.evicted + evicted[i]])
@@ -385,7 +384,7 @@ class OffloadEngine(ResidentEngine):
             return state._replace(buffers=tuple(s.buffers for s in layer_slots), scratch=scratch[0].buffers,
                                   slot_of_expert=slot_of_expert,
                                   expert_in_slot=tuple(s.expert_in_slot for s in layer_slots),
-                                  counts=step_counts), carry_out if carry is not None else None
+                                  counts=step_counts), carry_out
 
         return compute, finish
 

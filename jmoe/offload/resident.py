@@ -70,7 +70,6 @@ class ResidentEngine:
             key for key, kind in placement.memory_kind.items()
             if kind == PINNED_HOST and "experts" not in key.split(".") and key not in fetched_ahead)
 
-
     def block_span(self, moe_start: int, moe_stop: int):
         """(What `block_state` takes of the state, the static layout `bind_block` takes) for MoE layers [moe_start,
         moe_stop): nothing here (the offload engine's: their slots' positions and BlockLayout)."""
