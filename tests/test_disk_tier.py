@@ -122,15 +122,23 @@ def test_an_orbax_checkpoint_and_quantized_experts_read_from_disk_buffered_or_di
     assert not reader_threads()
 
 
-def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_path):
-    """GPT-OSS-20B's routing (its first 4 MoE layers, 32 experts, top-4) forced on a small model: the history
-    predictor fitted on the trace's tuning split reads ahead for 48 tokens of its report split."""
-    layers, experts = 4, 32
-    directory = tmp_path / "m"
-    write_checkpoint(directory, "mixtral", seed=3, num_local_experts=experts, num_experts_per_tok=4,
+@pytest.fixture(scope="module")
+def gptoss_routed(tmp_path_factory):
+    """A small model shaped for GPT-OSS-20B's routing (its first 4 MoE layers, 32 experts, top-4): (its directory, the
+    trace's tuning split, its report split), both cut to those layers."""
+    layers = 4
+    directory = tmp_path_factory.mktemp("gptoss_routed") / "m"
+    write_checkpoint(directory, "mixtral", seed=3, num_local_experts=32, num_experts_per_tok=4,
                      num_hidden_layers=layers, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
     split = split_trace(load_trace("gptoss"), None)
-    tuning, rows = split["tune_ids"][:, :layers], split["eval_ids"][:48, :layers]
+    return directory, split["tune_ids"][:, :layers], split["eval_ids"][:, :layers]
+
+
+def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(gptoss_routed):
+    """GPT-OSS-20B's routing forced on a small model: the history predictor fitted on the trace's tuning split reads
+    ahead for 48 tokens of its report split."""
+    directory, tuning, report = gptoss_routed
+    rows = report[:48]
     counts = {}
     for read_ahead in (0, 6):
         budget = budget_for(directory, 8, read_ahead=read_ahead)
@@ -159,15 +167,11 @@ def test_read_ahead_starts_the_predicted_reads_early_and_changes_no_result(tmp_p
         assert sum(layer["read_ahead_reads"] for layer in model.stats()) > 0
 
 
-def test_a_chained_step_reads_ahead_what_the_one_program_step_reads_ahead(tmp_path, monkeypatch):
+def test_a_chained_step_reads_ahead_what_the_one_program_step_reads_ahead(gptoss_routed, monkeypatch):
     """Blocks of one layer (jmoe.decode.chain): each layer's read-ahead for the next, in the next block, reads that
     layer's host rows' table, so the reads, reads ahead and reads used are the one program's."""
-    layers, experts = 4, 32
-    directory = tmp_path / "m"
-    write_checkpoint(directory, "mixtral", seed=3, num_local_experts=experts, num_experts_per_tok=4,
-                     num_hidden_layers=layers, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
-    split = split_trace(load_trace("gptoss"), None)
-    tuning, rows = split["tune_ids"][:, :layers], split["eval_ids"][:24, :layers]
+    directory, tuning, report = gptoss_routed
+    rows = report[:24]
     options = dict(cache=4, host_budget_gb=budget_for(directory, 8, read_ahead=6), prefetch_trace=tuning,
                    read_ahead=6, progress=False)
     stats = []

@@ -303,9 +303,8 @@ class StepChain:
 
     def _read_back(self, call: Call, engine_state):
         """The engine's readback of the state after the last block, copied by a program of its own (none without)."""
-        if not jax.tree.leaves(self.engine.readback(engine_state)):
-            return self.engine.readback(engine_state)
-        return call(self._readback, (engine_state,))
+        readback = self.engine.readback(engine_state)
+        return call(self._readback, (engine_state,)) if jax.tree.leaves(readback) else readback
 
     def _head_weight(self, params):
         return params["embed"].get_value() if self.tied else params["lm_head"].get_value()
