@@ -104,13 +104,16 @@ def settings_of(variant: str, small: bool, smoke: bool) -> list[dict]:
 
 
 def big_config(small: bool) -> dict:
-    """GPT-OSS-120B's config (bench.plan's, its published shape), or a toy GPT-OSS whose widths MXFP4 can block."""
+    """GPT-OSS-120B's config (bench.plan's, its published shape), or a toy GPT-OSS whose widths MXFP4 can block, deep
+    enough that its steps run as chains of layer blocks as the real shape's 36 layers do (jmoe.decode.chain)."""
     from bench.gpu.models import FAMILY_CASES, model_config
     from bench.plan import MODELS
+    from jmoe.decode.chain import LAYERS_PER_PROGRAM
 
     if not small:
         return MODELS["gpt-oss-120b"]
-    return model_config("gpt_oss", True, **{**FAMILY_CASES["gpt_oss"], "vocab_size": 256})  # bench.decode's prompt ids
+    return model_config("gpt_oss", True, **{**FAMILY_CASES["gpt_oss"], "vocab_size": 256,  # bench.decode's prompt ids
+                                            "num_hidden_layers": 2 * LAYERS_PER_PROGRAM})
 
 
 def label_of(setting: dict) -> str:
@@ -194,8 +197,10 @@ def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
     row.update(step_ms=split["step ms"], host_ms=split["host ms"])
     decode = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
     if decode:
-        row["decode_program"] = dict(control_flow(decode[0]).as_dict(), side_stream_overlaps=side_stream_overlaps(
-            decode[0]))
+        # a chained step's pieces in the order they run (jmoe.decode.chain): how many programs a step dispatches
+        programs = sum(line.startswith("HloModule ") for line in decode[0].splitlines())
+        row["decode_program"] = dict(control_flow(decode[0]).as_dict(), programs_a_step=programs,
+                                     side_stream_overlaps=side_stream_overlaps(decode[0]))
     if trace_dir is not None:
         summary = traced_steps(lambda: generate(model, tokens), trace_dir, tokens)
         row["profile"] = {key: value for key, value in summary.items() if key != "top device events"}
@@ -335,6 +340,10 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
                 "mb_moved_per_token",
                 "mb_read_in_place_per_token", "no_overlap_bound_ms", "share_of_no_overlap_bound", "overlap_bound_ms",
                 "share_of_overlap_bound")) + " |")
+        lines += ["", "Decode programs as the device's compiler made them (a chained step's pieces summed):", *[
+            f"- {label_of(row)}: " + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in
+                                               row["decode_program"].items() if key != "side_stream_overlaps")
+            for row in result.get("rows", []) if "decode_program" in row]]
         for row in result.get("rows", []):
             if "profile" in row:
                 lines += ["", f"Profile of {label_of(row)}: " + ", ".join(

@@ -63,7 +63,7 @@ def test_the_big_shape_built_in_memory_is_placed_as_load_places_its_checkpoint(t
     built = InMemoryModel(config, cache=2, expert_dtype="mxfp4")
     planned = jmoe.plan(write_header_only_checkpoint(tmp_path / "headers", config), cache=2, expert_dtype="mxfp4",
                         compile=False)
-    assert built.placement == planned.placement and built.placement.caches == (2, 2)
+    assert built.placement == planned.placement and set(built.placement.caches) == {2}
     experts = built.module.moe_blocks()[0].experts
     codes, scales = experts.w_gate_up[...], experts.w_gate_up_scale[...]
     assert codes.dtype == np.uint8 and codes.sharding.memory_kind == PINNED_HOST
