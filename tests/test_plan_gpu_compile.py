@@ -197,3 +197,21 @@ def test_expert_parallel_programs_carry_only_activations_between_devices(case, o
     # two layers are compiled whole whatever is asked, and the plan says so
     whole = any(note.startswith("extrapolate_layers: the programs were compiled whole") for note in plan.notes)
     assert whole == ("extrapolate_layers" in options)
+
+
+def test_host_mode_decode_loops_only_on_the_host(tmp_path):
+    """With one offloaded layer its host computation has one caller, which jax 0.10 compiles for a GPU (several
+    abort it, above): every data-dependent loop of the decode step runs on the host (XLA:GPU's host execution
+    thread), none on the device, where each iteration would read its condition back (#54 item 1); the planned
+    admission is a Triton copy, not a loop."""
+    from bench.plan import write_header_only_checkpoint
+    from hf_models import hf_config
+
+    model_type, overrides = FAMILY_CASES[QUICK_CASE]
+    config = hf_config(model_type, **{**overrides, "num_hidden_layers": 1}).to_dict()
+    plan = jmoe.plan(write_header_only_checkpoint(tmp_path / "one-layer", config), target="h100", context=32,
+                     cache=1, miss_mode="host")
+    flow = plan.programs["decode"].control_flow
+    assert plan.programs["decode"].error is None
+    assert flow.host_loops >= 1 and flow.data_dependent_loops == 0 and flow.conditionals == 0
+    assert flow.triton_kernels_reading_host >= 1  # the planned admission's copy

@@ -15,7 +15,10 @@ import re
 _WHILE = re.compile(r"\swhile\(")
 _CONDITIONAL = re.compile(r"\sconditional\(")
 _KNOWN_TRIP_COUNT = '"known_trip_count":{"n":"'
-_HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on)
+_HOST_COMPUTATION = '_xla_compute_type="host"'  # computations placed on the host (compute_on), as XLA:CPU marks them
+# A computation's closing line and what follows it: XLA:GPU puts a host computation on the host execution thread.
+_COMPUTATION_END = re.compile(r"\n}([^\n]*)")
+_HOST_THREAD = 'execution_thread="host"'
 _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
 # A pinned-host (memory space S(5)) parameter, or a bitcast of one (a reshape that moves nothing).
 _HOST_ARRAY = re.compile(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* (?:parameter|bitcast)\(")
@@ -65,18 +68,26 @@ class ControlFlow:
 def control_flow(hlo_text: str) -> ControlFlow:
     """Count the conditionals, loops and Triton kernels of an optimized HLO module's text."""
     known = data_dependent = on_host = 0
-    for line in hlo_text.splitlines():
+    for line, on_host_thread in _lines_with_thread(hlo_text):
         if not _WHILE.search(line):
             continue
         if _KNOWN_TRIP_COUNT in line:
             known += 1
-        elif _HOST_COMPUTATION in line:
+        elif on_host_thread or _HOST_COMPUTATION in line:
             on_host += 1
         else:
             data_dependent += 1
     conditionals = sum(1 for line in hlo_text.splitlines() if _CONDITIONAL.search(line))
     return ControlFlow(conditionals, known, data_dependent, on_host, hlo_text.count(_TRITON_CALL),
                        triton_kernels_reading_host(hlo_text))
+
+
+def _lines_with_thread(hlo_text: str):
+    """Every line of the module's text, with whether the computation it lies in runs on the host thread."""
+    parts = _COMPUTATION_END.split(hlo_text)  # text, closing line's rest, text, ...
+    for text, end in zip(parts[::2], [*parts[1::2], ""]):
+        for line in text.splitlines():
+            yield line, _HOST_THREAD in end
 
 
 def triton_kernels_reading_host(hlo_text: str) -> int:
