@@ -5,6 +5,7 @@ rows beside free ones; stops, cancellation, limits; no compilation after warm-up
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
@@ -558,7 +559,10 @@ def test_background_thread_serves_while_the_rest_compiles_behind_and_drains_on_s
     long_prompt = (prompt_ids[1] * 20)[:40]  # three chunks of 16
     prompts = [*prompt_ids[:3], long_prompt]
     expected = [model.generate(ids, max_new_tokens=6)[0] for ids in prompts]
-    first, rest = program_specs(ServingEngine(model, max_batch=2, context=64))
+    two_rows = ServingEngine(model, max_batch=2, context=64)
+    first, rest = program_specs(two_rows)
+    # the kinds' counts the memory-mapping budget projects from, as the specs list them
+    assert collections.Counter(spec.key[0] for spec in first + rest) == +collections.Counter(two_rows.program_counts)
     greedy_choices, sampled_choices = ([("choose", *v, 1) for v in CHOOSE_VARIANTS if v[0] == g] for g in (True, False))
     assert [spec.key for spec in first + rest] == [
         ("prefill", 1, 16, 16), *greedy_choices, ("decode", 64, 1), *sampled_choices, ("mark_prompt",),
@@ -618,4 +622,26 @@ def test_warm_up_stops_with_an_error_before_its_programs_pass_the_memory_mapping
     with pytest.raises(InsufficientMemoryError, match=r"vm\.max_map_count.*--max-batch 1, --context 64: 11 programs"):
         engine.warm_up()
     assert engine.compiled_programs == 1
-    assert engine._programs.budget.per_program > 100  # the first program's own mappings, measured
+    assert engine._programs.budget.per_kind["prefill"] > 100  # the first program's own mappings, measured
+
+
+def test_the_mapping_budget_counts_each_kind_of_program_at_its_own_size(monkeypatch):
+    """Token-choice programs hold a tenth of a decode program's mappings: the budget projects the programs left at
+    the most each kind took (a kind not seen yet at the most any took), not every one at the largest, so a server
+    whose programs fit is not refused. Simulated: each compile adds its kind's mappings to the process's count."""
+    held = {"count": 1_000}
+    monkeypatch.setattr(mappings, "held_and_limit", lambda: (held["count"], 20_000))  # 19,000 usable
+    budget = mappings.MappingBudget("fewer programs")
+    for kind, size in (("decode", 600), ("choose", 30)):
+        with budget.compiling(kind, {"decode": 1, "choose": 1}):
+            held["count"] += size
+    assert budget.per_kind == {"decode": 600, "choose": 30}
+    # 1,630 held: 10 decodes and 100 choices take 9,000 more mappings (fits); at the largest, 66,000 would not.
+    assert budget.needed({"decode": 10, "choose": 100}) == 9_000
+    with budget.compiling("decode", {"decode": 10, "choose": 100}):
+        held["count"] += 600
+    assert budget.needed({"prefill": 2}) == 1_200  # not seen yet: at the largest
+    with pytest.raises(InsufficientMemoryError, match=r"about 17,400 memory mappings \(a program of each kind on "
+                                                      r"this backend: choose 30, decode 600\).*fewer programs"):
+        with budget.compiling("decode", {"decode": 9, "prefill": 20}):  # 2,230 held
+            pass

@@ -10,6 +10,7 @@ the memory-mapping budget (jmoe.serve.mappings) and logged with how many are lef
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -32,10 +33,12 @@ class ProgramSpec(NamedTuple):
 
 
 class ProgramCache:
-    """Compiled programs by key; `total` is how many the engine may need (for the progress and the mapping budget)."""
+    """Compiled programs by key, whose first item names its kind ("prefill", "decode", ...); `totals` is how many of
+    each kind the engine may need (for the progress and the mapping budget)."""
 
-    def __init__(self, total: int, budget: MappingBudget):
-        self.total = total
+    def __init__(self, totals: dict[str, int], budget: MappingBudget):
+        self.totals = totals
+        self.total = sum(totals.values())
         self.budget = budget
         self._programs: dict[tuple, Callable] = {}  # jax.stages.Compiled, or jmoe.decode.chain.ChainedCompiled
         self._lock = threading.Lock()
@@ -54,12 +57,18 @@ class ProgramCache:
             if program is None:
                 began = time.perf_counter()
                 # Compiled XLA:CPU programs hold hundreds of memory mappings each (jmoe.serve.mappings).
-                with self.budget.compiling(max(1, self.total - len(self._programs))):
+                with self.budget.compiling(key[0], self._remaining(key[0])):
                     program = fn.lower(*args).compile()
                 self._programs[key] = program
                 self._seconds += time.perf_counter() - began
                 logger.info("compiled %s", self.describe(key))
         return program
+
+    def _remaining(self, kind: str) -> dict[str, int]:
+        """Programs of each kind not compiled yet, at least the one of `kind` about to be."""
+        compiled = collections.Counter(key[0] for key in self._programs)
+        remaining = {name: max(0, total - compiled[name]) for name, total in self.totals.items()}
+        return {**remaining, kind: max(1, remaining.get(kind, 0))}
 
     def seconds_left(self) -> float | None:
         """The programs not compiled yet at the mean time of those compiled (None before the first)."""

@@ -100,7 +100,7 @@ class ServingEngine(DecodeSteps):
         self.mark_prompt_program = make_mark_prompt_fn()
         self.copy_row_program = make_copy_row_fn()
         self.prefixes = RowPrefixes(max_batch) if prefix_reuse else None
-        self._programs = ProgramCache(self.program_count, MappingBudget(
+        self._programs = ProgramCache(self.program_counts, MappingBudget(
             f"lower max_batch or context (--max-batch {max_batch}, --context {context}: "
             f"{self.program_count} programs)"))
         self._stop_compiling = threading.Event()
@@ -220,13 +220,18 @@ class ServingEngine(DecodeSteps):
         self.ready = True
 
     @property
+    def program_counts(self) -> dict[str, int]:
+        """The programs warm_up compiles, by kind (the first item of their keys, jmoe.serve.program_set): per entry
+        bucket, prefill (each chunk bucket, first or later chunks), token choice (each variant) and decode (each
+        visible bucket); the one that marks a prompt's tokens and, with prefix reuse, the one that copies a row."""
+        entries = len(self.entry_buckets)
+        return {"prefill": entries * (len(self.chunks) + len(self.later_chunks)),
+                "choose": entries * len(self.choose_programs), "decode": entries * len(self.visible_buckets),
+                "mark_prompt": 1, "copy_row": int(self.prefixes is not None)}
+
+    @property
     def program_count(self) -> int:
-        """The programs warm_up compiles: per entry bucket, prefill (each chunk bucket, first or later chunks), token
-        choice (each variant) and decode (each visible bucket); the one that marks a prompt's tokens and, with prefix
-        reuse, the one that copies a row."""
-        prefills = len(self.chunks) + len(self.later_chunks)
-        per_entries = prefills + len(self.choose_programs) + len(self.visible_buckets)
-        return len(self.entry_buckets) * per_entries + 1 + (self.prefixes is not None)
+        return sum(self.program_counts.values())
 
     def _program(self, key: tuple, fn, args) -> jax.stages.Compiled:
         return self._programs.get(key, fn, args)

@@ -32,35 +32,43 @@ def held_and_limit() -> tuple[int, int] | None:
 
 
 class MappingBudget:
-    """Counts the mappings each compiled program adds; `compiling` refuses a compile when the programs still to
-    come, at the most any program has taken so far, would pass the limit."""
+    """Counts the mappings each compiled program adds, by kind of program (prefill, decode, token choice: their
+    sizes differ several-fold); `compiling` refuses a compile when the programs still to come, each at the most a
+    program of its kind has taken so far (a kind not seen yet: the most any has), would pass the limit."""
 
     def __init__(self, what: str):
         self.what = what  # how the programs' number is changed, for the error
-        self.per_program = 0
+        self.per_kind: dict[str, int] = {}
+
+    def needed(self, remaining: dict[str, int]) -> int:
+        """The mappings that `remaining` programs of each kind would take, at the estimate above."""
+        largest = max(self.per_kind.values(), default=0)
+        return sum(count * self.per_kind.get(kind, largest) for kind, count in remaining.items())
 
     @contextlib.contextmanager
-    def compiling(self, remaining: int):
-        """Around the compile of one of `remaining` programs still to compile (this one included)."""
+    def compiling(self, kind: str, remaining: dict[str, int]):
+        """Around the compile of a program of `kind`, one of the programs of each kind still to compile (this one
+        included)."""
         before = held_and_limit()
-        if before is not None and self.per_program and self._over(*before, remaining):
+        if before is not None and self.per_kind and self._over(*before, remaining):
             gc.collect()  # programs no longer referenced give their mappings back once collected
             before = held_and_limit() or before
             if self._over(*before, remaining):
                 held, limit = before
-                needed = self.per_program * remaining
+                needed = self.needed(remaining)
+                measured = ", ".join(f"{name} {count:,}" for name, count in sorted(self.per_kind.items()))
                 raise InsufficientMemoryError(
-                    f"compiling {remaining} more programs needs about {needed:,} memory mappings (about "
-                    f"{self.per_program:,} a program on this backend), but this process holds {held:,} of the "
+                    f"compiling {sum(remaining.values())} more programs needs about {needed:,} memory mappings (a "
+                    f"program of each kind on this backend: {measured}), but this process holds {held:,} of the "
                     f"{limit:,} the kernel allows (vm.max_map_count) and would crash past it: {self.what}, or "
                     f"raise the limit (sysctl -w vm.max_map_count={_suggested_limit(held + needed)})")
         yield
         after = held_and_limit()
         if before is not None and after is not None:
-            self.per_program = max(self.per_program, after[0] - before[0])
+            self.per_kind[kind] = max(self.per_kind.get(kind, 0), after[0] - before[0])
 
-    def _over(self, held: int, limit: int, remaining: int) -> bool:
-        return held + self.per_program * remaining > limit * (1 - HEADROOM)
+    def _over(self, held: int, limit: int, remaining: dict[str, int]) -> bool:
+        return held + self.needed(remaining) > limit * (1 - HEADROOM)
 
 
 def _suggested_limit(needed: int) -> int:
