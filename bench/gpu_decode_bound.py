@@ -22,8 +22,9 @@ from the hit rate recorded here (bench.plan_calibration's way), so no GPU time g
 Per setting (batch 1, greedy, --tokens new tokens), after a warm-up generation: decode tokens/s (steps dispatched
 ahead, generate's default) with that generation's hit rate and link traffic per decode step (bytes copied to the
 device and, in miss mode "direct", the missed experts' bytes the kernel reads over the link); for fetch settings the
-same with each step read back first (item 3); the device step (dispatch until its outputs are ready) and the host's
-work after it (finish_step), medians; the compiled decode step's loops, conditionals and Triton kernels, as the real
+same with each step read back first (item 3); the device step (dispatch until its outputs are ready), of it the
+host's dispatch (the call's return), and the host's work after it (finish_step), medians: dispatch plus finish_step
+past the step says the host sets the pace of steps run ahead; the compiled decode step's loops, conditionals and Triton kernels, as the real
 device's compiler made them. Per variant the link's GB/s (a plain pinned-host copy) and the resident step, in the
 same process. Bounds of an offloaded setting: no overlap = resident step + link bytes / link GB/s; overlap = the
 larger of the two; its share = bound / measured time per token. The default variant's first fetch setting and its
@@ -194,7 +195,7 @@ def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
     with step_timer(model) as times:
         generate(model, tokens)
     split = step_split(times)
-    row.update(step_ms=split["step ms"], host_ms=split["host ms"])
+    row.update(step_ms=split["step ms"], dispatch_ms=split["dispatch ms"], host_ms=split["host ms"])
     decode = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
     if decode:
         # a chained step's pieces in the order they run (jmoe.decode.chain): how many programs a step dispatches
@@ -332,11 +333,11 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
                   *[f"- **failed**: {label}: {error}" for label, error in result.get("failed", {}).items()],
                   *[f"- not run (out of time): {label}" for label in not_reached(args, variant, result)],
                   *([""] if result.get("failed") or not_reached(args, variant, result) else []),
-                  "| setting | caches | hit rate | tokens/s | read back first | step ms | host ms | MB copied / token "
-                  "| MB read in place | bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 13 + "|"]
+                  "| setting | caches | hit rate | tokens/s | read back first | step ms | dispatch ms | host ms | MB copied / "
+                  "token | MB read in place | bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 14 + "|"]
         for row in result.get("rows", []):
             lines.append(f"| {label_of(row)} | " + " | ".join(fmt(row.get(key)) for key in (
-                "caches", "hit_rate", "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "host_ms",
+                "caches", "hit_rate", "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "dispatch_ms", "host_ms",
                 "mb_moved_per_token",
                 "mb_read_in_place_per_token", "no_overlap_bound_ms", "share_of_no_overlap_bound", "overlap_bound_ms",
                 "share_of_overlap_bound")) + " |")

@@ -19,11 +19,14 @@ TOP_EVENTS = 12  # device events listed by total time per step
 
 @contextlib.contextmanager
 def step_timer(model):
-    """Yields {"step": [s], "host": [s]} filled by every step the model runs meanwhile: the compiled program from
-    dispatch until its outputs are ready, then finish_step."""
+    """Yields {"step": [s], "dispatch": [s], "host": [s]} filled by every step the model runs meanwhile: the compiled
+    program from dispatch until its outputs are ready, of it the host's work until the call returns (on a GPU the
+    enqueueing, every piece of a chained step; a CPU may run part of the program in the call), then finish_step.
+    Dispatch plus finish_step is the host's time a token when steps run ahead: past the device's step, the host sets
+    the pace."""
     import jax
 
-    times = {"step": [], "host": []}
+    times = {"step": [], "dispatch": [], "host": []}
     program, finish = model._program, model.finish_step
 
     def timed_program(greedy, args):
@@ -31,7 +34,9 @@ def step_timer(model):
 
         def run(*inputs):
             start = time.perf_counter()
-            outputs = jax.block_until_ready(compiled(*inputs))
+            outputs = compiled(*inputs)
+            times["dispatch"].append(time.perf_counter() - start)
+            outputs = jax.block_until_ready(outputs)
             times["step"].append(time.perf_counter() - start)
             return outputs
         return run
