@@ -27,7 +27,7 @@ from jmoe.errors import InputError, NonFiniteError
 from jmoe.kernels import FORMATS
 from jmoe.memory import sharding_for
 from jmoe.model import MoETransformer
-from jmoe.model.params import flat_params
+from jmoe.model.params import StepParams, flat_params
 from jmoe.offload.engine import make_engine
 from jmoe.offload.expert_parallel import ExpertParallelEngine, device_placement, expert_mesh, param_sharding
 from jmoe.offload.options import OffloadOptions
@@ -76,6 +76,7 @@ class Model:
                 block.experts.hold_per_expert_arrays()
         engine.attach(module.moe_layer_views())
         self.graphdef, self.params = nnx.split(module)
+        self._step_params = StepParams.of(self.params)
         self.kv_dtype = module.embed[...].dtype
         # A deep model's programs chained in blocks of layers (jmoe.decode.chain), the serving engine's too.
         self.step_chain = StepChain(module, engine) if chains(config, engine) else None
@@ -132,6 +133,13 @@ class Model:
         """Per parameter: its memory kind and bytes."""
         return self.placement_plan.as_dict()
 
+    @property
+    def step_params(self) -> StepParams:
+        """The parameters as the compiled steps take them (flattened once, again only if `params` is replaced)."""
+        if self._step_params.state is not self.params:
+            self._step_params = StepParams.of(self.params)
+        return self._step_params
+
     def finish_step(self, readback, routing, extra=()):
         """The one device-to-host read of a step: the engine's readback the step returned, its routing and whatever
         the caller needs (its host copy is returned); the engine's manager then plans the next step into the engine
@@ -152,7 +160,7 @@ class Model:
         if len({len(r) for r in rows}) != 1:
             raise InputError(f"logits: all rows must have the same length, found lengths "
                              f"{sorted({len(r) for r in rows})}; pad them yourself or call once per row")
-        logits, routing, self.engine.state, readback = self._logits_fn(self.params, self.engine.state,
+        logits, routing, self.engine.state, readback = self._logits_fn(self.step_params, self.engine.state,
                                                                        jnp.asarray(rows, jnp.int32))
         return logits, self.finish_step(readback, routing, routing)
 
@@ -176,7 +184,7 @@ class Model:
                              f"cache column 0, got write_index={write_index}; feed later tokens one per step")
         arrays = None if sampling.greedy else sampling.arrays(tokens.shape[0])
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
-        args = (self.params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
+        args = (self.step_params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
                 jnp.int32(step), arrays, forced)
         outputs, routing, kv_cache, self.engine.state, readback = self._program(sampling.greedy, args)(*args)
         return DispatchedStep(step, outputs, routing, kv_cache, readback)
@@ -242,8 +250,8 @@ class Model:
         tokenizer = self.require_tokenizer()
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not all(isinstance(p, str) for p in prompts):
-            raise InputError(f"generate_text: expected a str or a list of str, found "
-                             f"{type(prompt).__name__ if isinstance(prompt, str | bytes) else [type(p).__name__ for p in prompts]}; "
+            found = type(prompt).__name__ if isinstance(prompt, str | bytes) else [type(p).__name__ for p in prompts]
+            raise InputError(f"generate_text: expected a str or a list of str, found {found}; "
                              f"decode bytes first (e.g. prompt.decode('utf-8'))")
         if any(not p for p in prompts):
             raise InputError("generate_text: empty prompt; give some text to continue")

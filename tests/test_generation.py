@@ -123,6 +123,29 @@ def test_one_program_per_mode_for_all_sampling_parameters_and_bucketed_batches(m
     assert model.generate(three, max_new_tokens=6) == [model.generate(r, max_new_tokens=6)[0] for r in three]
 
 
+def test_steps_take_the_parameters_flattened_once_and_see_replaced_ones(model_dir):
+    """A compiled step flattens its arguments at every call; the Model hands its steps the parameters as one flat
+    list (StepParams), made once while `params` stays the same object and again when it is replaced: the steps
+    then compute with the new parameters, through the programs already compiled."""
+    import jax
+
+    model = jmoe.load(model_dir, progress=False)
+    flat = model.step_params
+    assert model.step_params is flat and flat.state is model.params
+    assert len(flat.leaves) == len(jax.tree.leaves(model.params))
+    logits = np.asarray(model.logits([[3, 1, 4]]))
+    tokens = model.generate([3, 1, 4], max_new_tokens=4)
+    programs = model.compiled_programs
+    model.params = jax.tree.map(lambda a: a.copy(), model.params)  # the same values, a new object
+    assert model.step_params is not flat
+    np.testing.assert_array_equal(np.asarray(model.logits([[3, 1, 4]])), logits)
+    model.params["final_norm"]["scale"].set_value(np.zeros_like(model.params["final_norm"]["scale"].get_value()))
+    model.params = jax.tree.map(lambda a: a, model.params)  # a new object holding the zeroed norm
+    assert not np.asarray(model.logits([[3, 1, 4]])).any()  # every logit of a zero norm's output is 0
+    assert tokens != [[0] * 4] and model.generate([3, 1, 4], max_new_tokens=4) == [[0] * 4]  # argmax of zeros
+    assert model.compiled_programs == programs
+
+
 @pytest.mark.quick
 def test_generation_reports_compilation_apart_from_decoding_and_says_what_it_compiles(model, capsys):
     from jmoe.decode.sampling import SamplingParams

@@ -100,7 +100,7 @@ def test_every_fetch_waits_for_the_layer_it_is_issued_at(sparse_step_dir):
     """Each grouped layer's copies are tied to an optimization barrier on the residual stream."""
     model = jmoe.load(sparse_step_dir, offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=1,
                       progress=False)
-    text = model._logits_fn.lower(model.params, model.engine.state, np.asarray(LOGIT_IDS, np.int32)).as_text()
+    text = model._logits_fn.lower(model.step_params, model.engine.state, np.asarray(LOGIT_IDS, np.int32)).as_text()
     assert text.count("stablehlo.optimization_barrier") == len(model.placement_plan.fetched_keys) == 2
 
 

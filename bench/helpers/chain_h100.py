@@ -40,7 +40,7 @@ def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: i
             mock.patch.object(chain, "LAYERS_PER_PROGRAM", layers_per_program):
         graphdef, engine, mesh, args = step_arguments(job)
         with jax.set_mesh(mesh):
-            steps = chain.StepChain(nnx.merge(graphdef, args[0]), engine) if chained else None
+            steps = chain.StepChain(nnx.merge(graphdef, args[0].state), engine) if chained else None
             program = steps.step_program(True) if chained else make_step_fn(graphdef, engine, greedy=True)
             began = time.perf_counter()
             compiled = program.lower(*args).compile()

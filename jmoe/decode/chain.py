@@ -276,7 +276,9 @@ class StepChain:
         # from them: as if on the default device, which holds for one device and no engine state in host memory
         # (the disk tier's host rows pass through the blocks).
         side_by_side = self.engine.mesh is None and not self.engine.placement.host_rows
-        return ChainedProgram(run, self.pieces, side_by_side=side_by_side)
+        # the parameters come as StepParams, as to every step program; the run functions read the NNX state
+        return ChainedProgram(lambda call, args: run(call, (args[0].state, *args[1:])), self.pieces,
+                              side_by_side=side_by_side)
 
     # ---- the pieces -----------------------------------------------------------------------------------------------
     def _layers(self, call: Call, params, engine_state, tokens, kv_cache, body: tuple,

@@ -1,9 +1,9 @@
 """The jitted programs a Model runs: a full forward for logits, and one generation step (a deep model's, chained in
 blocks of layers, are jmoe.decode.chain's, which runs the same layer code).
 
-Each program merges the NNX model from (graphdef, params) inside jit, hands the expert engine the MoE
-layers' weights and routers and gets back the function that computes experts (resident weights, or
-device slots fed from pinned host memory), and returns the engine's updated state next to the model's
+Each program merges the NNX model from (graphdef, params) inside jit (the parameters passed flat, StepParams), hands
+the expert engine the MoE layers' weights and routers and gets back the function that computes experts (resident
+weights, or device slots fed from pinned host memory), and returns the engine's updated state next to the model's
 outputs, with a copy of what the manager reads of it (`engine.readback`): caches and engine state are donated,
 and a step may be dispatched on that state before the host has read the last step's tables.
 `abstract_step_inputs` gives the shapes of a step's other inputs, so that jmoe.plan can compile the very same step
@@ -18,14 +18,15 @@ from flax import nnx
 
 from jmoe.decode.sampling import choose_tokens
 from jmoe.model import empty_kv_cache
+from jmoe.model.params import StepParams
 
 
-def forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
+def forward(graphdef, params: StepParams, engine, engine_state, tokens, kv_cache, write_index, pad_len, *, last_only,
             forced_routing=None, visible_len=None, valid_len=None):
     """The model's forward inside a jitted program, its experts computed by `engine` (MoETransformer.__call__
-    says what each argument means); returns (ForwardOut, the engine's updated state, its readback: arrays of
-    their own, which outlive the state's donation to the next step). The engine's `spmd` runs it on every device
-    of its mesh when the experts are split over several."""
+    says what each argument means; every program takes the parameters as StepParams); returns (ForwardOut, the
+    engine's updated state, its readback: arrays of their own, which outlive the state's donation to the next
+    step). The engine's `spmd` runs it on every device of its mesh when the experts are split over several."""
 
     def run(params, engine_state, inputs):
         tokens, kv_cache, write_index, pad_len, forced_routing, valid_len = inputs
@@ -37,6 +38,7 @@ def forward(graphdef, params, engine, engine_state, tokens, kv_cache, write_inde
         return out, finish()
 
     inputs = (tokens, kv_cache, write_index, pad_len, forced_routing, valid_len)
+    params = params.state
     out, engine_state = engine.spmd(run, params)(params, engine_state, inputs)
     return out, engine_state, engine.readback(engine_state)
 

@@ -1,4 +1,5 @@
-"""Parameter paths: the abstract (shape-only) model, and flat {path: leaf} <-> nested dict conversions."""
+"""Parameter paths: the abstract (shape-only) model, flat {path: leaf} <-> nested dict conversions, and the parameters
+as the compiled steps take them (`StepParams`)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,32 @@ def nest_params(flat: dict[ParamPath, object]) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return nested
+
+
+@jax.tree_util.register_pytree_node_class
+class StepParams:
+    """A model's parameters as its compiled steps take them: the NNX state's leaves in one list, with its treedef. A
+    compiled program flattens its arguments at every call, and an NNX state costs a Python call a variable (about a
+    microsecond each: 7% of the shipped model's decode token on a CPU, 0.6 ms a step of 36 layers) where a list is
+    flattened in C++. `state` is the NNX state again, made once per object (a Model keeps one while its parameters
+    stay the same object; in a trace it is made of the tracers)."""
+
+    def __init__(self, leaves: list, treedef):
+        self.leaves, self.treedef = leaves, treedef
+
+    @classmethod
+    def of(cls, state) -> "StepParams":
+        params = cls(*jax.tree.flatten(state))
+        params.state = state  # the state itself, not a copy: whoever keeps it finds it again by identity
+        return params
+
+    @functools.cached_property
+    def state(self):
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+    def tree_flatten(self):
+        return self.leaves, self.treedef
+
+    @classmethod
+    def tree_unflatten(cls, treedef, leaves) -> "StepParams":
+        return cls(list(leaves), treedef)

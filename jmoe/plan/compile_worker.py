@@ -36,7 +36,7 @@ from jmoe.collector import freeze_loaded
 from jmoe.decode.steps import abstract_step_inputs, make_step_fn
 from jmoe.kernels.target import compiling_for_gpu
 from jmoe.memory import PINNED_HOST
-from jmoe.model.params import abstract_model, flat_params, nest_params
+from jmoe.model.params import StepParams, abstract_model, flat_params, nest_params
 from jmoe.offload.engine import make_engine
 from jmoe.offload.expert_parallel import EXPERT_AXIS, ExpertParallelEngine, device_placement, param_spec
 from jmoe.plan.targets import compute_capability
@@ -85,7 +85,7 @@ def step_arguments(job):
                           engine.placed if parallel else lambda a: on_device)
     inputs = abstract_step_inputs(cfg, job.batch, job.num_tokens, job.context, job.dtype)
     inputs = placed(inputs[:-2]) + inputs[-2:]  # no sampling arrays, no forced routing
-    return graphdef, engine, mesh, (state, engine_state, *inputs)
+    return graphdef, engine, mesh, (StepParams.of(state), engine_state, *inputs)
 
 
 def write_compiled(lowered, lower_seconds: float, out_dir: Path) -> None:

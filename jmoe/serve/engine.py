@@ -437,7 +437,7 @@ class ServingEngine(DecodeSteps):
         """(parameters, expert engine state, KV cache, penalty counts, prompt marks): live, or their shapes."""
         if abstract:
             return self._shapes
-        return self.model.params, self.model.engine.state, self.kv_cache, self.counts, self.seen
+        return self.model.step_params, self.model.engine.state, self.kv_cache, self.counts, self.seen
 
     def prefill_args(self, tokens, rows, start, valid, abstract: bool = False) -> tuple:
         params, state, kv_cache, _, _ = self.engine_arrays(abstract)
