@@ -42,13 +42,14 @@ class DispatchedStep(NamedTuple):
     """A generation step enqueued on the device (Model.dispatch_step), not yet read back."""
 
     index: int  # the step's number: 0 is the prompt
-    outputs: tuple  # (next tokens int32 [B], bool [L] each decoder layer's output finite), on the device
+    outputs: tuple  # (next tokens int32 [B, 1], bool [L] each decoder layer's output finite), on the device
     routing: jax.Array
     kv_cache: object
     readback: tuple  # what the engine's manager reads of the state the step returned
 
     @property
     def next_tokens(self) -> jax.Array:
+        """int32 [B, 1]: the next step's tokens as it takes them."""
         return self.outputs[0]
 
 
@@ -178,14 +179,15 @@ class Model:
                       forced_routing: np.ndarray | None = None) -> DispatchedStep:
         """run_step's first half: the step enqueued on the device (JAX dispatches asynchronously), its outputs
         still device arrays; the engine state it returns is already the engine's, so the next step can be
-        dispatched on it (`tokens` may be this one's `next_tokens[:, None]`) before `finish_dispatched(step)`."""
+        dispatched on it (`tokens` may be this one's `next_tokens`) before `finish_dispatched(step)`."""
         if tokens.shape[1] > 1 and write_index != 0:
             raise InputError(f"run_step: a step of {tokens.shape[1]} tokens per row is a prompt and must start at "
                              f"cache column 0, got write_index={write_index}; feed later tokens one per step")
         arrays = None if sampling.greedy else sampling.arrays(tokens.shape[0])
         forced = None if forced_routing is None else jnp.asarray(forced_routing, jnp.int32)
-        args = (self.step_params, self.engine.state, tokens, kv_cache, jnp.int32(write_index), pad_len, key,
-                jnp.int32(step), arrays, forced)
+        # NumPy scalars: the compiled call takes them in its own transfer (a jnp scalar dispatches a program each)
+        args = (self.step_params, self.engine.state, tokens, kv_cache, np.int32(write_index), pad_len, key,
+                np.int32(step), arrays, forced)
         outputs, routing, kv_cache, self.engine.state, readback = self._program(sampling.greedy, args)(*args)
         return DispatchedStep(step, outputs, routing, kv_cache, readback)
 
@@ -194,7 +196,7 @@ class Model:
         bookkeeping (finish_step); NonFiniteError if a layer's output was not finite."""
         next_tokens, finite = self.finish_step(step.readback, step.routing, step.outputs)
         check_finite_layers(finite, f"generation step {step.index}")
-        return next_tokens
+        return next_tokens[:, 0]
 
     def _program(self, greedy: bool, args) -> jax.stages.Compiled:
         """The compiled step for these inputs' shapes, compiled (and timed) the first time they are seen."""

@@ -400,7 +400,7 @@ class StepChain:
 
     def _step_head(self, greedy, norm_state, head, x, routing, finite, key, step, sampling):
         next_tokens = choose_tokens(self._logits(norm_state, head, x, True)[:, -1], greedy, key, step, sampling)
-        return (next_tokens, jnp.concatenate(finite)), jnp.concatenate(routing)
+        return (next_tokens[:, None], jnp.concatenate(finite)), jnp.concatenate(routing)
 
     def _logits_head(self, norm_state, head, x, routing):
         return self._logits(norm_state, head, x, False), jnp.concatenate(routing)

@@ -127,8 +127,7 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
 
     def dispatch(tokens, kv_cache, write_index: int, index: int):
         forced = None if routing_override is None else routing_override(index, tokens.shape)
-        return model.dispatch_step(jnp.asarray(tokens), kv_cache, write_index, pad_len_dev, key, index, sampling,
-                                   forced)
+        return model.dispatch_step(tokens, kv_cache, write_index, pad_len_dev, key, index, sampling, forced)
 
     # Step n + 1 is dispatched on step n's tokens, still on the device, before step n is read back: the host's work
     # between steps (the read, the manager, stop checks, the callback) overlaps the device's next step. When every
@@ -142,7 +141,7 @@ def generate_tokens(model, rows: list[list[int]], max_new_tokens: int, sampling:
         last = n == max_new_tokens - 1
         following = None
         if ahead and not last:
-            following = dispatch(step.next_tokens[:, None], step.kv_cache, prompt_len + n, n + 1)
+            following = dispatch(step.next_tokens, step.kv_cache, prompt_len + n, n + 1)
         next_tokens = model.finish_dispatched(step)
         if n == 0:
             prefill_compile = model.compile_seconds - compiled_before

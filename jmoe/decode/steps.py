@@ -59,8 +59,9 @@ def make_logits_fn(graphdef, engine, kv_dtype):
 def make_step_fn(graphdef, engine, greedy: bool):
     """One generation step: feed tokens [B, T] at `write_index`, pick the next token of every row.
 
-    Returns (next tokens int32 [B], bool [L] whether each decoder layer's output is finite, routing ids
-    [L_moe, B, T, k], kv cache, engine state, the engine's readback). Used for the
+    Returns (next tokens int32 [B, 1] (the next step's tokens as it takes them: no program to reshape them), bool
+    [L] whether each decoder layer's output is finite, routing ids [L_moe, B, T, k], kv cache, engine state, the
+    engine's readback). Used for the
     prompt (T = padded prompt length, written from cache column 0: its attention reads only its own T
     columns) and for every decode step (T = 1). `sampling` is None when `greedy`,
     else the traced SamplingArrays (so every temperature / top_k / top_p shares the program);
@@ -72,7 +73,7 @@ def make_step_fn(graphdef, engine, greedy: bool):
             graphdef, params, engine, engine_state, tokens, kv_cache, write_index, pad_len, last_only=True,
             forced_routing=forced_routing, visible_len=tokens.shape[1] if tokens.shape[1] > 1 else None)
         next_tokens = choose_tokens(out.logits[:, -1], greedy, key, step, sampling)
-        return (next_tokens, out.finite), out.routing, out.kv_cache, engine_state, readback
+        return (next_tokens[:, None], out.finite), out.routing, out.kv_cache, engine_state, readback
 
     return jax.jit(step_fn, donate_argnums=(1, 3))
 

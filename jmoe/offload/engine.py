@@ -396,8 +396,9 @@ class OffloadEngine(ResidentEngine):
         """routing int [L_moe, ...] for every MoE layer; only the offloaded ones are managed. The manager's tables go
         into the latest state: a step dispatched since (`runs_ahead`) keeps the ones it was given, a step older."""
         first_observation = self.observe(tables, routing)
-        self.state = self.state._replace(**{name: jnp.asarray(table)
-                                            for name, table in self.manager_tables().items()})
+        # As NumPy arrays (new ones each step): the next step's call takes them in its own transfer, where a
+        # jnp.asarray each dispatches a program of its own (four cost a tenth of the shipped model's decode token).
+        self.state = self.state._replace(**self.manager_tables())
         if self.tier is not None:
             self.state = self.admit_disk_reads(self.state)
             if self.history is not None:

@@ -197,8 +197,9 @@ class ServingEngine(DecodeSteps):
         slots, tables and counts are put back as they were (router prefetch copies even on padding), and the KV
         cache and penalty counts start empty."""
         engine = self.model.engine
-        saved = jax.device_get(engine.state)
-        shardings = jax.tree.map(lambda a: a.sharding, engine.state)
+        leaves, treedef = jax.tree.flatten(engine.state)
+        saved = jax.device_get(leaves)
+        where = [a.sharding if isinstance(a, jax.Array) else None for a in leaves]  # the manager's tables: NumPy
         first, rest = program_specs(self)
         for spec in first if first_only else first + rest:
             args = spec.args(False)
@@ -211,7 +212,8 @@ class ServingEngine(DecodeSteps):
                 self.kv_cache = outputs
             else:
                 self.kv_cache, engine.state = outputs[2:4]
-        engine.state = jax.tree.map(jax.device_put, saved, shardings)
+        engine.state = treedef.unflatten([a if sharding is None else jax.device_put(a, sharding)
+                                          for a, sharding in zip(saved, where)])
         self.kv_cache = empty_kv_cache(self.config, self.max_batch, self.context, self.model.kv_dtype)
         self.counts = jnp.zeros_like(self.counts)
         self.seen = jnp.zeros_like(self.seen)
