@@ -24,11 +24,11 @@ ahead, generate's default) with that generation's hit rate and link traffic per 
 device and, in miss mode "direct", the missed experts' bytes the kernel reads over the link); for fetch settings the
 same with each step read back first (item 3); the device step (dispatch until its outputs are ready), of it the
 host's dispatch (the call's return), and the host's work after it (finish_step), medians: dispatch plus finish_step
-past the step says the host sets the pace of steps run ahead; the compiled decode step's loops, conditionals and Triton kernels, as the real
-device's compiler made them. Per variant the link's GB/s (a plain pinned-host copy) and the resident step, in the
-same process. Bounds of an offloaded setting: no overlap = resident step + link bytes / link GB/s; overlap = the
-larger of the two; its share = bound / measured time per token. The default variant's first fetch setting and its
-prefetch settings are traced (jax.profiler): how much of the copies' time overlaps kernels.
+past the step says the host sets the pace of steps run ahead; the compiled decode step's loops, conditionals and
+Triton kernels, as the real device's compiler made them. Per variant the link's GB/s (a plain pinned-host copy) and
+the resident step, in the same process. Bounds of an offloaded setting: no overlap = resident step + link bytes /
+link GB/s; overlap = the larger of the two; its share = bound / measured time per token. The default variant's first
+fetch setting and its prefetch settings are traced (jax.profiler): how much of the copies' time overlaps kernels.
 
 A child that dies (an XLA check failure) loses only the setting it was running, recorded as such; the parent starts
 it again for the rest while its share lasts; a child does not start a setting it would not finish (the longest so
@@ -333,14 +333,14 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
                   *[f"- **failed**: {label}: {error}" for label, error in result.get("failed", {}).items()],
                   *[f"- not run (out of time): {label}" for label in not_reached(args, variant, result)],
                   *([""] if result.get("failed") or not_reached(args, variant, result) else []),
-                  "| setting | caches | hit rate | tokens/s | read back first | step ms | dispatch ms | host ms | MB copied / "
-                  "token | MB read in place | bound, no overlap ms | share | bound, overlap ms | share |", "|---" * 14 + "|"]
+                  "| setting | caches | hit rate | tokens/s | read back first | step ms | dispatch ms | host ms "
+                  "| MB copied / token | MB read in place | bound, no overlap ms | share | bound, overlap ms | share |",
+                  "|---" * 14 + "|"]
         for row in result.get("rows", []):
             lines.append(f"| {label_of(row)} | " + " | ".join(fmt(row.get(key)) for key in (
-                "caches", "hit_rate", "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "dispatch_ms", "host_ms",
-                "mb_moved_per_token",
-                "mb_read_in_place_per_token", "no_overlap_bound_ms", "share_of_no_overlap_bound", "overlap_bound_ms",
-                "share_of_overlap_bound")) + " |")
+                "caches", "hit_rate", "tokens_per_s", "tokens_per_s_read_back_first", "step_ms", "dispatch_ms",
+                "host_ms", "mb_moved_per_token", "mb_read_in_place_per_token", "no_overlap_bound_ms",
+                "share_of_no_overlap_bound", "overlap_bound_ms", "share_of_overlap_bound")) + " |")
         lines += ["", "Decode programs as the device's compiler made them (a chained step's pieces summed):", *[
             f"- {label_of(row)}: " + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in
                                                row["decode_program"].items() if key != "side_stream_overlaps")
