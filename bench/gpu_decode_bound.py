@@ -127,6 +127,14 @@ def label_of(setting: dict) -> str:
     return f"{setting['model']}, {where}, {setting['miss_mode']}{ahead}{beside}"
 
 
+def placing_of(setting: dict) -> dict:
+    """A setting's placement arguments, as jmoe.load and OffloadOptions take them (none where it is resident)."""
+    if setting["miss_mode"] == "resident":
+        return {}
+    return {key: setting[key] for key in ("cache", "device_budget_gb", "prefetch", "side_stream_copies")
+            if setting.get(key)}
+
+
 def bounds(row: dict) -> dict:
     """No-overlap and overlap bounds of a setting, ms per token, and the measured time's share of each."""
     if row["miss_mode"] == "resident" or not row.get("link_gbs") or row.get("resident_step_ms") is None:
@@ -150,8 +158,7 @@ class Models:
 
     def load(self, setting: dict):
         resident = setting["miss_mode"] == "resident"
-        placing = {} if resident else {key: setting[key] for key in ("cache", "device_budget_gb", "prefetch",
-                                                                     "side_stream_copies") if setting.get(key)}
+        placing = placing_of(setting)
         if setting["model"] != BIG:
             import jmoe
             from bench.gpu.speed import speed_checkpoint

@@ -1,14 +1,18 @@
-"""bench.depth's h100_chain part, run by it in a process of its own (`main`): JAX on its CPU platform before any backend
-starts, so that the CUDA plugin offers compile-only H100 topologies (as jmoe.plan.compile_worker, whose step
-arguments it builds). A model's greedy decode step (batch 1, 1,024 cache columns), every expert resident or offloaded
-with 16 cache slots a layer and router prefetch, compiled for an H100 from abstract parameters, nothing allocated: as
-one program over every layer (jmoe.decode.steps.make_step_fn) and chained in layer blocks (jmoe.decode.chain), each
-at several depths. Prints Markdown table rows.
+"""A model's greedy decode step compiled for an H100 on this CPU, from abstract parameters, nothing allocated
+(`compile_step`: as jmoe.plan.compile_worker builds the step, and chained in layer blocks where a Model would chain
+it, or as asked), for bench.depth's h100_chain part (`main`, run by it in a process of its own) and
+bench.gpu_decode_programs. JAX must be on its CPU platform before any backend starts, so that the CUDA plugin offers
+compile-only H100 topologies; importing this module sets it.
+
+`main`: a model's decode step (batch 1, 1,024 cache columns), every expert resident or offloaded with 16 cache
+slots a layer and router prefetch, as one program over every layer (jmoe.decode.steps.make_step_fn) and chained in
+layer blocks (jmoe.decode.chain), each at several depths. Prints Markdown table rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from unittest import mock
 
@@ -19,12 +23,20 @@ jax.config.update("jax_platforms", "cpu")
 import numpy as np  # noqa: E402
 
 
-def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: int,
-                   options) -> tuple[float, int, object]:
-    """(compile seconds, programs compiled, jmoe.plan.hlo.control_flow of their HLO) of the decode step."""
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    seconds: float  # compiling every program of the step
+    chained: bool
+    programs_compiled: int  # distinct programs (alike blocks share one)
+    programs_a_step: int  # the programs a step dispatches, in the order they run
+    flow: object  # jmoe.plan.hlo.control_flow of every program a step runs
+
+
+def compile_step(cfg, options, chained: bool | None = None, context: int = 1024) -> CompiledStep:
+    """`cfg`'s greedy decode step (batch 1, `context` cache columns) with the offload `options`, compiled for an
+    H100; chained as a Model would chain it (jmoe.decode.chain.chains) unless `chained` says."""
     from flax import nnx
 
-    from jmoe.config import parse_config
     from jmoe.decode import chain
     from jmoe.decode.steps import make_step_fn
     from jmoe.kernels.target import compiling_for_gpu
@@ -34,18 +46,28 @@ def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: i
     from jmoe.plan.targets import compute_capability, load_target
 
     target = load_target("h100")
-    cfg = parse_config({**spec, "num_hidden_layers": layers})
-    job = CompileJob(cfg, np.dtype(cfg.dtype), options, "auto", 1, 1, 1024, target.config_text)
-    with compiling_for_gpu(compute_capability(target.config_text)), \
-            mock.patch.object(chain, "LAYERS_PER_PROGRAM", layers_per_program):
+    job = CompileJob(cfg, np.dtype(cfg.dtype), options, "auto", 1, 1, context, target.config_text)
+    with compiling_for_gpu(compute_capability(target.config_text)):
         graphdef, engine, mesh, args = step_arguments(job)
         with jax.set_mesh(mesh):
+            chained = chain.chains(cfg, engine) if chained is None else chained
             steps = chain.StepChain(nnx.merge(graphdef, args[0].state), engine) if chained else None
             program = steps.step_program(True) if chained else make_step_fn(graphdef, engine, greedy=True)
             began = time.perf_counter()
             compiled = program.lower(*args).compile()
             seconds = time.perf_counter() - began
-    return seconds, len(steps.pieces) if chained else 1, control_flow(compiled.as_text())
+    text = compiled.as_text()
+    return CompiledStep(seconds, chained, len(steps.pieces) if chained else 1,
+                        sum(line.startswith("HloModule ") for line in text.splitlines()), control_flow(text))
+
+
+def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: int, options) -> CompiledStep:
+    """compile_step of `spec` cut to `layers` decoder layers, chained in blocks of `layers_per_program` or not."""
+    from jmoe.config import parse_config
+    from jmoe.decode import chain
+
+    with mock.patch.object(chain, "LAYERS_PER_PROGRAM", layers_per_program):
+        return compile_step(parse_config({**spec, "num_hidden_layers": layers}), options, chained)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     for experts, (depths, options) in engines.items():
         for layers in depths:
             for chained in (False, True):
-                seconds, programs, flow = compile_decode(spec, layers, chained, size, options)
+                step = compile_decode(spec, layers, chained, size, options)
+                flow = step.flow
                 form = f"chained, blocks of {size}" if chained else "one program"
-                print(f"| {name} | {experts} | {layers} | {form} | {seconds:.1f} | {programs} | "
+                print(f"| {name} | {experts} | {layers} | {form} | {step.seconds:.1f} | {step.programs_compiled} | "
                       f"{flow.loops_with_known_trip_count}, {flow.data_dependent_loops} | {flow.conditionals} |",
                       flush=True)
