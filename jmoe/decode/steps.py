@@ -61,9 +61,8 @@ def make_step_fn(graphdef, engine, greedy: bool):
 
     Returns (next tokens int32 [B, 1] (the next step's tokens as it takes them: no program to reshape them), bool
     [L] whether each decoder layer's output is finite, routing ids [L_moe, B, T, k], kv cache, engine state, the
-    engine's readback). Used for the
-    prompt (T = padded prompt length, written from cache column 0: its attention reads only its own T
-    columns) and for every decode step (T = 1). `sampling` is None when `greedy`,
+    engine's readback). Used for the prompt (T = padded prompt length, written from cache column 0: its attention
+    reads only its own T columns) and for every decode step (T = 1). `sampling` is None when `greedy`,
     else the traced SamplingArrays (so every temperature / top_k / top_p shares the program);
     `forced_routing` is None, or int32 [L_moe, B, T, k] expert ids to use instead of the router's.
     """
