@@ -44,15 +44,12 @@ def settings(small: bool, smoke: bool) -> list[dict]:
 def model_config(setting: dict, small: bool):
     """The ModelConfig gpu_decode_bound's model of `setting` has: a gpu_check checkpoint's (bfloat16), or the big
     shape's with MXFP4 experts."""
-    from bench.gpu.models import model_config as checkpoint_config
-    from bench.gpu.models import speed_models
+    from bench.gpu.models import SPEED_DTYPE, speed_config, with_dtype
     from jmoe.config import parse_config, with_expert_dtype
 
     if setting["model"] == BIG:
         return with_expert_dtype(parse_config(big_config(small)), "mxfp4")
-    spec = dict(speed_models(small)[setting["model"]])
-    config = checkpoint_config(spec.pop("model_type"), small, **spec)
-    return parse_config({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"})
+    return parse_config(with_dtype(speed_config(setting["model"], small), SPEED_DTYPE))
 
 
 def compile_setting(setting: dict, small: bool) -> dict:

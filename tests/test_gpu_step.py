@@ -17,7 +17,7 @@ from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slot
                                rows_as_slots, rows_marked, slot_ids_of,
                                stream_and_compute)
 from jmoe.kernels.expert_copy import CHUNK
-from jmoe.plan.hlo import (computations, control_flow, copied_arrays, kernel_count, side_stream_overlaps,
+from jmoe.plan.hlo import (computations, control_flow, copied_arrays, kernel_count, module_count, side_stream_overlaps,
                            triton_grids)
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
@@ -154,6 +154,10 @@ def test_kernel_count_counts_launches_a_run():
     # the dot inside the fused computation %f.
     assert kernel_count(LOOP_HLO) == 2 + 1 + 5 * 3
     assert kernel_count(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")) == 2 + 1 + 3
+
+
+def test_module_count_counts_the_modules_of_a_chained_program_s_text():
+    assert module_count(LOOP_HLO) == 1 and module_count("\n".join([LOOP_HLO] * 3)) == 3  # as_text's pieces
 
 
 @pytest.mark.cpu_hlo

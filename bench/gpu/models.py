@@ -74,6 +74,20 @@ def speed_models(small: bool) -> dict[str, dict]:
     return {name: smoke_spec(spec) if small else spec for name, spec in SPEED_MODELS.items()}
 
 
+SPEED_DTYPE = "bfloat16"  # what the decode-speed checkpoints store
+
+
+def speed_config(name: str, small: bool) -> dict:
+    """A decode-speed model's config.json (SPEED_MODELS' `name`, at smoke size when `small`), its dtype not set."""
+    spec = dict(speed_models(small)[name])
+    return model_config(spec.pop("model_type"), small, **spec)
+
+
+def with_dtype(config: dict, dtype: str) -> dict:
+    """config.json saying its parameters are `dtype`, as write_checkpoint stores them."""
+    return {**config, "dtype": dtype, "torch_dtype": dtype}
+
+
 def write_checkpoint(directory: Path, config: dict, dtype: str, seed: int = 0) -> Path:
     """A random-weight safetensors checkpoint of `config` (written once; reused when config.json is there)."""
     if (directory / "config.json").is_file():
@@ -86,7 +100,7 @@ def write_checkpoint(directory: Path, config: dict, dtype: str, seed: int = 0) -
     from jmoe.model.params import flat_params
     from flax import nnx
 
-    config = {**config, "dtype": dtype, "torch_dtype": dtype}
+    config = with_dtype(config, dtype)
     cfg = parse_config(config)
     params = flat_params(nnx.to_pure_dict(random_model(cfg, seed).params))
     tensors = {}

@@ -12,7 +12,7 @@ import numpy as np
 
 from bench.decode import PROMPT, jmoe_decode
 from bench.disk_reads import convert_once
-from bench.gpu.models import model_config, speed_models, write_checkpoint
+from bench.gpu.models import SPEED_DTYPE, speed_config, speed_models, write_checkpoint
 from bench.gpu.profile import step_split, step_timer, traced_steps
 from bench.gpu.results import Budget, SectionResult, format_value
 from bench.helpers.common import median_seconds
@@ -22,9 +22,8 @@ COPIED_EXPERTS = 8  # experts per timed in-program copy: enough bytes that launc
 
 
 def speed_checkpoint(workdir: Path, name: str, small: bool) -> Path:
-    spec = dict(speed_models(small)[name])
     directory = workdir / "speed" / (name + ("_small" if small else ""))  # a reused workdir keeps both apart
-    return write_checkpoint(directory, model_config(spec.pop("model_type"), small, **spec), "bfloat16", seed=2)
+    return write_checkpoint(directory, speed_config(name, small), SPEED_DTYPE, seed=2)
 
 
 def host_experts(model):

@@ -41,7 +41,7 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
     from jmoe.decode.steps import make_step_fn
     from jmoe.kernels.target import compiling_for_gpu
     from jmoe.plan.compile_worker import step_arguments
-    from jmoe.plan.hlo import control_flow
+    from jmoe.plan.hlo import control_flow, module_count
     from jmoe.plan.programs import CompileJob
     from jmoe.plan.targets import compute_capability, load_target
 
@@ -58,7 +58,7 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
             seconds = time.perf_counter() - began
     text = compiled.as_text()
     return CompiledStep(seconds, chained, len(steps.pieces) if chained else 1,
-                        sum(line.startswith("HloModule ") for line in text.splitlines()), control_flow(text))
+                        module_count(text), control_flow(text))
 
 
 def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: int, options) -> CompiledStep:

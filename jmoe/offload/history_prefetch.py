@@ -87,8 +87,8 @@ class HistoryPrefetch:
         it)."""
         num_experts = base.shape[0]
         rows = base
+        known = isinstance(layer, int)
         for index, lag in enumerate(self.lags):
-            known = isinstance(layer, int)
             if known and layer - lag < 0:
                 continue
             ids = token_ids[layer - lag if known else jnp.maximum(layer - lag, 0)]

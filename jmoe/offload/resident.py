@@ -116,8 +116,8 @@ class ResidentEngine:
 
     def layer_hook(self, model):
         """The model's before-layer callback that fetches grouped layers' weights ahead (None without groups)."""
-        fetched = self.block_fetched_params(0, self.config.num_layers)
-        return layer_fetch_hook(self.placement.layer_groups, fetched, list(model.layers)) if any(fetched) else None
+        by_layer = self.block_fetched_params(0, self.config.num_layers)
+        return layer_fetch_hook(self.placement.layer_groups, by_layer, list(model.layers)) if any(by_layer) else None
 
     def resident_experts(self, layer: MoELayerView, x, ids, weights) -> jax.Array:
         """The MoE FFN of x [N, d] over experts held whole on the device (ids this engine's, `owned`):

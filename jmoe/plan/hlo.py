@@ -82,6 +82,11 @@ def control_flow(hlo_text: str) -> ControlFlow:
                        triton_kernels_reading_host(hlo_text))
 
 
+def module_count(hlo_text: str) -> int:
+    """The HLO modules in a text of several, one after another (a chained step's pieces, in the order they run)."""
+    return sum(line.startswith("HloModule ") for line in hlo_text.splitlines())
+
+
 def _lines_with_thread(hlo_text: str):
     """Every line of the module's text, with whether the computation it lies in runs on the host thread."""
     parts = _COMPUTATION_END.split(hlo_text)  # text, closing line's rest, text, ...
