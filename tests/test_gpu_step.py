@@ -154,6 +154,8 @@ def test_kernel_count_counts_launches_a_run():
     # the dot inside the fused computation %f.
     assert kernel_count(LOOP_HLO) == 2 + 1 + 5 * 3
     assert kernel_count(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")) == 2 + 1 + 3
+    # A chained step's text, its pieces' modules one after another (their computations' names alike): each counted.
+    assert kernel_count("\n".join([LOOP_HLO] * 3)) == 3 * (2 + 1 + 5 * 3)
 
 
 def test_module_count_counts_the_modules_of_a_chained_program_s_text():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from unittest import mock
 
@@ -30,6 +31,8 @@ class CompiledStep:
     programs_compiled: int  # distinct programs (alike blocks share one)
     programs_a_step: int  # the programs a step dispatches, in the order they run
     flow: object  # jmoe.plan.hlo.control_flow of every program a step runs
+    kernels: int  # the kernels a step launches (jmoe.plan.hlo.kernel_count over its programs)
+    mb_accessed: float | None  # what a step's programs read and write, by XLA's cost analysis (None: unknown)
 
 
 def compile_step(cfg, options, chained: bool | None = None, context: int = 1024) -> CompiledStep:
@@ -40,8 +43,8 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
     from jmoe.decode import chain
     from jmoe.decode.steps import make_step_fn
     from jmoe.kernels.target import compiling_for_gpu
-    from jmoe.plan.compile_worker import step_arguments
-    from jmoe.plan.hlo import control_flow, module_count
+    from jmoe.plan.compile_worker import cost_analysis, step_arguments
+    from jmoe.plan.hlo import control_flow, kernel_count, module_count
     from jmoe.plan.programs import CompileJob
     from jmoe.plan.targets import compute_capability, load_target
 
@@ -57,8 +60,10 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
             compiled = program.lower(*args).compile()
             seconds = time.perf_counter() - began
     text = compiled.as_text()
+    costs = [cost_analysis(piece) for piece in (compiled.pieces if chained else [compiled])]
+    accessed = None if None in costs else sum(cost.get("bytes accessed", math.nan) for cost in costs) / 1e6
     return CompiledStep(seconds, chained, len(steps.pieces) if chained else 1,
-                        module_count(text), control_flow(text))
+                        module_count(text), control_flow(text), kernel_count(text), accessed)
 
 
 def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: int, options) -> CompiledStep:

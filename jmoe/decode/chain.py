@@ -169,9 +169,14 @@ class ChainedCompiled:
         pieces = iter(self._pieces)
         return self._run(lambda jitted, piece_args: next(pieces)(*piece_args), args)
 
+    @property
+    def pieces(self) -> list:
+        """The compiled pieces, in the order they run."""
+        return list(self._pieces)
+
     def as_text(self) -> str:
         """The pieces' optimized HLO, in the order they run."""
-        return "\n".join(piece.as_text() for piece in self._pieces)
+        return "\n".join(piece.as_text() for piece in self.pieces)
 
 
 class StepChain:

@@ -30,8 +30,8 @@ _STREAM_ANNOTATION = "_xla_stream_annotation="
 _ASYNC_STARTS, _ASYNC_DONES = ("call-start", "async-start"), ("call-done", "async-done")
 _COMPUTATION = re.compile(r"\n%(\S+) \(.*?\n(.*?)\n}", re.S)
 # The opcodes of instructions that launch a kernel on a GPU.
-_KERNEL_OPS = ("fusion", "custom-call", "copy", "copy-start", "sort", "scatter", "dynamic-slice", "dynamic-update-slice",
-               "gather", "dot", "convolution")
+_KERNEL_OPS = ("fusion", "custom-call", "copy", "copy-start", "sort", "scatter", "dynamic-slice",
+               "dynamic-update-slice", "gather", "dot", "convolution")
 _KERNEL = re.compile(rf"= [^=\n]*? (?:{'|'.join(_KERNEL_OPS)})\(")  # the type before the opcode may be a tuple
 # What the compute stream runs: kernels, loops, and command buffers (calls of captured kernels).
 _WORK = (*_KERNEL_OPS, "while", "call", "conditional")
@@ -82,9 +82,14 @@ def control_flow(hlo_text: str) -> ControlFlow:
                        triton_kernels_reading_host(hlo_text))
 
 
+def modules(hlo_text: str) -> list[str]:
+    """The HLO modules of a text of several, one after another (a chained step's pieces, in the order they run)."""
+    return ["HloModule " + text for text in re.split(r"^HloModule ", hlo_text, flags=re.M)[1:]]
+
+
 def module_count(hlo_text: str) -> int:
-    """The HLO modules in a text of several, one after another (a chained step's pieces, in the order they run)."""
-    return sum(line.startswith("HloModule ") for line in hlo_text.splitlines())
+    """The HLO modules in a text of several (`modules`)."""
+    return len(modules(hlo_text))
 
 
 def _lines_with_thread(hlo_text: str):
@@ -136,7 +141,12 @@ def computations(hlo_text: str) -> dict[str, str]:
 def kernel_count(hlo_text: str) -> int:
     """Kernels an optimized XLA:GPU module launches a run, roughly: the entry computation's fusions, custom calls
     (Triton, cuBLAS), copies, sorts, scatters, slices and unfused dots, with the computations its asynchronous calls
-    run, and each loop's body and condition as many times as its known trip count (once where it is data)."""
+    run, and each loop's body and condition as many times as its known trip count (once where it is data). A text of
+    several modules (a chained step's): the sum over the modules."""
+    return sum(_module_kernels(text) for text in modules(hlo_text))
+
+
+def _module_kernels(hlo_text: str) -> int:
     bodies = computations(hlo_text)
 
     def launches(text: str) -> int:
