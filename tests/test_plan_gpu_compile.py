@@ -9,7 +9,7 @@ import pytest
 import jmoe
 from hf_models import FAMILY_CASES
 from jmoe.kernels.expert_copy import CHUNK
-from jmoe.plan.hlo import Collective, copied_arrays, side_stream_overlaps, triton_grids
+from jmoe.plan.hlo import Collective, copied_arrays, outputs_of_readers, side_stream_overlaps, triton_grids
 from jmoe.plan.programs import PLUGIN_HINT, compile_programs, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -63,6 +63,22 @@ def test_a_compiler_process_that_dies_becomes_an_error_of_that_program(hf_checkp
     # What is known: the prefill program's memory, and the estimate.
     assert plan.needs.program_bytes == plan.programs["prefill"].device_bytes
     assert plan.needs.device_bytes == max(plan.needs.estimate_bytes, plan.needs.program_bytes)
+
+
+def test_batch_one_decode_writes_no_product_of_a_dense_weight(hf_checkpoints):
+    """At batch 1, XLA:GPU turns each projection (a vector times a matrix of under 10M elements) into a multiply and
+    a reduction. Dense weights stored [out, in] reduce along rows, and the multiply fuses into the reduction; stored
+    [in, out] (before format version 2), XLA:GPU wrote products out whole, arrays of the weights' shapes, and read
+    them back (here one, which failed this test; at a Mixtral's widths every projection's,
+    bench/results/dense_layout_h100.md)."""
+    plan, decode = decode_for_h100(hf_checkpoints["qwen2_moe_shared_dense"][0], "auto", context=64)
+    assert decode.error is None, decode.error
+    dense = {tuple(a.shape) for key, a in plan.headers.abstract.items()
+             if len(a.shape) == 2 and min(a.shape) > 1 and "experts" not in key and key[0] != "embed"}
+    assert len(dense) >= 4  # attention's and the dense MLP's
+    for shape in dense:
+        assert outputs_of_readers(decode.hlo_text, shape), shape  # each weight is read
+        assert {shape, shape[::-1]}.isdisjoint(outputs_of_readers(decode.hlo_text, shape)), shape
 
 
 def host_array_readers(hlo_text: str) -> list[str]:

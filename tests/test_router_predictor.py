@@ -67,7 +67,7 @@ def test_guesses_match_next_router_on_this_layers_input(model):
     inputs, routing = reference_forward(model, TOKENS)
     blocks = model.module().moe_blocks()
     for layer in range(CONFIG.num_moe_layers - 1):
-        logits = inputs[layer].astype(np.float64) @ np.asarray(blocks[layer + 1].router.kernel[...], np.float64)
+        logits = inputs[layer].astype(np.float64) @ np.asarray(blocks[layer + 1].router.kernel[...], np.float64).T
         expected = np.exp(logits - logits.max(-1, keepdims=True))
         expected /= expected.sum(-1, keepdims=True)
         np.testing.assert_allclose(guesses.probs[:, layer], expected, atol=1e-5, err_msg=f"MoE layer {layer + 1}")

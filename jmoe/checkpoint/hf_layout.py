@@ -55,18 +55,25 @@ def is_ignorable(cfg: ModelConfig, name: str) -> bool:
 
 def _swiglu_targets(prefix: str, names: tuple[str, str, str], param: ParamPath, lead: tuple,
                     d: int, f: int) -> dict[str, TensorTarget]:
-    """gate/up/down projections ([f, d], [f, d], [d, f] in HF) into fused w_gate_up [.., d, 2f] and w_down."""
+    """gate/up/down projections ([f, d], [f, d], [d, f] in HF) into fused w_gate_up and w_down: a dense MLP's (`lead`
+    empty) as HF stores them, [2f, d] and [d, f]; expert `lead` of stacked experts transposed, [.., d, 2f] and
+    [.., f, d], as the grouped GEMM kernels read them."""
     gate, up, down = names
-    full = slice(None)
+    experts = bool(lead)
+
+    def half(i: int) -> tuple:
+        rows = slice(i * f, (i + 1) * f)
+        return lead + (slice(None), rows) if experts else (rows,)
+
     return {
-        f"{prefix}.{gate}.weight": TensorTarget(param + ("w_gate_up",), lead + (full, slice(0, f)), True, (f, d)),
-        f"{prefix}.{up}.weight": TensorTarget(param + ("w_gate_up",), lead + (full, slice(f, 2 * f)), True, (f, d)),
-        f"{prefix}.{down}.weight": TensorTarget(param + ("w_down",), lead, True, (d, f)),
+        f"{prefix}.{gate}.weight": TensorTarget(param + ("w_gate_up",), half(0), experts, (f, d)),
+        f"{prefix}.{up}.weight": TensorTarget(param + ("w_gate_up",), half(1), experts, (f, d)),
+        f"{prefix}.{down}.weight": TensorTarget(param + ("w_down",), lead, experts, (d, f)),
     }
 
 
 def _linear(table: dict, name: str, param: ParamPath, n_in: int, n_out: int, bias: bool) -> None:
-    table[f"{name}.weight"] = TensorTarget(param + ("kernel",), (), True, (n_out, n_in))
+    table[f"{name}.weight"] = TensorTarget(param + ("kernel",), (), False, (n_out, n_in))
     if bias:
         table[f"{name}.bias"] = TensorTarget(param + ("bias",), (), False, (n_out,))
 
@@ -131,7 +138,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
         "model.norm.weight": TensorTarget(("final_norm", "scale"), (), False, (d,)),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = TensorTarget(("lm_head",), (), True, (cfg.vocab_size, d))
+        table["lm_head.weight"] = TensorTarget(("lm_head",), (), False, (cfg.vocab_size, d))
     for i in range(cfg.num_layers):
         pre, layer = f"model.layers.{i}", ("layers", i)
         table[f"{pre}.input_layernorm.weight"] = TensorTarget(layer + ("input_norm", "scale"), (), False, (d,))
@@ -148,7 +155,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
         if expert_names is None:
             table.update(_stacked_expert_targets(cfg, moe, mlp))
             continue
-        table[f"{moe}.gate.weight"] = TensorTarget(mlp + ("router", "kernel"), (), True, (cfg.num_experts, d))
+        table[f"{moe}.gate.weight"] = TensorTarget(mlp + ("router", "kernel"), (), False, (cfg.num_experts, d))
         if cfg.router == "sigmoid_grouped":
             table[f"{moe}.gate.e_score_correction_bias"] = TensorTarget(mlp + ("router", "score_bias"), (), False,
                                                                         (cfg.num_experts,))
@@ -161,5 +168,5 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorTarget]:
                                          mlp + ("shared_expert",), (), d, cfg.shared_expert_intermediate_size))
             if cfg.shared_expert_gate:
                 table[f"{moe}.shared_expert_gate.weight"] = TensorTarget(mlp + ("shared_expert_gate", "kernel"), (),
-                                                                         True, (1, d))
+                                                                         False, (1, d))
     return table

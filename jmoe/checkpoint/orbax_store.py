@@ -1,7 +1,8 @@
 """jmoe's Orbax checkpoint format: its files, telling it apart from a Hugging Face directory, and restoring it.
 
 Layout (written by jmoe.checkpoint.convert):
-    jmoe_orbax.json       marker, written first: {"format": "jmoe-orbax", "format_version": 1}
+    jmoe_orbax.json       marker, written first: {"format": "jmoe-orbax", "format_version": 2} (version 1 stored the
+                          dense weights [in, out]; 2 stores them [out, in], as the model holds them)
     params/               the Orbax checkpoint: nested dict of arrays, keys are the jmoe parameter
                           path as strings, e.g. params["layers"]["3"]["mlp"]["experts"]["w_down"]
     config.json, generation_config.json, tokenizer files   copied from the source
@@ -38,7 +39,7 @@ from jmoe.memory import DEVICE, sharding_for
 from jmoe.model import MoETransformer
 
 FORMAT = "jmoe-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MARKER = "jmoe_orbax.json"
 MANIFEST = "jmoe_manifest.json"
 PARAMS_DIR = "params"

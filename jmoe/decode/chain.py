@@ -401,7 +401,7 @@ class StepChain:
     def _logits(self, norm_state, head, x, last_only, valid_len=None):
         norm = nnx.merge(self.norm_def, fetched(norm_state, self.host_keys, ("final_norm",)))
         head = fetched(head, self.host_keys, ("embed" if self.tied else "lm_head",))
-        return output_logits(norm, head.T if self.tied else head, x, last_only, valid_len)
+        return output_logits(norm, head, x, last_only, valid_len)
 
     def _step_head(self, greedy, norm_state, head, x, routing, finite, key, step, sampling):
         next_tokens = choose_tokens(self._logits(norm_state, head, x, True)[:, -1], greedy, key, step, sampling)

@@ -1,8 +1,8 @@
 """The building blocks every family shares: linear maps, RMSNorm, the SwiGLU MLP, stacked experts.
 
-Layout choices the offload engine and the kernels rely on: linear kernels are stored [in, out]; the
-experts of a MoE layer are stacked, `w_gate_up` [E, d, 2f] (gate then up on the last axis) and
-`w_down` [E, f, d].
+Layout choices the offload engine and the kernels rely on: dense weights (linear kernels, the dense MLP's) are
+stored [out, in], as PyTorch stores them, and applied by `project`; the experts of a MoE layer are stacked [in, out]
+for the grouped GEMM kernels, `w_gate_up` [E, d, 2f] (gate then up on the last axis) and `w_down` [E, f, d].
 """
 
 from __future__ import annotations
@@ -40,13 +40,22 @@ def weight_for(weight: jax.Array, x: jax.Array) -> jax.Array:
     return platform_dependent(weight, x, cpu=_read_after, default=lambda w, _: w)
 
 
+def project(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., in] times a dense weight stored [out, in]: [..., out]. Each output is a row of the weight against x,
+    which XLA:GPU compiles at decode (a vector times a matrix of under 10M elements, which it rewrites into a
+    multiply and a reduction) as one reduction kernel a projection, the weight read once; stored [in, out], the
+    reduction runs down columns, and XLA:GPU wrote the whole product out before reducing it (three times the
+    weight's bytes, a kernel more: bench/results/dense_layout_h100.md)."""
+    return jax.lax.dot_general(x, weight_for(weight, x), (((x.ndim - 1,), (1,)), ((), ())))
+
+
 class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.kernel = normal_param(rngs, (d_in, d_out), dtype)
+        self.kernel = normal_param(rngs, (d_out, d_in), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ weight_for(self.kernel[...], x)
+        y = project(x, self.kernel[...])
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -63,17 +72,18 @@ class RMSNorm(nnx.Module):
 
 
 def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    gate, up = jnp.split(x @ weight_for(w_gate_up, x), 2, axis=-1)
+    """The SwiGLU MLP of dense weights stored [out, in]: `w_gate_up` [2f, d] (gate rows, then up), `w_down` [d, f]."""
+    gate, up = jnp.split(project(x, w_gate_up), 2, axis=-1)
     h = jax.nn.silu(gate) * up
-    return h @ weight_for(w_down, h)
+    return project(h, w_down)
 
 
 class DenseMLP(nnx.Module):
     """SwiGLU MLP with gate and up fused, used by non-MoE layers and the shared expert."""
 
     def __init__(self, d: int, f: int, *, dtype, rngs: nnx.Rngs):
-        self.w_gate_up = normal_param(rngs, (d, 2 * f), dtype)
-        self.w_down = normal_param(rngs, (f, d), dtype)
+        self.w_gate_up = normal_param(rngs, (2 * f, d), dtype)
+        self.w_down = normal_param(rngs, (d, f), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return swiglu_mlp(x, self.w_gate_up[...], self.w_down[...])

@@ -58,20 +58,20 @@ class MLAttention(nnx.Module):
         visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
         c = latent_cache[:b, :visible, 0].astype(x.dtype)  # [B, S, r]: the step's rows (see Attention)
         kr = rope_cache[:b, :visible, 0].astype(x.dtype)  # [B, S, dr]
-        w_kv = weight_for(self.kv_b.kernel[...], c).reshape(r, cfg.num_heads, dn + m.v_head_dim)
-        w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
+        w_kv = weight_for(self.kv_b.kernel[...], c).reshape(cfg.num_heads, dn + m.v_head_dim, r)  # stored [out, in]
+        w_k, w_v = w_kv[:, :dn], w_kv[:, dn:]
         rope_scores = jnp.einsum("bthd,bsd->bhts", q_rope, kr)
         if t == 1:  # absorbed: queries meet the latents themselves
-            q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_k)
+            q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_k)
             scores = jnp.einsum("bthr,bsr->bhts", q_latent, c) + rope_scores
         else:  # expanded: every cached latent up-projected to its keys
-            scores = jnp.einsum("bthn,bshn->bhts", q_nope, jnp.einsum("bsr,rhn->bshn", c, w_k)) + rope_scores
+            scores = jnp.einsum("bthn,bshn->bhts", q_nope, jnp.einsum("bsr,hnr->bshn", c, w_k)) + rope_scores
         # Softmax in float32, as the reference implementation does.
         scores = scores.astype(jnp.float32) * m.softmax_scale
         scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         if t == 1:
-            out = jnp.einsum("bhtr,rhv->bthv", jnp.einsum("bhts,bsr->bhtr", probs, c), w_v)
+            out = jnp.einsum("bhtr,hvr->bthv", jnp.einsum("bhts,bsr->bhtr", probs, c), w_v)
         else:
-            out = jnp.einsum("bhts,bshv->bthv", probs, jnp.einsum("bsr,rhv->bshv", c, w_v))
+            out = jnp.einsum("bhts,bshv->bthv", probs, jnp.einsum("bsr,hvr->bshv", c, w_v))
         return self.o(out.reshape(b, t, -1)), latent_cache, rope_cache

@@ -15,17 +15,17 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.model.layers import DenseMLP, Experts, Linear, normal_param
+from jmoe.model.layers import DenseMLP, Experts, Linear, normal_param, project
 
 
 def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
     """float32 [N, E]: how strongly each token of x [N, d] prefers each expert, from the router's
-    parameters `router` (its kernel [d, E], and for "sigmoid_grouped" its score bias [E]). Its top-k is the
+    parameters `router` (its kernel [E, d], and for "sigmoid_grouped" its score bias [E]). Its top-k is the
     router's choice, for every router: "sigmoid_grouped" returns the bias-corrected sigmoid scores with the
     experts of groups outside the best `topk_group` at -inf."""
     if cfg.router == "softmax":
         kernel, *bias = router  # a bias (GPT-OSS) when the config has one
-        logits = x @ kernel + bias[0] if bias else x @ kernel
+        logits = project(x, kernel) + bias[0] if bias else project(x, kernel)
         return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     _, bias = router
     biased = _sigmoid_scores(router, x) + bias.astype(jnp.float32)
@@ -38,7 +38,7 @@ def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax
 
 def _sigmoid_scores(router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
     # In float32 from float32 operands, as transformers computes this router whatever the model's dtype.
-    return jax.nn.sigmoid(x.astype(jnp.float32) @ router[0].astype(jnp.float32))
+    return jax.nn.sigmoid(project(x.astype(jnp.float32), router[0].astype(jnp.float32)))
 
 
 class ScoreRouter(nnx.Module):
@@ -46,7 +46,7 @@ class ScoreRouter(nnx.Module):
     float32, as transformers keeps it)."""
 
     def __init__(self, d: int, e: int, *, dtype, rngs: nnx.Rngs):
-        self.kernel = normal_param(rngs, (d, e), dtype)
+        self.kernel = normal_param(rngs, (e, d), dtype)
         self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
 
 

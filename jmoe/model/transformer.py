@@ -15,7 +15,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.model.attention import Attention
-from jmoe.model.layers import INIT_STD, DenseMLP, RMSNorm, normal_param, weight_for
+from jmoe.model.layers import INIT_STD, DenseMLP, RMSNorm, normal_param, project
 from jmoe.model.mla import MLAttention
 from jmoe.model.moe import MoEBlock, MoELayerView
 from jmoe.model.rope import RoPE, rope_tables
@@ -54,7 +54,7 @@ class MoETransformer(nnx.Module):
                                 ).astype(dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else normal_param(rngs, (cfg.hidden_size, cfg.vocab_size),
+        self.lm_head = None if cfg.tie_word_embeddings else normal_param(rngs, (cfg.vocab_size, cfg.hidden_size),
                                                                            dtype)
 
     def moe_blocks(self) -> list[MoEBlock]:
@@ -95,19 +95,20 @@ class MoETransformer(nnx.Module):
         return jnp.take(self.embed[...], tokens, axis=0)
 
     def head(self, x: jax.Array, last_only: bool, valid_len: jax.Array | None = None) -> jax.Array:
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        head = self.embed[...] if self.lm_head is None else self.lm_head[...]
         return output_logits(self.final_norm, head, x, last_only, valid_len)
 
 
 def output_logits(final_norm: RMSNorm, head: jax.Array, x: jax.Array, last_only: bool,
                   valid_len: jax.Array | None = None) -> jax.Array:
     """float32 logits [B, T or 1, V] of the last layer's output x [B, T, d] through the final norm and the output
-    projection `head` [d, V] (`last_only`: each row's last real token, `valid_len` as in MoETransformer.__call__)."""
+    projection `head` [V, d], the embedding's layout (`last_only`: each row's last real token, `valid_len` as in
+    MoETransformer.__call__)."""
     if last_only:
         x = x[:, -1:] if valid_len is None else jnp.take_along_axis(
             x, jnp.maximum(valid_len - 1, 0)[:, None, None], axis=1)
     x = final_norm(x)
-    return jnp.einsum("btd,dv->btv", x, weight_for(head, x)).astype(jnp.float32)
+    return project(x, head).astype(jnp.float32)
 
 
 class StepContext(NamedTuple):

@@ -24,8 +24,8 @@ _TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
 _HOST_ARRAY = re.compile(r"%(\S+) = [^=\n]*:S\(5\)\}[^=\n]* (?:parameter|bitcast)\(")
 _GRID = re.compile(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32")
 _OPERAND = re.compile(r"%([^,)\s]+)")
-# An instruction: its name, opcode, operands and the rest of its line (the type before the opcode may be a tuple).
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.-]+) = .*? ([a-z-]+)\(([^)]*)\)(.*)$", re.M)
+# An instruction: its name, result type (an array, or a tuple of them), opcode, operands and the rest of its line.
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.-]+) = (.*?) ([a-z-]+)\(([^)]*)\)(.*)$", re.M)
 _STREAM_ANNOTATION = "_xla_stream_annotation="
 _ASYNC_STARTS, _ASYNC_DONES = ("call-start", "async-start"), ("call-done", "async-done")
 _COMPUTATION = re.compile(r"\n%(\S+) \(.*?\n(.*?)\n}", re.S)
@@ -121,7 +121,7 @@ def side_stream_overlaps(hlo_text: str) -> list[int]:
     each counted once), which the call can run beside (0: none, it runs alone). Other asynchronous ops (host
     computations, collectives) are not counted as calls, but as work beside one."""
     running, overlaps = {}, []
-    for name, op, operands, rest in _INSTRUCTION.findall(entry_computation(hlo_text)):
+    for name, _, op, operands, rest in _INSTRUCTION.findall(entry_computation(hlo_text)):
         if op in _ASYNC_STARTS and _STREAM_ANNOTATION in rest:
             running[name] = len(overlaps)
             overlaps.append(0)
@@ -160,6 +160,25 @@ def _module_kernels(hlo_text: str) -> int:
         return total
 
     return launches(entry_computation(hlo_text))
+
+
+def outputs_of_readers(hlo_text: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The shapes of the arrays written by the entry computations' kernels that read a parameter of `shape` (as it
+    is, or reshaped by a bitcast), each array of a kernel's tuple: a weight's product with a vector, written out
+    whole before a reduction reads it back, has the weight's shape."""
+    def dims(text: str) -> list[tuple[int, ...]]:
+        return [tuple(int(n) for n in found.split(",") if n) for _, found in _ARRAY.findall(text)]
+
+    outputs = []
+    for text in modules(hlo_text):
+        readers = set()  # the parameters of `shape`, and their bitcasts
+        for name, result, op, operands, _ in _INSTRUCTION.findall(entry_computation(text)):
+            read = readers & set(_OPERAND.findall(operands))
+            if op == "parameter" and dims(result) == [tuple(shape)] or op == "bitcast" and read:
+                readers.add(name)
+            elif read and op in _KERNEL_OPS:
+                outputs += dims(result)
+    return outputs
 
 
 def entry_computation(hlo_text: str) -> str:
