@@ -47,20 +47,42 @@ def sort_pairs(slot_ids, num_slots: int) -> SortedPairs:
     return SortedPairs(key, order, group_sizes, jnp.cumsum(group_sizes) - group_sizes)
 
 
-# On a GPU, up to this many (token, j) pairs (a decode step's) are laid out by comparing every pair with every pair
-# and every row instead of by a sort and scatters: compiled for an H100, 6 kernels instead of 13 (one row, top-2 of
-# 16 slots), 10 instead of 15 (8 rows, top-8 of 256). Its [rows, pairs] comparison grows with the square of the
-# pairs, and a CPU, which launches nothing, runs it slower (1.3 ms against 94 us at 256 pairs of 256 slots): a
-# prompt's pairs, and a CPU's, are sorted.
+# On a GPU, up to this many (token, j) pairs (a decode step's of several rows; one row's are laid out a tile a pair,
+# tile_layout_per_pair) are laid out by comparing every pair with every pair and every row instead of by a sort and
+# scatters: compiled for an H100, 6 kernels instead of 13 (one row, top-2 of 16 slots), 10 instead of 15 (8 rows,
+# top-8 of 256). Its [rows, pairs] comparison grows with the square of the pairs, and a CPU, which launches nothing,
+# runs it slower (1.3 ms against 94 us at 256 pairs of 256 slots): a prompt's pairs, and a CPU's, are sorted.
 COMPARED_PAIRS = 256
 
 
 def tile_layout(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
-    """The pairs' padded rows, sorted by slot (stable), each slot's rows padded to a multiple of block_m."""
+    """The pairs' padded rows, sorted by slot (stable), each slot's rows padded to a multiple of block_m; one token's
+    a tile a pair, in the order of its choices."""
     num_tokens, top_k = slot_ids.shape
+    if num_tokens == 1 and num_slots >= top_k:
+        return tile_layout_per_pair(slot_ids, weights, num_slots, block_m)
     if gpu_available() and num_tokens * top_k <= COMPARED_PAIRS:
         return tile_layout_by_comparison(slot_ids, weights, num_slots, block_m)
     return tile_layout_by_sort(slot_ids, weights, num_slots, block_m)
+
+
+def tile_layout_per_pair(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:
+    """tile_layout for one token (a decode step of one row): tile p is pair p's (its first row; a pair of no slot
+    leaves its tile empty). A token's choices are distinct experts, so each slot has at most one of its pairs and
+    this is the sorted layout but for the order of the tiles, which no kernel reads (two pairs on one slot would
+    read it twice, the same result). Every index is a constant; only the slots and weights are data, so nothing is
+    compared or sorted. With fewer slots than choices the kernels' rows (num_padded_rows) are fewer than a tile a
+    choice: tile_layout groups those as it groups several tokens' pairs."""
+    top_k = slot_ids.shape[1]
+    num_rows = num_padded_rows(top_k, num_slots, block_m)
+    flat = slot_ids.reshape(-1)
+    pair_of_row = jnp.arange(num_rows, dtype=jnp.int32) // block_m
+    row_valid = (jnp.arange(num_rows) % block_m == 0) & (flat[pair_of_row] >= 0)
+    return TileLayout(
+        row_of_pair=jnp.where(flat >= 0, jnp.arange(top_k, dtype=jnp.int32) * block_m, num_rows),
+        row_token=jnp.where(row_valid, 0, 1).astype(jnp.int32),
+        row_weight=jnp.where(row_valid, weights.reshape(-1)[pair_of_row].astype(jnp.float32), 0.0),
+        tile_group=jnp.where(flat >= 0, flat, -1).astype(jnp.int32))
 
 
 def tile_layout_by_comparison(slot_ids, weights, num_slots: int, block_m: int) -> TileLayout:

@@ -209,7 +209,8 @@ def test_auto_on_cpu_switches_to_expert_chunks_past_one_pair_per_slot_on_per_exp
     assert "sort" in lowered(9)
 
 
-_tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))  # on this CPU: by sort
+_tile_layout = jax.jit(grouping.tile_layout, static_argnums=(2, 3))  # on this CPU: one token's per pair, else by sort
+_tile_layout_by_sort = jax.jit(grouping.tile_layout_by_sort, static_argnums=(2, 3))
 _tile_layout_by_comparison = jax.jit(grouping.tile_layout_by_comparison, static_argnums=(2, 3))
 
 
@@ -239,11 +240,17 @@ def test_tile_layout_groups_rows_by_slot(num_tokens, top_k, num_slots, block_m, 
     assert all(tile_group[t] == -1 or t in used_tiles for t in range(len(tile_group)))
     token = np.asarray(layout.row_token)[valid_rows]
     assert (token == np.nonzero(flat >= 0)[0] // top_k).all()
-    # A GPU lays out few pairs (a decode step's) by comparisons instead: the same layout.
-    compared = _tile_layout_by_comparison(jnp.asarray(ids), jnp.asarray(weights), num_slots, block_m)
-    for name, by_comparison, by_sort in zip(grouping.TileLayout._fields, compared, layout):
-        np.testing.assert_array_equal(np.asarray(by_comparison), np.asarray(by_sort), err_msg=name)
     np.testing.assert_array_equal(np.asarray(layout.row_weight)[valid_rows], weights.reshape(-1)[flat >= 0])
+    padding = np.setdiff1d(np.arange(num_rows), valid_rows)
+    assert (np.asarray(layout.row_token)[padding] == num_tokens).all()
+    assert (np.asarray(layout.row_weight)[padding] == 0).all()
+    if num_tokens == 1 and num_slots >= top_k:  # a tile a pair, in the order of the choices
+        assert (tile_group == np.where(flat >= 0, flat, -1)).all()
+    # A GPU lays out few pairs (a decode step's of several rows) by comparisons instead: the sort's layout.
+    sorted_layout = _tile_layout_by_sort(jnp.asarray(ids), jnp.asarray(weights), num_slots, block_m)
+    compared = _tile_layout_by_comparison(jnp.asarray(ids), jnp.asarray(weights), num_slots, block_m)
+    for name, by_comparison, by_sort in zip(grouping.TileLayout._fields, compared, sorted_layout):
+        np.testing.assert_array_equal(np.asarray(by_comparison), np.asarray(by_sort), err_msg=name)
 
 
 def test_pallas_block_choice():
