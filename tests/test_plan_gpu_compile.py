@@ -9,7 +9,8 @@ import pytest
 import jmoe
 from hf_models import FAMILY_CASES
 from jmoe.kernels.expert_copy import CHUNK
-from jmoe.plan.hlo import Collective, copied_arrays, outputs_of_readers, side_stream_overlaps, triton_grids
+from jmoe.plan.hlo import (Collective, computations, copied_arrays, outputs_of_readers, side_stream_overlaps,
+                           triton_grids)
 from jmoe.plan.programs import PLUGIN_HINT, compile_programs, plugin_available
 
 pytestmark = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -70,8 +71,10 @@ def test_batch_one_decode_writes_no_product_of_a_dense_weight(hf_checkpoints):
     a reduction. Dense weights stored [out, in] reduce along rows, and the multiply fuses into the reduction; stored
     [in, out] (before format version 2), XLA:GPU wrote products out whole, arrays of the weights' shapes, and read
     them back (here one, which failed this test; at a Mixtral's widths every projection's,
-    bench/results/dense_layout_h100.md)."""
-    plan, decode = decode_for_h100(hf_checkpoints["qwen2_moe_shared_dense"][0], "auto", context=64)
+    bench/results/dense_layout_h100.md). The rewrite multiplies in the dot's result type: a bfloat16 model's products
+    are float32 (jmoe.model.layers.project asks for it), exact, not rounded to bfloat16 before the sum."""
+    plan, decode = decode_for_h100(hf_checkpoints["qwen2_moe_shared_dense"][0], "auto", context=64,
+                                   dtype="bfloat16")
     assert decode.error is None, decode.error
     dense = {tuple(a.shape) for key, a in plan.headers.abstract.items()
              if len(a.shape) == 2 and min(a.shape) > 1 and "experts" not in key and key[0] != "embed"}
@@ -79,6 +82,10 @@ def test_batch_one_decode_writes_no_product_of_a_dense_weight(hf_checkpoints):
     for shape in dense:
         assert outputs_of_readers(decode.hlo_text, shape), shape  # each weight is read
         assert {shape, shape[::-1]}.isdisjoint(outputs_of_readers(decode.hlo_text, shape)), shape
+    products = [found.group(1) for body in computations(decode.hlo_text).values()
+                for found in re.finditer(r"= (\w+)\[([\d,]+)\]\S* multiply\(", body)
+                if tuple(int(n) for n in found.group(2).split(",")) in dense]
+    assert products and set(products) == {"f32"}
 
 
 def host_array_readers(hlo_text: str) -> list[str]:

@@ -40,13 +40,19 @@ def weight_for(weight: jax.Array, x: jax.Array) -> jax.Array:
     return platform_dependent(weight, x, cpu=_read_after, default=lambda w, _: w)
 
 
-def project(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., in] times a dense weight stored [out, in]: [..., out]. Each output is a row of the weight against x,
-    which XLA:GPU compiles at decode (a vector times a matrix of under 10M elements, which it rewrites into a
-    multiply and a reduction) as one reduction kernel a projection, the weight read once; stored [in, out], the
-    reduction runs down columns, and XLA:GPU wrote the whole product out before reducing it (three times the
-    weight's bytes, a kernel more: bench/results/dense_layout_h100.md)."""
-    return jax.lax.dot_general(x, weight_for(weight, x), (((x.ndim - 1,), (1,)), ((), ())))
+def project(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """x [..., in] times a dense weight stored [out, in], plus `bias` [out]: [..., out] in x's dtype, rounded once
+    from float32 products and sums (as cuBLAS computes PyTorch's linear layers).
+
+    Each output is a row of the weight against x, which XLA:GPU compiles at decode (a vector times a matrix of under
+    10M elements, which it rewrites into a multiply and a reduction) as one reduction kernel a projection, the weight
+    read once; stored [in, out], the reduction runs down columns, and XLA:GPU wrote the whole product out before
+    reducing it (three times the weight's bytes, a kernel more: bench/results/dense_layout_h100.md). That rewrite
+    multiplies in the dot's result type: asked for float32, the products are exact, where a 16-bit result type
+    rounded each to 16 bits before the sum; the kernels are the same."""
+    y = jax.lax.dot_general(x, weight_for(weight, x), (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 class Linear(nnx.Module):
@@ -55,8 +61,7 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = project(x, self.kernel[...])
-        return y + self.bias[...] if self.bias is not None else y
+        return project(x, self.kernel[...], None if self.bias is None else self.bias[...])
 
 
 class RMSNorm(nnx.Module):

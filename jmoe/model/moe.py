@@ -25,7 +25,7 @@ def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax
     experts of groups outside the best `topk_group` at -inf."""
     if cfg.router == "softmax":
         kernel, *bias = router  # a bias (GPT-OSS) when the config has one
-        logits = project(x, kernel) + bias[0] if bias else project(x, kernel)
+        logits = project(x, kernel, *bias)
         return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     _, bias = router
     biased = _sigmoid_scores(router, x) + bias.astype(jnp.float32)
