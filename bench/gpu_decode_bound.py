@@ -184,7 +184,7 @@ def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
     device's program); with `trace_dir` a profile of one more generation."""
     from bench.gpu.profile import step_split, step_timer, traced_steps
     from bench.gpu.speed import decode_step_counts, generate
-    from jmoe.plan.hlo import control_flow, module_count, side_stream_overlaps
+    from jmoe.plan.hlo import control_flow, kernel_count, module_count, side_stream_overlaps
 
     offloaded = setting["miss_mode"] != "resident"
     generate(model, tokens)  # compiles, and warms the cache as a second generation of a conversation would find it
@@ -206,7 +206,9 @@ def measure(setting: dict, model, tokens: int, trace_dir: Path | None) -> dict:
     decode = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
     if decode:
         # a chained step's pieces in the order they run (jmoe.decode.chain): how many programs a step dispatches
+        # and the kernels it launches, against which the step's ms say what a launch costs (#54 item 5)
         row["decode_program"] = dict(control_flow(decode[0]).as_dict(), programs_a_step=module_count(decode[0]),
+                                     kernels_a_step=kernel_count(decode[0]),
                                      side_stream_overlaps=side_stream_overlaps(decode[0]))
     if trace_dir is not None:
         summary = traced_steps(lambda: generate(model, tokens), trace_dir, tokens)
