@@ -166,19 +166,24 @@ def outputs_of_readers(hlo_text: str, shape: tuple[int, ...]) -> list[tuple[int,
     """The shapes of the arrays written by the entry computations' kernels that read a parameter of `shape` (as it
     is, or reshaped by a bitcast), each array of a kernel's tuple: a weight's product with a vector, written out
     whole before a reduction reads it back, has the weight's shape."""
-    def dims(text: str) -> list[tuple[int, ...]]:
-        return [tuple(int(n) for n in found.split(",") if n) for _, found in _ARRAY.findall(text)]
+    def shapes(result: str) -> list[tuple[int, ...]]:
+        return [_dims(found) for _, found in _ARRAY.findall(result)]
 
     outputs = []
     for text in modules(hlo_text):
         readers = set()  # the parameters of `shape`, and their bitcasts
         for name, result, op, operands, _ in _INSTRUCTION.findall(entry_computation(text)):
             read = readers & set(_OPERAND.findall(operands))
-            if op == "parameter" and dims(result) == [tuple(shape)] or op == "bitcast" and read:
+            if op == "parameter" and shapes(result) == [tuple(shape)] or op == "bitcast" and read:
                 readers.add(name)
             elif read and op in _KERNEL_OPS:
-                outputs += dims(result)
+                outputs += shapes(result)
     return outputs
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    """An array's dimensions from their text in its type, "2048,1024" (a scalar's: empty)."""
+    return tuple(int(n) for n in text.split(",") if n)
 
 
 def entry_computation(hlo_text: str) -> str:
@@ -190,8 +195,8 @@ def entry_computation(hlo_text: str) -> str:
 def copied_arrays(hlo_text: str) -> list[tuple[int, ...]]:
     """The dimensions of every array a `copy` (or asynchronous `copy-start`) instruction writes, or a slice
     fusion materialises."""
-    return [tuple(int(n) for n in dims.split(",") if n) for name, dims in _COPY.findall(hlo_text)
-            if "update" not in name]  # a dynamic-update-slice fusion writes in place
+    # a dynamic-update-slice fusion writes in place
+    return [_dims(dims) for name, dims in _COPY.findall(hlo_text) if "update" not in name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +211,6 @@ def collectives(hlo_text: str) -> dict[Collective, int]:
     found = collections.Counter()
     for shape_text, op in _COLLECTIVE.findall(hlo_text):
         arrays = _ARRAY.findall(shape_text)
-        bits = sum(_BITS.get(dtype, 8) * math.prod(int(n) for n in dims.split(",") if n) for dtype, dims in arrays)
+        bits = sum(_BITS.get(dtype, 8) * math.prod(_dims(dims)) for dtype, dims in arrays)
         found[Collective(op, tuple(f"{dtype}[{dims}]" for dtype, dims in arrays), bits // 8)] += 1
     return dict(found)
