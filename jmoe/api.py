@@ -114,7 +114,7 @@ class Model:
         greedy one, and its optimized HLO text (jmoe.plan.hlo.control_flow reads what it does; a chained step's
         pieces in the order they run)."""
         return [{"tokens": inputs[0][0], "greedy": greedy, "hlo": program.as_text()}
-                for (greedy, _, inputs), program in self._programs.items()]
+                for (greedy, _, _, inputs), program in self._programs.items()]
 
     def module(self) -> MoETransformer:
         """The Flax NNX module (for research code: inspect, fine-tune, call directly). It reads its stacked expert
@@ -200,8 +200,11 @@ class Model:
 
     def _program(self, greedy: bool, args) -> jax.stages.Compiled:
         """The compiled step for these inputs' shapes, compiled (and timed) the first time they are seen."""
-        inputs = args[2:]  # parameters and engine state keep their shapes for the model's lifetime
-        key = (greedy, jax.tree.structure(inputs), tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
+        # The parameters and the engine state keep their shapes for the model's lifetime, but for what set_policy
+        # may change (engine.varying_shapes).
+        inputs = args[2:]
+        key = (greedy, self.engine.varying_shapes(), jax.tree.structure(inputs),
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves(inputs)))
         program = self._programs.get(key)
         if program is None:
             tokens, kv_cache = args[2], args[3]
@@ -265,7 +268,9 @@ class Model:
         return texts[0] if isinstance(prompt, str) else texts
 
     def set_policy(self, policy) -> None:
-        """Empty the expert cache and continue with another policy (name or CachePolicy); no recompilation."""
+        """Empty the expert cache and continue with another policy (name or CachePolicy). No recompilation, but
+        the first decode step after switching between a policy that admits misses and one that does not (static):
+        their decode steps differ, misses admitted or computed from scratch slots."""
         self.engine.reset(OffloadOptions(policy=policy).policy)
 
     def stats(self) -> list[dict]:

@@ -80,7 +80,7 @@ def test_an_offloaded_bf16_decode_step_copies_bits_and_holds_no_float32_copy_of_
         assert isinstance(host.w_gate_up, FloatBits) and host.w_gate_up.bits.sharding.memory_kind == PINNED_HOST
     state = model.engine.state
     assert all(isinstance(leaf, FloatBits) for leaf in (state.scratch.w_gate_up, *(b.w_down for b in state.buffers)))
-    (decode,) = [program for (_, _, inputs), program in model._programs.items() if inputs[0][0][1] == 1]
+    (decode,) = [program for (_, _, _, inputs), program in model._programs.items() if inputs[0][0][1] == 1]
     layer_experts = sum(a.nbytes for a in jax.tree.leaves(model.engine.host_experts[0]))
     assert decode.memory_analysis().temp_size_in_bytes < layer_experts
     assert "f32[8,64,192]" not in decode.as_text()  # a layer's w_gate_up as float32

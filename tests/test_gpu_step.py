@@ -57,15 +57,18 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # No host round trip inside the step (#54 item 1): no conditional and no loop whose trip count is data. Experts
     # are copied into slots by one Triton kernel per copy site, over a static list of entries whose unwanted ones
     # move nothing: the demand copies of "fetch" (at most min(scratch, batch x top-k) experts, twice: into the
-    # cache slots that admit them and into scratch for the rest), the manager's planned admission of "direct"
-    # (one), router prefetch into every offloaded layer after the first.
+    # cache slots that admit them and into scratch for the rest; or, where the cache slots outnumber the experts a
+    # step can route to, every miss admitted, batch x top-k experts once), the manager's planned admission of
+    # "direct" (one), router prefetch into every offloaded layer after the first.
     assert flow.conditionals == 0 and flow.data_dependent_loops == 0 and flow.host_loops == 0
     # No loop at all (#54 item 5, launches): each iteration launches its body's kernels again; the grouped GEMM's tile
     # layout searched its groups' ends with a 5-iteration loop of 5 launches, per expert kernel call and layer.
     assert flow.loops_with_known_trip_count == 0
     assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
     direct = options.get("miss_mode") == "direct"
-    demand = [] if direct else [min(placement.scratch, batch * cfg.num_experts_per_tok)] * 2 * offloaded
+    routed = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
+    admitted = options.get("cache", cfg.num_experts) >= routed
+    demand = [] if direct else ([routed] if admitted else [min(placement.scratch, routed)] * 2) * offloaded
     planned = [1] * offloaded if direct else []
     ahead = [options["prefetch"]] * (offloaded - 1) if "prefetch" in options else []
     d, f = cfg.hidden_size, cfg.expert_intermediate_size

@@ -238,6 +238,26 @@ def test_router_prefetch_keeps_results_and_respects_its_bound(olmoe_dir, residen
         jmoe.load(olmoe_dir, cache=3, prefetch=-1)
 
 
+@pytest.mark.cpu_hlo
+def test_decode_leaves_out_scratch_where_the_cache_admits_every_miss(olmoe_dir):
+    """A policy that admits misses offers every slot as a victim, so where the slots outnumber the experts a step
+    routes to (4 >= 1 x top-4) the decode step has no scratch path: one copy loop a layer, not two. A static
+    policy's misses go to scratch (its victim order is empty, [L, 0]): a step of its own, compiled the first time
+    set_policy switches to it, and not again when it switches back."""
+    from jmoe.plan.hlo import control_flow
+
+    model = jmoe.load(olmoe_dir, cache=4, progress=False)
+    expected = model.generate([PROMPTS[1]], max_new_tokens=4)
+    first = model.compiled_programs
+    for policy in ("static", "lru"):
+        model.set_policy(policy)
+        assert model.generate([PROMPTS[1]], max_new_tokens=4) == expected, policy
+        assert model.compiled_programs == 2 * first, policy
+    decodes = [step["hlo"] for step in model.compiled_steps() if step["tokens"][1] == 1]
+    layers = len(model.engine.layers)
+    assert sorted(control_flow(hlo).data_dependent_loops for hlo in decodes) == [layers, 2 * layers]
+
+
 def test_static_policy_instance_is_installed_before_the_first_step(olmoe_dir):
     from jmoe.offload.policies import StaticPolicy
 

@@ -54,7 +54,7 @@ class EngineState(NamedTuple):
     scratch: object  # ExpertWeights of the M shared scratch slots on the device
     slot_of_expert: jax.Array  # int32 [Lo, E]
     expert_in_slot: tuple  # per layer: int32 [S_l]
-    victim_order: jax.Array  # int32 [Lo, max S_l] from the manager: row l's first S_l entries, then -1
+    victim_order: jax.Array  # int32 [Lo, max S_l] from the manager: row l's first S_l entries, then -1 ([Lo, 0]: none)
     plan_experts: jax.Array  # int32 [Lo, W]: experts the manager copies in as the step starts ...
     plan_slots: jax.Array  # int32 [Lo, W]: ... into these cache slots (-1 = no copy)
     predict_base: jax.Array  # float32 [L_moe, E]: history prefetch's scores known before the step ([0, E]: off)
@@ -387,6 +387,11 @@ class OffloadEngine(ResidentEngine):
                                   counts=step_counts), carry_out
 
         return compute, finish
+
+    def varying_shapes(self) -> tuple:
+        """The victim order's: empty under a policy that admits no miss (reset may switch to or from one), and a
+        decode step's program differs with it (jmoe.offload.slots.fetch_and_compute)."""
+        return self.state.victim_order.shape
 
     # ---- between steps ----------------------------------------------------------------------------
     def readback(self, state: EngineState):

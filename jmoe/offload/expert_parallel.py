@@ -259,6 +259,9 @@ class ExpertParallelEngine:
         an empty array out replicated whatever it is asked, and a compiled step checks its inputs' layout)."""
         return self.sharding if a.size else self.replicated
 
+    def varying_shapes(self) -> tuple:
+        return self.state.victim_order.shape if self.offloading else ()
+
     def readback(self, state):
         return self.engines[0].readback(state) if self.offloading else ()
 

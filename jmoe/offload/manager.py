@@ -97,7 +97,8 @@ class SlotManager:
 
     def victim_order(self) -> np.ndarray:
         """int [L, max S_l]: per layer, the cache slots the next step may overwrite, first choice first,
-        padded with -1 (= stop) after its S_l slots.
+        padded with -1 (= stop) after its S_l slots; int [L, 0] under a policy that admits no miss (a step's
+        program sees from the shape that its misses go to scratch: jmoe.offload.slots.fetch_and_compute).
 
         Empty slots come first (lowest slot first), then occupied slots in the eviction rule's order of
         their experts (jmoe.offload.policies.eviction_ranking).
@@ -105,7 +106,7 @@ class SlotManager:
         most = max(self.caches, default=0)
         has_slot = np.arange(most) < np.array(self.caches)[:, None]  # [L, most]: the slots each layer has
         if not self.admits_misses or most == 0:
-            return np.full((self.num_layers, most), -1, np.int32)
+            return np.full((self.num_layers, 0), -1, np.int32)
         resident = self.slot_of_expert >= 0
         ranking = eviction_ranking(self.policy.priority(), resident)  # [L, E], resident experts first
         rank_of_expert = np.argsort(ranking, axis=-1)

@@ -95,6 +95,11 @@ class ResidentEngine:
     def reset(self, policy) -> None:
         pass  # nothing is cached, so no policy applies
 
+    def varying_shapes(self) -> tuple:
+        """The shapes in the state that may change over the engine's life (a compiled step is looked up by them
+        too): none here."""
+        return ()
+
     def abstract_state(self, layers: list[MoELayerView]) -> tuple:
         """The state's shapes for abstract `layers`, for compiling the steps ahead of time: none here."""
         return self.state

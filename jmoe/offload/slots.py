@@ -4,7 +4,9 @@ Every offloaded MoE layer owns `S` cache slots that persist across steps (an Exp
 leaf has the slot axis first), with tables (int32, -1 = empty) `slot_of_expert[E]` and
 `expert_in_slot[S]`. All layers share `M` scratch slots that hold, during one layer of a decode step, the
 experts it missed (layers run one after another, so one scratch pool serves them all). The manager hands
-every step a `victim_order[S]`: the cache slots it may overwrite, first choice first (-1 = stop).
+every step a `victim_order`: every cache slot, first choice to overwrite first ([S]; in miss modes "host" and
+"direct" less the slots its planned admissions take, -1 after), or none ([0]) under a policy that admits no miss,
+so that a step knows from the order's shape whether its misses can all be admitted.
 Everything here runs inside the jitted step with static shapes; the only data read from host memory are
 experts of the pinned-host expert arrays.
 
@@ -204,8 +206,12 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     needs), which admits them, and computed there; the misses past the offered slots are copied into the shared
     scratch slots and computed from there, not admitted. So an admission moves an expert's bytes once, from the
     host into its slot (`copy_into_slots`), with no device-to-device copy after. A batch that misses more than M
-    experts computes the rest on the host. Returns (float32 y [T, d], slots, scratch, counts)."""
+    experts computes the rest on the host. Where the order names every slot and the slots outnumber the experts
+    the step can route to, every miss is admitted: the scratch copy and its expert kernel are left out (on a GPU,
+    their kernels a layer). Returns (float32 y [T, d], slots, scratch, counts)."""
     num_experts, num_scratch = slots.slot_of_expert.shape[0], scratch.buffers.num_experts
+    num_cache, most_needed = slots.expert_in_slot.shape[0], min(ids.size, num_experts)
+    all_admitted = victim_order.shape[0] == num_cache >= most_needed
     needed = needed_experts(ids, num_experts)
     hits = count_hits(slots.slot_of_expert, ids)
     missing = needed & (slots.slot_of_expert < 0)
@@ -216,7 +222,7 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
         y_disk = disk(x, ids, weights, on_disk)
     # The step misses at most `most_missed` experts (its choices, distinct), the first M of them on the device:
     # only that many copy entries (a GPU launches no programs for more).
-    most_missed = min(num_scratch, ids.size, num_experts)
+    most_missed = most_needed if all_admitted else min(num_scratch, most_needed)
     n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), most_missed)
     miss_ids = jnp.nonzero(missing, size=most_missed, fill_value=0)[0].astype(jnp.int32)
     sources = miss_ids if host_rows is None else host_rows[miss_ids]
@@ -232,20 +238,22 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
         y = kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
     else:
         y = jnp.zeros(x.shape, jnp.float32)
-    # The misses ranked past the admitted ones: scratch slot j holds the one ranked admitted + j.
-    shifted = jnp.minimum(admitted + jnp.arange(most_missed), most_missed - 1)
-    into = first_slots(n_miss - admitted, most_missed)
-    into = into if scratch.free is None else ordered_after(into, scratch.free)
-    buffers = copy_into_slots(scratch.buffers, host, sources[shifted], into)
-    scratch_slot = jnp.where((rank >= admitted) & (rank < n_miss), rank - admitted, -1)
-    y = y + kernel(x, slot_ids_of(scratch_slot, ids), weights, buffers, out_dtype=jnp.float32)
-    if min(ids.size, num_experts) > num_scratch:  # this step's shape can miss more experts than M
-        y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel, host_rows)
+    if not all_admitted:
+        # The misses ranked past the admitted ones: scratch slot j holds the one ranked admitted + j.
+        shifted = jnp.minimum(admitted + jnp.arange(most_missed), most_missed - 1)
+        into = first_slots(n_miss - admitted, most_missed)
+        into = into if scratch.free is None else ordered_after(into, scratch.free)
+        buffers = copy_into_slots(scratch.buffers, host, sources[shifted], into)
+        scratch_slot = jnp.where((rank >= admitted) & (rank < n_miss), rank - admitted, -1)
+        y = y + kernel(x, slot_ids_of(scratch_slot, ids), weights, buffers, out_dtype=jnp.float32)
+        if most_needed > num_scratch:  # this step's shape can miss more experts than M
+            y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel, host_rows)
+        # The scratch slots' last reader is the layer's compute: the next layer's copies into them wait for it.
+        scratch = Scratch(buffers, y)
     if y_disk is not None:
         y = y + y_disk
     counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)
-    # The scratch slots' last reader is the layer's compute: the next layer's copies into them wait for it.
-    return y, slots, Scratch(buffers, y), counts
+    return y, slots, scratch, counts
 
 
 def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel,
@@ -269,9 +277,11 @@ def prefetch(slots: LayerSlots, victim_order, host: ExpertWeights, scores, *, co
     wanted = jax.lax.top_k(jnp.where(slots.slot_of_expert < 0, scores, -jnp.inf), count)[1].astype(jnp.int32)
     # Fewer than `count` experts uncached (a cache of nearly E slots): the extra picks are cached already, and
     # copy_wanted admits nothing for them.
-    destinations = jnp.where(enabled, victim_order[:count], -1)
-    slots, evicted, copied = copy_wanted(slots, host, wanted, destinations, side_stream=side_stream)
-    remaining = jnp.concatenate([victim_order[count:], jnp.full((count,), -1, victim_order.dtype)])
+    offered = jnp.pad(victim_order, (0, max(0, count - victim_order.shape[0])), constant_values=-1)[:count]
+    slots, evicted, copied = copy_wanted(slots, host, wanted, jnp.where(enabled, offered, -1), side_stream=side_stream)
+    # The slots just filled become the last choice (a guess the layer does not route to may still give way to a
+    # miss), so the order still names every slot and the layer's misses are admitted as without prefetch.
+    remaining = jnp.roll(victim_order, -min(count, victim_order.shape[0]))
     return slots, jnp.where(enabled, remaining, victim_order), evicted, copied
 
 
