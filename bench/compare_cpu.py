@@ -3,10 +3,11 @@ and XLA's thread pools disturb each other), alternated over several rounds, medi
 load average recorded before and after each process.
 
   JAX_PLATFORMS=cpu python -m bench.compare_cpu [--phases decode,prefill] [--rounds 3] [--repeats 5]
+  JAX_PLATFORMS=cpu python -m bench.compare_cpu --checkpoint checkpoints/default   # another checkpoint
   JAX_PLATFORMS=cpu python -m bench.compare_cpu --smoke   # toy checkpoint, one round, no result file
 
-decode: batch 1, float32, greedy, the 215M Mixtral-shaped random checkpoint of bench.decode (all experts
-resident): milliseconds per decode step after a 32-token prompt, next to the read-bandwidth bound.
+decode: batch 1, float32, greedy, the 215M Mixtral-shaped random checkpoint of bench.decode, or --checkpoint's (all
+experts resident): milliseconds per decode step after a 32-token prompt, next to the read-bandwidth bound.
 prefill: one prompt of --prompt-len random tokens (batch 1, float32): prompt tokens per second, jmoe
 resident and with --offload-cache experts per layer on the device (the rest streamed from host memory).
 The checkpoint is written once by transformers under --workdir, so both engines read the same file.
@@ -33,15 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.decode import COMPARE_MODELS, PROMPT, compare_models, weight_reads
+from bench.decode import PROMPT, compare_models, weight_reads
 from bench.helpers.common import (add_smoke_argument, read_bandwidth_gbs, smoke_run, write_random_checkpoint,
                                   write_result)
 
 MAX_QUIET_LOAD = 1.0  # 1-minute load average above which a run is not a result
 
 
-def prompt_ids(length: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(0).integers(0, COMPARE_MODELS["mixtral"]["vocab_size"], length)]
+def prompt_ids(length: int, vocab_size: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(0).integers(0, vocab_size, length)]
 
 
 # ---- one measurement, in a child process -----------------------------------------------------------------
@@ -57,7 +58,7 @@ def jmoe_worker(args) -> dict:
         run()  # compiles the prompt and decode steps of this KV-cache length
         samples = [(r.decode_seconds / r.decode_steps) for r in (run() for _ in range(args.repeats))]
         return {"seconds": samples, "bytes_per_token": weight_reads(model).step()}
-    prompt = prompt_ids(args.prompt_len)
+    prompt = prompt_ids(args.prompt_len, model.config.vocab_size)
     run = lambda: model.generate_detailed([prompt], 1, SamplingParams()).prefill_seconds  # noqa: E731
     run()
     return {"seconds": [run() for _ in range(args.repeats)]}
@@ -73,7 +74,7 @@ def transformers_worker(args) -> dict:
                               f"{model.config._attn_implementation}"}
     with torch.inference_mode():
         if args.phase == "prefill":
-            ids = torch.tensor([prompt_ids(args.prompt_len)])
+            ids = torch.tensor([prompt_ids(args.prompt_len, model.config.vocab_size)])
 
             def once():  # logits of the last position only, as generate (and jmoe's prompt step) computes
                 start = time.perf_counter()
@@ -187,18 +188,20 @@ def grouped_children(specs: list[dict], args) -> dict[str, dict]:
 
 
 def configurations(args) -> list[dict]:
+    import jmoe
+
+    experts = jmoe.load_config(args.dir).num_experts
     specs = []
     if "decode" in args.phases:
         specs += [{"label": f"jmoe decode ({backend})", "engine": "jmoe", "phase": "decode", "backend": backend}
                   for backend in args.backends]
-        specs += [{"label": f"jmoe decode (auto), cache {cache} of {COMPARE_MODELS['mixtral']['num_local_experts']}",
+        specs += [{"label": f"jmoe decode (auto), cache {cache} of {experts}",
                    "engine": "jmoe", "phase": "decode", "backend": "auto", "cache": cache}
                   for cache in args.decode_caches]
         specs.append({"label": "transformers decode", "engine": "transformers", "phase": "decode"})
     if "prefill" in args.phases:
         specs += [{"label": "jmoe prefill, resident", "engine": "jmoe", "phase": "prefill", "backend": "auto"},
-                  {"label": f"jmoe prefill, cache {args.offload_cache} of "
-                            f"{COMPARE_MODELS['mixtral']['num_local_experts']}",
+                  {"label": f"jmoe prefill, cache {args.offload_cache} of {experts}",
                    "engine": "jmoe", "phase": "prefill", "backend": "auto", "cache": args.offload_cache},
                   {"label": "transformers prefill", "engine": "transformers", "phase": "prefill"}]
     if args.baseline_python:  # every jmoe configuration again, with the baseline jmoe
@@ -247,12 +250,13 @@ def report(specs, samples, start_load, loads, bandwidth, args, wall) -> str:
     threads = next((s[0]["threads"] for s in samples.values() if "threads" in s[0]), "?")
     implementation = next((s[0]["implementation"] for s in samples.values() if "implementation" in s[0]), "?")
     torch_version = next((s[0]["torch"] for s in samples.values() if "torch" in s[0]), "?")
-    method = (f"Method: {args.rounds} rounds; in each, every configuration runs once in a fresh process, in the "
-              f"order listed; each process warms up (compiles) and then times {args.repeats} runs; medians are "
-              f"over all {args.rounds * args.repeats} samples of a configuration. jmoe decode: the decode steps of "
-              f"`generate_detailed` after the 32-token prompt, {args.tokens} new tokens (compilation excluded); "
-              f"transformers decode: a loop of one-token forwards with its KV cache and greedy argmax (its best "
-              f"case: none of generate's per-step bookkeeping), "
+    checkpoint = f"`{args.checkpoint}`" if args.checkpoint else "bench.decode's 215M Mixtral-shaped random one"
+    method = (f"Checkpoint: {checkpoint}.\n\nMethod: {args.rounds} rounds; in each, every configuration runs once in "
+              f"a fresh process, in the order listed; each process warms up (compiles) and then times {args.repeats} "
+              f"runs; medians are over all {args.rounds * args.repeats} samples of a configuration. jmoe decode: the "
+              f"decode steps of `generate_detailed` after the 32-token prompt, {args.tokens} new tokens (compilation "
+              f"excluded); transformers decode: a loop of one-token forwards with its KV cache and greedy argmax (its "
+              f"best case: none of generate's per-step bookkeeping), "
               f"{args.tokens - 1} steps. Prefill: jmoe's prompt step (`prefill_seconds`, includes picking the "
               f"first token); transformers: one forward over the prompt with use_cache=True and logits_to_keep=1, "
               f"then the argmax. jax {version('jax')} (XLA:CPU), transformers {version('transformers')} "
@@ -276,6 +280,8 @@ def main(argv=None) -> None:
     parser.add_argument("--backends", default="auto", type=lambda s: s.split(","), help="jmoe kernels for decode")
     parser.add_argument("--decode-caches", default=[], type=lambda s: [int(c) for c in s.split(",")],
                         help="decode also offloaded with these experts per layer on the device (own routing)")
+    parser.add_argument("--checkpoint", type=Path, help="a Hugging Face checkpoint directory to compare on "
+                        "(default: bench.decode's 215M Mixtral-shaped random one, written under --workdir)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jmoe_bench"))
     parser.add_argument("--out", default="compare_cpu.md")
     parser.add_argument("--allow-load", action="store_true", help="write the report even if the machine is busy")
@@ -304,7 +310,9 @@ def compare(args) -> None:
     """Every configuration in its own process, alternated over the rounds; the report."""
     start_load = quiet_start_load("compare_cpu", args.allow_load or args.smoke)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    args.dir = write_random_checkpoint(args.workdir / "compare_mixtral", **compare_models(args.smoke)["mixtral"])
+    # absolute: a baseline jmoe's children run in a directory of their own
+    args.dir = args.checkpoint.resolve() if args.checkpoint else write_random_checkpoint(
+        args.workdir / "compare_mixtral", **compare_models(args.smoke)["mixtral"])
     began = time.perf_counter()
     if args.baseline_python:
         args.baseline_workspace = baseline_workspace(args.baseline_python)

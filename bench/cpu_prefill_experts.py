@@ -49,7 +49,8 @@ def checkpoint_routing(directory: Path, prompt_len: int) -> np.ndarray:
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids(prompt_len)]), output_router_logits=True).router_logits
+        logits = model(torch.tensor([prompt_ids(prompt_len, model.config.vocab_size)]),
+                       output_router_logits=True).router_logits
     return np.stack([layer.topk(TOP_K, dim=-1).indices.numpy() for layer in logits]).astype(np.int32)
 
 

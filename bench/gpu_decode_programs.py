@@ -9,8 +9,10 @@ batch 1, 1,024 cache columns), the step built as a Model builds it: chained in l
 jmoe.decode.chain.chains says (the 120B shape's 36 layers are), one program otherwise. For each: the compile seconds,
 the programs compiled and those a step dispatches, and what a GPU would run (jmoe.plan.hlo.control_flow): loops with
 a known trip count, data-dependent ones on the device (a host round trip an iteration) and on the host, conditionals,
-Triton kernels and those that read host memory; the kernels a step launches (jmoe.plan.hlo.kernel_count) and the
-bytes its programs read and write by XLA's cost analysis, which does not see the Pallas kernels' (the experts'). Each
+Triton kernels and those that read host memory; the kernels a step launches (jmoe.plan.hlo.kernel_count), the
+kernels XLA schedules beside each call on a second stream (jmoe.plan.hlo.side_stream_overlaps: what a copy made ahead
+could overlap) and the bytes its programs read and write by XLA's cost analysis, which does not see the Pallas
+kernels' (the experts'). Each
 setting compiles in a process of its own, so that an XLA check failure (under jax 0.10, the host computations of miss
 mode "host" with more than one caller) loses only that setting, recorded with the last lines it printed.
 """
@@ -64,7 +66,7 @@ def compile_setting(setting: dict, small: bool) -> dict:
     step = compile_step(model_config(setting, small), options, context=CONTEXT)
     return {"seconds": step.seconds, "chained": step.chained, "programs_compiled": step.programs_compiled,
             "programs_a_step": step.programs_a_step, **step.flow.as_dict(), "kernels": step.kernels,
-            "mb_accessed": step.mb_accessed}
+            "beside_side_stream": step.beside_side_stream, "mb_accessed": step.mb_accessed}
 
 
 def run_child(setting: dict, small: bool) -> dict:
@@ -90,16 +92,17 @@ def report(rows: list[tuple[dict, dict]], small: bool) -> str:
              "jax 0.11's jmoe.memory.transformed_at_each_call is meant to avoid on the GPU.", "",
              "| setting | chained | compile s | programs compiled | a step | loops, known trip count | loops, "
              "data-dependent (device) | loops on the host | conditionals | Triton kernels | of them reading host | "
-             "kernels a step | MB accessed a step |",
-             "|---" * 13 + "|"]
+             "kernels a step | kernels beside each second-stream copy | MB accessed a step |",
+             "|---" * 14 + "|"]
     for setting, result in rows:
         if "error" in result:
-            lines.append(f"| {label_of(setting)} | did not compile: {result['error'].replace('|', '/')} |" + " |" * 11)
+            lines.append(f"| {label_of(setting)} | did not compile: {result['error'].replace('|', '/')} |" + " |" * 12)
             continue
         accessed = result["mb_accessed"]
         lines.append(f"| {label_of(setting)} | {'yes' if result['chained'] else 'no'} | {result['seconds']:.1f} | "
                      f"{result['programs_compiled']} | {result['programs_a_step']} | "
                      + " | ".join(str(result[key]) for key in FLOW_COLUMNS) + f" | {result['kernels']} | "
+                     f"{', '.join(map(str, result['beside_side_stream'])) or '-'} | "
                      f"{'unknown' if accessed is None else f'{accessed:.0f}'} |")
     return "\n".join(lines) + "\n"
 

@@ -32,6 +32,7 @@ class CompiledStep:
     programs_a_step: int  # the programs a step dispatches, in the order they run
     flow: object  # jmoe.plan.hlo.control_flow of every program a step runs
     kernels: int  # the kernels a step launches (jmoe.plan.hlo.kernel_count over its programs)
+    beside_side_stream: list[int]  # per call on a second stream, the kernels scheduled beside it (side_stream_overlaps)
     mb_accessed: float | None  # what a step's programs read and write, by XLA's cost analysis (None: unknown)
 
 
@@ -44,7 +45,7 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
     from jmoe.decode.steps import make_step_fn
     from jmoe.kernels.target import compiling_for_gpu
     from jmoe.plan.compile_worker import cost_analysis, step_arguments
-    from jmoe.plan.hlo import control_flow, kernel_count, module_count
+    from jmoe.plan.hlo import control_flow, kernel_count, module_count, side_stream_overlaps
     from jmoe.plan.programs import CompileJob
     from jmoe.plan.targets import compute_capability, load_target
 
@@ -62,8 +63,8 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
     text = compiled.as_text()
     costs = [cost_analysis(piece) for piece in (compiled.pieces if chained else [compiled])]
     accessed = None if None in costs else sum(cost.get("bytes accessed", math.nan) for cost in costs) / 1e6
-    return CompiledStep(seconds, chained, len(steps.pieces) if chained else 1,
-                        module_count(text), control_flow(text), kernel_count(text), accessed)
+    return CompiledStep(seconds, chained, len(steps.pieces) if chained else 1, module_count(text), control_flow(text),
+                        kernel_count(text), side_stream_overlaps(text), accessed)
 
 
 def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: int, options) -> CompiledStep:
