@@ -26,7 +26,9 @@ same with each step read back first (item 3); the device step (dispatch until it
 host's dispatch (the call's return), and the host's work after it (finish_step), medians: dispatch plus finish_step
 past the step says the host sets the pace of steps run ahead; the compiled decode step's loops, conditionals and
 Triton kernels, as the real device's compiler made them. Per variant the link's GB/s (a plain pinned-host copy) and
-the resident step, in the same process. Bounds of an offloaded setting: no overlap = resident step + link bytes /
+the resident step, in the same process; the default variant's child first measures whether a jax.device_put issued
+outside a step runs beside it (bench.gpu.transfer_overlap: the primitive of item 4's first design, copies the manager
+would issue before dispatch, not built yet). Bounds of an offloaded setting: no overlap = resident step + link bytes /
 link GB/s; overlap = the larger of the two; its share = bound / measured time per token. The default variant's first
 fetch setting and its prefetch settings are traced (jax.profiler): how much of the copies' time overlaps kernels.
 
@@ -48,6 +50,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.gpu.transfer_overlap import markdown as transfer_overlap_markdown
 from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 
 BIG = "gpt-oss-120b shape"  # issue #54 item 7: built in memory (bench.gpu.in_memory), experts past a 24 GB budget
@@ -229,6 +232,7 @@ def run_variant(args) -> None:
     import jax
 
     from bench.gpu.speed import plain_copy_gbs
+    from bench.gpu.transfer_overlap import device_put_overlap
 
     path = results_path(args.workdir, args.child)
     state = json.loads(path.read_text()) if path.exists() else {
@@ -238,6 +242,12 @@ def run_variant(args) -> None:
         state["died_in"].append(state.pop("running"))
     if "link_gbs" not in state:
         state["link_gbs"] = plain_copy_gbs(args.small)
+    if args.child == "default" and "device_put_overlap" not in state:  # item 4's first design, on its primitive
+        try:
+            state["device_put_overlap"] = device_put_overlap(args.small)
+        except Exception as error:  # recorded: the settings still run
+            traceback.print_exc()
+            state["device_put_overlap"] = {"failed": f"{type(error).__name__}: {error}"[:600]}
     path.write_text(json.dumps(state, indent=1))
     done = {label_of(row) for row in state["rows"]} | set(state["died_in"]) | set(state["failed"])
     resident = {row["model"]: row["step_ms"] for row in state["rows"] if row["miss_mode"] == "resident"}
@@ -362,6 +372,10 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
             if beside:
                 lines += ["", f"Copies on a second stream in the decode program of {label_of(row)}: the compute "
                           f"stream's kernels scheduled beside each, {beside}"]
+        if "device_put_overlap" in result:
+            overlap = result["device_put_overlap"]
+            lines += ["", *([f"Copies issued outside the step: **failed**: {overlap['failed']}"] if "failed" in overlap
+                            else transfer_overlap_markdown(overlap))]
         lines.append("")
     lines += ["Bounds: no overlap = resident step + link bytes / link GB/s; overlap = the larger of the two; share = "
               "bound / measured ms per token (1000 / tokens/s, steps dispatched ahead). Link bytes per decode token: "

@@ -69,3 +69,31 @@ def test_the_big_shape_built_in_memory_is_placed_as_load_places_its_checkpoint(t
     assert codes.dtype == np.uint8 and codes.sharding.memory_kind == PINNED_HOST
     assert np.all(np.asarray(scales) == MXFP4_SCALE_BYTE) and len(np.unique(np.asarray(codes))) > 200  # random bytes
     assert np.all(np.asarray(built.module.layers[0].input_norm.scale[...]) == 1)
+
+
+@pytest.mark.quick
+def test_a_copy_issued_outside_the_step_is_scored_between_serial_and_hidden():
+    from bench.gpu.transfer_overlap import overlap_share
+
+    # a 4 ms copy beside 5 ms of compute: 9 ms serial, 5 ms hidden entirely
+    assert overlap_share("copy, then compute", 4.0, 5.0, 9.0) == pytest.approx(0.0)
+    assert overlap_share("copy, then compute", 4.0, 5.0, 5.0) == pytest.approx(1.0)
+    assert overlap_share("compute, then copy", 4.0, 5.0, 7.0) == pytest.approx(0.5)
+    # between two steps it can hide behind the second only: 14 ms serial, 10 ms at best
+    assert overlap_share("between two steps", 4.0, 5.0, 14.0) == pytest.approx(0.0)
+    assert overlap_share("between two steps", 4.0, 5.0, 10.0) == pytest.approx(1.0)
+    assert overlap_share("between two steps", 6.0, 5.0, 11.0) == pytest.approx(1.0)  # the copy the longer: 5 + 6
+
+
+def test_the_report_shows_copies_issued_outside_the_step_or_why_they_were_not_measured():
+    orders = {order: {"ms": 6.0, "overlap_share": 0.75} for order in
+              ("copy, then compute", "compute, then copy", "between two steps")}
+    overlap = {"copy_mb": 1073.7, "matmul_width": 4096, "sources": {"own pinned-host array": dict(
+        copy_ms=20.0, gbs=53.7, call_returns_ms=0.05, compute_ms=21.0, orders=orders)}}
+    args = argparse.Namespace(commit="a" * 40, tokens=4, budget_s=60.0, small=True, smoke=False)
+    _, text = report(args, {"default": {"device": "gpu", "jax": "0", "rows": [], "exits": [0],
+                                        "device_put_overlap": overlap}})
+    assert "| own pinned-host array | 20 | 53.7 | 0.05 | 21 | 6 (0.75) | 6 (0.75) | 6 (0.75) |" in text
+    _, text = report(args, {"default": {"device": "gpu", "jax": "0", "rows": [], "exits": [0],
+                                        "device_put_overlap": {"failed": "XlaRuntimeError: out of memory"}}})
+    assert "Copies issued outside the step: **failed**: XlaRuntimeError: out of memory" in text
