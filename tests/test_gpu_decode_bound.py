@@ -88,12 +88,14 @@ def test_a_copy_issued_outside_the_step_is_scored_between_serial_and_hidden():
 def test_the_report_shows_copies_issued_outside_the_step_or_why_they_were_not_measured():
     orders = {order: {"ms": 6.0, "overlap_share": 0.75} for order in
               ("copy, then compute", "compute, then copy", "between two steps")}
-    overlap = {"copy_mb": 1073.7, "matmul_width": 4096, "sources": {"own pinned-host array": dict(
-        copy_ms=20.0, gbs=53.7, call_returns_ms=0.05, compute_ms=21.0, orders=orders)}}
+    overlap = {"copy_mb": 1073.7, "matmul_width": 4096, "pinned_numpy_view": "np.from_dlpack: a copy",
+               "sources": {"own pinned-host array": dict(copy_ms=20.0, gbs=53.7, call_returns_ms=0.05, compute_ms=21.0,
+                                                         orders=orders)}}
     args = argparse.Namespace(commit="a" * 40, tokens=4, budget_s=60.0, small=True, smoke=False)
     _, text = report(args, {"default": {"device": "gpu", "jax": "0", "rows": [], "exits": [0],
                                         "device_put_overlap": overlap}})
     assert "| own pinned-host array | 20 | 53.7 | 0.05 | 21 | 6 (0.75) | 6 (0.75) | 6 (0.75) |" in text
+    assert "A NumPy view of pinned-host memory: np.from_dlpack: a copy." in text
     _, text = report(args, {"default": {"device": "gpu", "jax": "0", "rows": [], "exits": [0],
                                         "device_put_overlap": {"failed": "XlaRuntimeError: out of memory"}}})
     assert "Copies issued outside the step: **failed**: XlaRuntimeError: out of memory" in text
