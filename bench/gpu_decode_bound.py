@@ -28,9 +28,11 @@ past the step says the host sets the pace of steps run ahead; the compiled decod
 Triton kernels, as the real device's compiler made them. Per variant the link's GB/s (a plain pinned-host copy) and
 the resident step, in the same process; the default variant's child first measures whether a jax.device_put issued
 outside a step runs beside it (bench.gpu.transfer_overlap: the primitive of item 4's first design, copies the manager
-would issue before dispatch, not built yet). Bounds of an offloaded setting: no overlap = resident step + link bytes /
-link GB/s; overlap = the larger of the two; its share = bound / measured time per token. The default variant's first
-fetch setting and its prefetch settings are traced (jax.profiler): how much of the copies' time overlaps kernels.
+would issue before dispatch, not built yet) and times a one-row step's expert FFN in its two kernel forms against
+the HBM bound (bench.gpu.kernel_forms, item 5). Bounds of an offloaded setting: no overlap = resident step + link
+bytes / link GB/s; overlap = the larger of the two; its share = bound / measured time per token. The default
+variant's first fetch setting and its prefetch settings are traced (jax.profiler): how much of the copies' time
+overlaps kernels.
 
 A child that dies (an XLA check failure) loses only the setting it was running, recorded as such; the parent starts
 it again for the rest while its share lasts; a child does not start a setting it would not finish (the longest so
@@ -50,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu.transfer_overlap import markdown as transfer_overlap_markdown
+from bench.gpu import kernel_forms, transfer_overlap
 from bench.helpers.common import add_smoke_argument, smoke_run, write_result
 
 BIG = "gpt-oss-120b shape"  # issue #54 item 7: built in memory (bench.gpu.in_memory), experts past a 24 GB budget
@@ -66,6 +68,9 @@ VARIANTS = {  # name -> XLA_FLAGS added to the environment's, in the order they 
 }
 SHARES = {"default": 0.4, BIG: 0.35, "latency-hiding scheduler": 0.125, "command buffers with loops": 0.125}
 MISS_MODES = ("fetch", "direct", "host")  # host last: its decode has aborted XLA:GPU before
+# Measured once, in the default variant's child before its settings: name -> (measure(small) -> dict, its Markdown).
+PROBES = {"device_put_overlap": (transfer_overlap.device_put_overlap, transfer_overlap.markdown),  # item 4
+          "one_row_forms": (kernel_forms.one_row_forms, kernel_forms.markdown)}  # item 5
 ROW_KEYS = ("model", "experts", "cache", "step_ms", "resident_step_ms", "mb_moved_per_token", "link_gbs",
             "tokens_per_s", "host_ms")  # the issue's fields of a setting, in its order
 
@@ -232,7 +237,6 @@ def run_variant(args) -> None:
     import jax
 
     from bench.gpu.speed import plain_copy_gbs
-    from bench.gpu.transfer_overlap import device_put_overlap
 
     path = results_path(args.workdir, args.child)
     state = json.loads(path.read_text()) if path.exists() else {
@@ -242,12 +246,13 @@ def run_variant(args) -> None:
         state["died_in"].append(state.pop("running"))
     if "link_gbs" not in state:
         state["link_gbs"] = plain_copy_gbs(args.small)
-    if args.child == "default" and "device_put_overlap" not in state:  # item 4's first design, on its primitive
-        try:
-            state["device_put_overlap"] = device_put_overlap(args.small)
-        except Exception as error:  # recorded: the settings still run
-            traceback.print_exc()
-            state["device_put_overlap"] = {"failed": f"{type(error).__name__}: {error}"[:600]}
+    for probe, (measure_probe, _) in PROBES.items() if args.child == "default" else ():
+        if probe not in state:
+            try:
+                state[probe] = measure_probe(args.small)
+            except Exception as error:  # recorded: the settings still run
+                traceback.print_exc()
+                state[probe] = {"failed": f"{type(error).__name__}: {error}"[:600]}
     path.write_text(json.dumps(state, indent=1))
     done = {label_of(row) for row in state["rows"]} | set(state["died_in"]) | set(state["failed"])
     resident = {row["model"]: row["step_ms"] for row in state["rows"] if row["miss_mode"] == "resident"}
@@ -372,10 +377,11 @@ def report(args, results: dict[str, dict]) -> tuple[dict, str]:
             if beside:
                 lines += ["", f"Copies on a second stream in the decode program of {label_of(row)}: the compute "
                           f"stream's kernels scheduled beside each, {beside}"]
-        if "device_put_overlap" in result:
-            overlap = result["device_put_overlap"]
-            lines += ["", *([f"Copies issued outside the step: **failed**: {overlap['failed']}"] if "failed" in overlap
-                            else transfer_overlap_markdown(overlap))]
+        for probe, (_, probe_markdown) in PROBES.items():
+            if probe in result:
+                found = result[probe]
+                lines += ["", *([f"{probe}: **failed**: {found['failed']}"] if "failed" in found
+                                else probe_markdown(found))]
         lines.append("")
     lines += ["Bounds: no overlap = resident step + link bytes / link GB/s; overlap = the larger of the two; share = "
               "bound / measured ms per token (1000 / tokens/s, steps dispatched ahead). Link bytes per decode token: "

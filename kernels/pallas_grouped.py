@@ -26,6 +26,11 @@ from jmoe.kernels.xla import moe_ffn_tiled
 GPU_MIN_BLOCK = 16
 # Triton launch settings for both kernels (Pallas' GPU default would be Mosaic GPU, sm_90 only).
 TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+# A one-row step's matrix-vector programs (_pair_gemv): rows of K multiplied and summed at once, [64, 128] float32
+# products of 32 values a thread of 8 warps (128 rows would be 64 and spill), and 16 KiB of bf16 weights read a
+# step, two steps in flight. Unmeasured on a GPU: bench.gpu.kernel_forms times it against the tiles.
+GEMV_K_BLOCK = 64
+TRITON_GEMV_PARAMS = pltriton.CompilerParams(num_warps=8, num_stages=2)
 
 
 def gpu_shapes_supported(w_gate_up, w_down) -> bool:
@@ -149,20 +154,19 @@ def _down_kernel(tile_group_ref, h_ref, row_weight_ref, *refs, block_f, block_d,
 
 
 def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
-                   blocks=None):
+                   blocks=None, one_row_gemv: bool = True):
     """The grouped GEMM as Triton kernels where the program is lowered for a CUDA GPU (weights Triton cannot
-    tile run the portable XLA kernel there instead), interpreted elsewhere."""
+    tile run the portable XLA kernel there instead), interpreted elsewhere. A step of one row runs as
+    matrix-vector programs (_pair_gemv) unless `one_row_gemv` is False (bench.gpu.kernel_forms times both)."""
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
-    if gpu_shapes_supported(w_gate_up, w_down):
-        on_cuda = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, on_gpu=True)
-    else:
-        on_cuda = functools.partial(moe_ffn_tiled, activation=activation)
-    return platform_dependent(
-        *args, cuda=on_cuda, default=functools.partial(_grouped_gemm, activation=activation, blocks=blocks,
-                                                       on_gpu=False))
+    gemm = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, one_row_gemv=one_row_gemv)
+    on_cuda = (functools.partial(gemm, on_gpu=True) if gpu_shapes_supported(w_gate_up, w_down)
+               else functools.partial(moe_ffn_tiled, activation=activation))
+    return platform_dependent(*args, cuda=on_cuda, default=functools.partial(gemm, on_gpu=False))
 
 
-def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *, activation, blocks, on_gpu: bool):
+def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *, activation, blocks, on_gpu: bool,
+                  one_row_gemv: bool):
     act = get_activation(activation)
     num_tokens, top_k = slot_ids.shape
     num_slots, d, two_f = w_gate_up.shape
@@ -174,6 +178,10 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *,
     k_block_d, k_block_f = min(block_d, contraction_block(w_gate_up, 128)), min(block_f, contraction_block(w_down, 128))
     fmt = w_gate_up.fmt if quantized.is_quantized(w_gate_up) else None
     group = w_gate_up.group if fmt else 0
+    if num_tokens == 1 and one_row_gemv:
+        return _pair_gemv(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, act=act, fmt=fmt, group=group,
+                          block_f=block_f, block_d=block_d, k_block_d=min(k_block_d, GEMV_K_BLOCK),
+                          k_block_f=min(k_block_f, GEMV_K_BLOCK), on_gpu=on_gpu)
     layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
     x_rows = grouping.gather_rows(x, layout)
     num_rows = x_rows.shape[0]
@@ -213,3 +221,100 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *,
         name="moe_down",
     )(layout.tile_group, h, layout.row_weight, *jax.tree.leaves((w_down, b_down)))
     return grouping.combine_rows(y_rows, layout, top_k)
+
+
+def _gemv_gate_up_kernel(slot_ids_ref, x_ref, *refs, block_d, block_f, f, act, fmt, group, has_bias):
+    """One (pair, block of f) program of a one-row step: h = act(x Wg, x Wu) for the pair's slot, as sums of
+    products (a matrix-vector product: Triton's dot needs 16 rows)."""
+    *w_refs, h_ref = refs
+    b_ref = w_refs.pop() if has_bias else None
+    pair, n = pl.program_id(0), pl.program_id(1)
+    slot = slot_ids_ref[0, pair]
+
+    @pl.when(slot < 0)
+    def _():
+        h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
+
+    @pl.when(slot >= 0)
+    def _():
+        def step(kk, acc):
+            acc_gate, acc_up = acc
+            row = kk * block_d
+            for first, w_gate in _weight_blocks(w_refs, fmt, group, slot, row, block_d, n * block_f, block_f):
+                acc_gate += _vector_product(x_ref[0, pl.ds(first, block_d)], w_gate)
+            for first, w_up in _weight_blocks(w_refs, fmt, group, slot, row, block_d, f + n * block_f, block_f):
+                acc_up += _vector_product(x_ref[0, pl.ds(first, block_d)], w_up)
+            return acc_gate, acc_up
+
+        zeros = jnp.zeros((block_f,), jnp.float32)
+        acc_gate, acc_up = jax.lax.fori_loop(0, w_refs[0].shape[1] // block_d, step, (zeros, zeros))
+        if b_ref is not None:
+            acc_gate += b_ref[slot, pl.ds(n * block_f, block_f)].astype(jnp.float32)
+            acc_up += b_ref[slot, pl.ds(f + n * block_f, block_f)].astype(jnp.float32)
+        h_ref[...] = act(acc_gate, acc_up).astype(h_ref.dtype)[None, :]
+
+
+def _gemv_down_kernel(slot_ids_ref, weights_ref, h_ref, *refs, block_f, block_d, fmt, group, has_bias):
+    """One (pair, block of d) program of a one-row step: y = weight * (h Wd) for the pair's slot, in float32."""
+    *w_refs, y_ref = refs
+    b_ref = w_refs.pop() if has_bias else None
+    pair, n = pl.program_id(0), pl.program_id(1)
+    slot = slot_ids_ref[0, pair]
+
+    @pl.when(slot < 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+
+    @pl.when(slot >= 0)
+    def _():
+        def step(kk, acc):
+            for first, w in _weight_blocks(w_refs, fmt, group, slot, kk * block_f, block_f, n * block_d, block_d):
+                acc += _vector_product(h_ref[0, pl.ds(first, block_f)], w)
+            return acc
+
+        acc = jax.lax.fori_loop(0, w_refs[0].shape[1] // block_f, step, jnp.zeros((block_d,), jnp.float32))
+        if b_ref is not None:
+            acc += b_ref[slot, pl.ds(n * block_d, block_d)].astype(jnp.float32)
+        weight = weights_ref[0, pair].astype(jnp.float32)
+        y_ref[...] = (acc * weight)[None, :]  # the router weight after the down projection, as HF does
+
+
+def _vector_product(v, w):
+    """v [K] times w [K, N], summed over K in float32."""
+    return jnp.sum(v.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)
+
+
+def _pair_gemv(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *, act, fmt, group, block_f, block_d,
+               k_block_d, k_block_f, on_gpu):
+    """The grouped GEMM of a one-row step (decode of one sequence): a program per (pair, output block) reading the
+    row and its pair's slot directly. A row's choices are distinct experts, so no slot is read twice, and with no
+    tile layout there is nothing to lay out: the row gathered into tiles and the tiles' router weights were two
+    kernels a MoE layer on a GPU, and each tile multiplied 15 rows of padding."""
+    top_k = slot_ids.shape[1]
+    d, f = x.shape[1], w_down.shape[1]
+    gate_up_leaves, down_leaves = jax.tree.leaves((w_gate_up, b_gate_up)), jax.tree.leaves((w_down, b_down))
+    h = pl.pallas_call(
+        functools.partial(_gemv_gate_up_kernel, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt,
+                          group=group, has_bias=b_gate_up is not None),
+        out_shape=jax.ShapeDtypeStruct((top_k, f), x.dtype),
+        grid=(top_k, f // block_f),
+        in_specs=[pl.no_block_spec, pl.BlockSpec((1, d), lambda p, n: (0, 0)),
+                  *[pl.no_block_spec] * len(gate_up_leaves)],  # the weights whole, indexed by the pair's slot
+        out_specs=pl.BlockSpec((1, block_f), lambda p, n: (p, n)),
+        interpret=not on_gpu,
+        compiler_params=TRITON_GEMV_PARAMS if on_gpu else None,
+        name="moe_gate_up_gemv",
+    )(slot_ids, x, *gate_up_leaves)
+    y = pl.pallas_call(
+        functools.partial(_gemv_down_kernel, block_f=k_block_f, block_d=block_d, fmt=fmt, group=group,
+                          has_bias=b_down is not None),
+        out_shape=jax.ShapeDtypeStruct((top_k, d), jnp.float32),
+        grid=(top_k, d // block_d),
+        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, f), lambda p, n: (p, 0)),
+                  *[pl.no_block_spec] * len(down_leaves)],
+        out_specs=pl.BlockSpec((1, block_d), lambda p, n: (p, n)),
+        interpret=not on_gpu,
+        compiler_params=TRITON_GEMV_PARAMS if on_gpu else None,
+        name="moe_down_gemv",
+    )(slot_ids, weights, h, *down_leaves)
+    return jnp.sum(y, axis=0, keepdims=True)

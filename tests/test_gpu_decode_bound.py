@@ -98,4 +98,4 @@ def test_the_report_shows_copies_issued_outside_the_step_or_why_they_were_not_me
     assert "A NumPy view of pinned-host memory: np.from_dlpack: a copy." in text
     _, text = report(args, {"default": {"device": "gpu", "jax": "0", "rows": [], "exits": [0],
                                         "device_put_overlap": {"failed": "XlaRuntimeError: out of memory"}}})
-    assert "Copies issued outside the step: **failed**: XlaRuntimeError: out of memory" in text
+    assert "device_put_overlap: **failed**: XlaRuntimeError: out of memory" in text

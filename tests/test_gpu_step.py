@@ -65,6 +65,10 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # layout searched its groups' ends with a 5-iteration loop of 5 launches, per expert kernel call and layer.
     assert flow.loops_with_known_trip_count == 0
     assert flow.triton_kernels >= plan.config.num_moe_layers  # every MoE layer's experts run as Triton
+    # A one-row step's expert FFNs are matrix-vector kernels reading the row and its choices' slots directly, with no
+    # tile layout to build (#54 item 5: two kernels fewer a MoE layer); a batch's run as row tiles.
+    ran, other = ("moe_gate_up_gemv", "moe_gate_up") if batch == 1 else ("moe_gate_up", "moe_gate_up_gemv")
+    assert len(triton_grids(decode.hlo_text, ran)) >= cfg.num_moe_layers and not triton_grids(decode.hlo_text, other)
     direct = options.get("miss_mode") == "direct"
     routed = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
     admitted = options.get("cache", cfg.num_experts) >= routed
