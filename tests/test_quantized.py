@@ -186,6 +186,26 @@ def test_every_backend_on_quantized_weights_matches_the_reference_on_dequantized
         np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance * scale, err_msg=f"{backend} {fmt}")
 
 
+@pytest.mark.parametrize("fmt", [None, *FORMATS])
+def test_a_one_row_step_computes_the_same_as_matrix_vector_programs_and_as_row_tiles(fmt):
+    """A step of one row runs the Pallas kernels as matrix-vector programs, a program per (choice, output block)
+    with no tile layout (#54 item 5); through the row tiles, and in the reference on the dequantized weights, the
+    same row gives the same output: a choice of no slot (-1) among them, expert biases, each format's blocks."""
+    from jmoe.kernels.pallas_grouped import moe_ffn_pallas
+
+    x, _, router, w_gate_up, w_down = kernel_inputs(5, 1, 3, 4, 64, 64, jnp.float32, 0.0)
+    ids = jnp.asarray([[2, -1, 0]], jnp.int32)
+    rng = np.random.default_rng(6)
+    biases = (jnp.asarray(rng.normal(size=(4, 128)), jnp.float32), jnp.asarray(rng.normal(size=(4, 64)), jnp.float32))
+    experts = (w_gate_up, w_down) if fmt is None else (quantize(w_gate_up, fmt), quantize(w_down, fmt))
+    plain = experts if fmt is None else tuple(w.dequantize(jnp.float32) for w in experts)
+    expected = np.asarray(moe_ffn(x, ids, router, *plain, b_gate_up=biases[0], b_down=biases[1], backend="reference"))
+    tolerance = 2e-5 * max(1.0, float(np.abs(expected).max()))
+    for gemv in (True, False):
+        got = moe_ffn_pallas(x, ids, router, *experts, *biases, one_row_gemv=gemv)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=tolerance, err_msg=f"{fmt} gemv={gemv}")
+
+
 def test_a_float_weight_in_the_other_dtype_is_cast_per_slot():
     x, ids, router, w_gate_up, w_down = kernel_inputs(3, 5, 2, 4, 64, 32, jnp.float32, 0.2)
     gate_up16, down16 = jnp.asarray(w_gate_up, jnp.bfloat16), jnp.asarray(w_down, jnp.bfloat16)
