@@ -11,8 +11,8 @@ the programs compiled and those a step dispatches, and what a GPU would run (jmo
 a known trip count, data-dependent ones on the device (a host round trip an iteration) and on the host, conditionals,
 Triton kernels and those that read host memory; the kernels a step launches (jmoe.plan.hlo.kernel_count), the
 kernels XLA schedules beside each call on a second stream (jmoe.plan.hlo.side_stream_overlaps: what a copy made ahead
-could overlap) and the bytes its programs read and write by XLA's cost analysis, which does not see the Pallas
-kernels' (the experts'). Each
+could overlap), its scatters (jmoe.plan.hlo.scatters: the largest array one writes into) and the bytes its programs
+read and write by XLA's cost analysis, which does not see the Pallas kernels' (the experts'). Each
 setting compiles in a process of its own, so that an XLA check failure (under jax 0.10, the host computations of miss
 mode "host" with more than one caller) loses only that setting, recorded with the last lines it printed.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def compile_setting(setting: dict, small: bool) -> dict:
     step = compile_step(model_config(setting, small), options, context=CONTEXT)
     return {"seconds": step.seconds, "chained": step.chained, "programs_compiled": step.programs_compiled,
             "programs_a_step": step.programs_a_step, **step.flow.as_dict(), "kernels": step.kernels,
-            "beside_side_stream": step.beside_side_stream, "mb_accessed": step.mb_accessed}
+            "beside_side_stream": step.beside_side_stream, "scatters": step.scatters, "mb_accessed": step.mb_accessed}
 
 
 def run_child(setting: dict, small: bool) -> dict:
@@ -92,19 +93,26 @@ def report(rows: list[tuple[dict, dict]], small: bool) -> str:
              "jax 0.11's jmoe.memory.transformed_at_each_call is meant to avoid on the GPU.", "",
              "| setting | chained | compile s | programs compiled | a step | loops, known trip count | loops, "
              "data-dependent (device) | loops on the host | conditionals | Triton kernels | of them reading host | "
-             "kernels a step | kernels beside each second-stream copy | MB accessed a step |",
-             "|---" * 14 + "|"]
+             "kernels a step | kernels beside each second-stream copy | scatters (largest operand, elements) "
+             "| MB accessed a step |",
+             "|---" * 15 + "|"]
     for setting, result in rows:
         if "error" in result:
-            lines.append(f"| {label_of(setting)} | did not compile: {result['error'].replace('|', '/')} |" + " |" * 12)
+            lines.append(f"| {label_of(setting)} | did not compile: {result['error'].replace('|', '/')} |" + " |" * 13)
             continue
         accessed = result["mb_accessed"]
         lines.append(f"| {label_of(setting)} | {'yes' if result['chained'] else 'no'} | {result['seconds']:.1f} | "
                      f"{result['programs_compiled']} | {result['programs_a_step']} | "
                      + " | ".join(str(result[key]) for key in FLOW_COLUMNS) + f" | {result['kernels']} | "
-                     f"{', '.join(map(str, result['beside_side_stream'])) or '-'} | "
+                     f"{', '.join(map(str, result['beside_side_stream'])) or '-'} | {scattered(result['scatters'])} | "
                      f"{'unknown' if accessed is None else f'{accessed:.0f}'} |")
     return "\n".join(lines) + "\n"
+
+
+def scattered(found: list) -> str:
+    """How many scatters, and the elements of the largest array one writes into: a buffer of experts scattered into
+    would show as millions (#54 item 2: an admission writes its expert in place, no scatter)."""
+    return f"{len(found)} ({max(math.prod(operand) for operand, _ in found)})" if found else "0"
 
 
 def main(argv: list[str] | None = None) -> None:

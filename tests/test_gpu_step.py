@@ -17,8 +17,8 @@ from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slot
                                rows_as_slots, rows_marked, slot_ids_of,
                                stream_and_compute)
 from jmoe.kernels.expert_copy import CHUNK
-from jmoe.plan.hlo import (computations, control_flow, copied_arrays, kernel_count, module_count, side_stream_overlaps,
-                           triton_grids)
+from jmoe.plan.hlo import (computations, control_flow, copied_arrays, kernel_count, module_count, scatters,
+                           side_stream_overlaps, triton_grids)
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -210,17 +210,6 @@ def table_row_reads(hlo_text: str, rows: int) -> dict[str, int]:
         for kind, operand in re.findall(r"= s32\[1,\d+\]\S* (slice|dynamic-slice)\(%([\w.-]+)", body):
             reads[kind] += shapes.get(operand, "").startswith(f"s32[{rows},")
     return reads
-
-
-def scatters(hlo_text: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(operand dims, updates dims) of every scatter in the program, fused or not."""
-    out = []
-    for body in computations(hlo_text).values():
-        dims = {name: tuple(int(n) for n in shape.split(",") if n)
-                for name, shape in re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", body)}
-        out += [(dims[operand], dims[updates]) for operand, updates in
-                re.findall(r"scatter\(%([\w.\-]+), %[\w.\-]+, %([\w.\-]+)\)", body)]
-    return out
 
 
 def squeezed(dims) -> tuple[int, ...]:

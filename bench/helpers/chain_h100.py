@@ -33,6 +33,7 @@ class CompiledStep:
     flow: object  # jmoe.plan.hlo.control_flow of every program a step runs
     kernels: int  # the kernels a step launches (jmoe.plan.hlo.kernel_count over its programs)
     beside_side_stream: list[int]  # per call on a second stream, the kernels scheduled beside it (side_stream_overlaps)
+    scatters: list[tuple]  # (operand dims, updates dims) of each scatter of its programs (jmoe.plan.hlo.scatters)
     mb_accessed: float | None  # what a step's programs read and write, by XLA's cost analysis (None: unknown)
 
 
@@ -45,7 +46,7 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
     from jmoe.decode.steps import make_step_fn
     from jmoe.kernels.target import compiling_for_gpu
     from jmoe.plan.compile_worker import cost_analysis, step_arguments
-    from jmoe.plan.hlo import control_flow, kernel_count, module_count, side_stream_overlaps
+    from jmoe.plan.hlo import control_flow, kernel_count, module_count, scatters, side_stream_overlaps
     from jmoe.plan.programs import CompileJob
     from jmoe.plan.targets import compute_capability, load_target
 
@@ -64,7 +65,7 @@ def compile_step(cfg, options, chained: bool | None = None, context: int = 1024)
     costs = [cost_analysis(piece) for piece in (compiled.pieces if chained else [compiled])]
     accessed = None if None in costs else sum(cost.get("bytes accessed", math.nan) for cost in costs) / 1e6
     return CompiledStep(seconds, chained, len(steps.pieces) if chained else 1, module_count(text), control_flow(text),
-                        kernel_count(text), side_stream_overlaps(text), accessed)
+                        kernel_count(text), side_stream_overlaps(text), scatters(text), accessed)
 
 
 def compile_decode(spec: dict, layers: int, chained: bool, layers_per_program: int, options) -> CompiledStep:

@@ -181,6 +181,18 @@ def outputs_of_readers(hlo_text: str, shape: tuple[int, ...]) -> list[tuple[int,
     return outputs
 
 
+def scatters(hlo_text: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(operand dims, updates dims) of every scatter in the program (each module's, fused or not, a loop body's
+    once): a scatter into a buffer of experts copies or rewrites it whole where an in-place write moves one expert."""
+    found = []
+    for module in modules(hlo_text):
+        for body in computations(module).values():
+            dims = {name: _dims(shape) for name, shape in re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", body)}
+            found += [(dims[operand], dims[updates]) for operand, updates in
+                      re.findall(r"scatter\(%([\w.\-]+), %[\w.\-]+, %([\w.\-]+)\)", body)]
+    return found
+
+
 def _dims(text: str) -> tuple[int, ...]:
     """An array's dimensions from their text in its type, "2048,1024" (a scalar's: empty)."""
     return tuple(int(n) for n in text.split(",") if n)
