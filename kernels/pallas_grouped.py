@@ -31,6 +31,7 @@ TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 # step, two steps in flight. Unmeasured on a GPU: bench.gpu.kernel_forms times it against the tiles.
 GEMV_K_BLOCK = 64
 TRITON_GEMV_PARAMS = pltriton.CompilerParams(num_warps=8, num_stages=2)
+MIN_DOWN_PROGRAMS = 256  # about two programs a multiprocessor of an H100's or H200's 132 (down_parts)
 
 
 def gpu_shapes_supported(w_gate_up, w_down) -> bool:
@@ -254,11 +255,12 @@ def _gemv_gate_up_kernel(slot_ids_ref, x_ref, *refs, block_d, block_f, f, act, f
         h_ref[...] = act(acc_gate, acc_up).astype(h_ref.dtype)[None, :]
 
 
-def _gemv_down_kernel(slot_ids_ref, weights_ref, h_ref, *refs, block_f, block_d, fmt, group, has_bias):
-    """One (pair, block of d) program of a one-row step: y = weight * (h Wd) for the pair's slot, in float32."""
+def _gemv_down_kernel(slot_ids_ref, weights_ref, h_ref, *refs, block_f, block_d, steps, fmt, group, has_bias):
+    """One (pair, part of f, block of d) program of a one-row step: its part of y = weight * (h Wd) for the pair's
+    slot, in float32 (the parts are summed afterwards), `steps` blocks of f a part (the last one's fewer)."""
     *w_refs, y_ref = refs
     b_ref = w_refs.pop() if has_bias else None
-    pair, n = pl.program_id(0), pl.program_id(1)
+    pair, part, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[0, pair]
 
     @pl.when(slot < 0)
@@ -272,11 +274,24 @@ def _gemv_down_kernel(slot_ids_ref, weights_ref, h_ref, *refs, block_f, block_d,
                 acc += _vector_product(h_ref[0, pl.ds(first, block_f)], w)
             return acc
 
-        acc = jax.lax.fori_loop(0, w_refs[0].shape[1] // block_f, step, jnp.zeros((block_d,), jnp.float32))
-        if b_ref is not None:
-            acc += b_ref[slot, pl.ds(n * block_d, block_d)].astype(jnp.float32)
+        end = jnp.minimum((part + 1) * steps, w_refs[0].shape[1] // block_f)
+        acc = jax.lax.fori_loop(part * steps, end, step, jnp.zeros((block_d,), jnp.float32))
+        if b_ref is not None:  # once, in the first part
+            acc += jnp.where(part == 0, b_ref[slot, pl.ds(n * block_d, block_d)].astype(jnp.float32), 0.0)
         weight = weights_ref[0, pair].astype(jnp.float32)
-        y_ref[...] = (acc * weight)[None, :]  # the router weight after the down projection, as HF does
+        y_ref[...] = (acc * weight)[None, None, :]  # the router weight after the down projection, as HF does
+
+
+def down_parts(pairs: int, d_blocks: int, steps: int) -> int:
+    """The parts a one-row step's down projection splits f into: the fewest (a power of two, at most one a step of f)
+    that make MIN_DOWN_PROGRAMS programs. Unsplit, a layer's few blocks of d leave most multiprocessors idle: on an
+    H100, gpu_check's Mixtral-shaped layer's down kernel (2 pairs x 16 blocks of d, 32 programs) took 59 us a call
+    against its gate-up kernel's 42 (2 x 56 programs) for half the bytes, 2.8 times as long a byte (the 2026-11-27
+    profile, bench/results/gpu_check_h100_2026-11-27.md: the row-tile kernels, whose grids these had copied)."""
+    parts = 1
+    while pairs * d_blocks * parts < MIN_DOWN_PROGRAMS and parts * 2 <= steps:
+        parts *= 2
+    return parts
 
 
 def _vector_product(v, w):
@@ -305,16 +320,20 @@ def _pair_gemv(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *, ac
         compiler_params=TRITON_GEMV_PARAMS if on_gpu else None,
         name="moe_gate_up_gemv",
     )(slot_ids, x, *gate_up_leaves)
+    steps = quantized.contraction_extent(w_down) // k_block_f
+    parts = down_parts(top_k, d // block_d, steps)
     y = pl.pallas_call(
-        functools.partial(_gemv_down_kernel, block_f=k_block_f, block_d=block_d, fmt=fmt, group=group,
-                          has_bias=b_down is not None),
-        out_shape=jax.ShapeDtypeStruct((top_k, d), jnp.float32),
-        grid=(top_k, d // block_d),
-        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, f), lambda p, n: (p, 0)),
+        functools.partial(_gemv_down_kernel, block_f=k_block_f, block_d=block_d, steps=-(-steps // parts), fmt=fmt,
+                          group=group, has_bias=b_down is not None),
+        out_shape=jax.ShapeDtypeStruct((top_k, parts, d), jnp.float32),
+        grid=(top_k, parts, d // block_d),
+        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, f), lambda p, s, n: (p, 0)),
                   *[pl.no_block_spec] * len(down_leaves)],
-        out_specs=pl.BlockSpec((1, block_d), lambda p, n: (p, n)),
+        out_specs=pl.BlockSpec((1, 1, block_d), lambda p, s, n: (p, s, n)),
         interpret=not on_gpu,
         compiler_params=TRITON_GEMV_PARAMS if on_gpu else None,
         name="moe_down_gemv",
     )(slot_ids, weights, h, *down_leaves)
-    return jnp.sum(y, axis=0, keepdims=True)
+    # Summing more than a few parts is a kernel of its own (XLA no longer fuses it with the residual add and the
+    # next norm's reduction): one launch against the down kernel's idle multiprocessors (down_parts).
+    return jnp.sum(y, axis=(0, 1))[None]
