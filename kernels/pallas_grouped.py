@@ -7,7 +7,10 @@ Two kernels over the tile layout of grouping.py, one program per (row tile, outp
   1. h = act(x Wg, x Wu) for the tile's slot, gate and up accumulated side by side in f32;
   2. y = weight * (h Wd), written in f32 so the sum over k stays in f32.
 Weights stay whole in memory and each program indexes its tile's slot, so only slots that own
-a tile are read; empty tiles (tile_group == -1) read nothing."""
+a tile are read; empty tiles (tile_group == -1) read nothing. A step of one row (a decode of one
+sequence) runs the same two kernels with a program per choice instead of per tile: the row read as it
+is, multiplied as a vector, no layout built; its down projection split over f where its programs
+would be too few to fill a GPU (down_parts)."""
 
 import functools
 import math
@@ -26,7 +29,7 @@ from jmoe.kernels.xla import moe_ffn_tiled
 GPU_MIN_BLOCK = 16
 # Triton launch settings for both kernels (Pallas' GPU default would be Mosaic GPU, sm_90 only).
 TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
-# A one-row step's matrix-vector programs (_pair_gemv): rows of K multiplied and summed at once, [64, 128] float32
+# A one-row step's matrix-vector programs (one_row): rows of K multiplied and summed at once, [64, 128] float32
 # products of 32 values a thread of 8 warps (128 rows would be 64 and spill), and 16 KiB of bf16 weights read a
 # step, two steps in flight. Unmeasured on a GPU: bench.gpu.kernel_forms times it against the tiles.
 GEMV_K_BLOCK = 64
@@ -96,11 +99,18 @@ def _weight_blocks(w_refs, fmt, group, slot, row, block_k, col, block_n):
     return [(row, low * scale(row)), (half + row, high * scale(half + row))]
 
 
-def _gate_up_kernel(tile_group_ref, x_ref, *refs, block_d, block_f, f, act, fmt, group, has_bias):
+def _gate_up_kernel(slots_ref, x_ref, *refs, one_row, block_d, block_f, f, act, fmt, group, has_bias):
+    """One program of h = act(x Wg, x Wu) over a block of f, gate and up accumulated side by side in float32: for a
+    row tile (its slot from tile_group) or, `one_row`, for one choice of a one-row step (its slot from slot_ids
+    [1, k]; the row read as it is and multiplied as a vector, since Triton's dot needs 16 rows)."""
     *w_refs, h_ref = refs
     b_ref = w_refs.pop() if has_bias else None
-    tile, n = pl.program_id(0), pl.program_id(1)
-    slot = tile_group_ref[tile]
+    i, n = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[0, i] if one_row else slots_ref[i]
+    product = _row_product if one_row else _tile_product
+
+    def read_x(first):
+        return x_ref[0, pl.ds(first, block_d)] if one_row else x_ref[:, pl.ds(first, block_d)]
 
     @pl.when(slot < 0)
     def _():
@@ -112,11 +122,9 @@ def _gate_up_kernel(tile_group_ref, x_ref, *refs, block_d, block_f, f, act, fmt,
             acc_gate, acc_up = acc
             row = kk * block_d
             for first, w_gate in _weight_blocks(w_refs, fmt, group, slot, row, block_d, n * block_f, block_f):
-                xs = x_ref[:, pl.ds(first, block_d)]
-                acc_gate += jnp.dot(xs, w_gate.astype(xs.dtype), preferred_element_type=jnp.float32)
+                acc_gate += product(read_x(first), w_gate)
             for first, w_up in _weight_blocks(w_refs, fmt, group, slot, row, block_d, f + n * block_f, block_f):
-                xs = x_ref[:, pl.ds(first, block_d)]
-                acc_up += jnp.dot(xs, w_up.astype(xs.dtype), preferred_element_type=jnp.float32)
+                acc_up += product(read_x(first), w_up)
             return acc_gate, acc_up
 
         zeros = jnp.zeros(h_ref.shape, jnp.float32)
@@ -128,11 +136,18 @@ def _gate_up_kernel(tile_group_ref, x_ref, *refs, block_d, block_f, f, act, fmt,
         h_ref[...] = act(acc_gate, acc_up).astype(h_ref.dtype)
 
 
-def _down_kernel(tile_group_ref, h_ref, row_weight_ref, *refs, block_f, block_d, fmt, group, has_bias):
+def _down_kernel(slots_ref, h_ref, weights_ref, *refs, one_row, block_f, block_d, steps, fmt, group, has_bias):
+    """One program of y = weight * (h Wd) in float32 over a block of d and a part of f (`steps` blocks of f a part,
+    the last one's fewer; the parts are summed afterwards): for a row tile (the rows' router weights) or, `one_row`,
+    for one choice of a one-row step (its weight from weights [1, k])."""
     *w_refs, y_ref = refs
     b_ref = w_refs.pop() if has_bias else None
-    tile, n = pl.program_id(0), pl.program_id(1)
-    slot = tile_group_ref[tile]
+    i, part, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slots_ref[0, i] if one_row else slots_ref[i]
+    product = _row_product if one_row else _tile_product
+
+    def read_h(first):
+        return h_ref[0, pl.ds(first, block_f)] if one_row else h_ref[:, pl.ds(first, block_f)]
 
     @pl.when(slot < 0)
     def _():
@@ -142,23 +157,34 @@ def _down_kernel(tile_group_ref, h_ref, row_weight_ref, *refs, block_f, block_d,
     def _():
         def step(kk, acc):
             for first, w in _weight_blocks(w_refs, fmt, group, slot, kk * block_f, block_f, n * block_d, block_d):
-                hs = h_ref[:, pl.ds(first, block_f)]
-                acc += jnp.dot(hs, w.astype(hs.dtype), preferred_element_type=jnp.float32)
+                acc += product(read_h(first), w)
             return acc
 
         num_k = w_refs[0].shape[1] // block_f
-        acc = jax.lax.fori_loop(0, num_k, step, jnp.zeros(y_ref.shape, jnp.float32))
+        bounds = (0, num_k) if steps >= num_k else (part * steps, jnp.minimum((part + 1) * steps, num_k))
+        acc = jax.lax.fori_loop(*bounds, step, jnp.zeros(y_ref.shape, jnp.float32))
         if b_ref is not None:
-            acc += b_ref[pl.ds(slot, 1), pl.ds(n * block_d, block_d)].astype(jnp.float32)
-        # Router weight after the down projection, as Hugging Face does.
-        y_ref[...] = acc * row_weight_ref[...][:, None]
+            bias = b_ref[pl.ds(slot, 1), pl.ds(n * block_d, block_d)].astype(jnp.float32)
+            acc += bias if steps >= num_k else jnp.where(part == 0, bias, 0.0)  # once, in the first part
+        weight = weights_ref[0, i].astype(jnp.float32) if one_row else weights_ref[...][:, None]
+        y_ref[...] = acc * weight  # the router weight after the down projection, as Hugging Face does
+
+
+def _tile_product(xs, w):
+    """xs [M, K] @ w [K, N] in float32."""
+    return jnp.dot(xs, w.astype(xs.dtype), preferred_element_type=jnp.float32)
+
+
+def _row_product(v, w):
+    """v [K] times w [K, N], summed over K in float32: [1, N]."""
+    return jnp.sum(v.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)[None, :]
 
 
 def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
                    blocks=None, one_row_gemv: bool = True):
     """The grouped GEMM as Triton kernels where the program is lowered for a CUDA GPU (weights Triton cannot
     tile run the portable XLA kernel there instead), interpreted elsewhere. A step of one row runs as
-    matrix-vector programs (_pair_gemv) unless `one_row_gemv` is False (bench.gpu.kernel_forms times both)."""
+    matrix-vector programs unless `one_row_gemv` is False (bench.gpu.kernel_forms times both)."""
     args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
     gemm = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, one_row_gemv=one_row_gemv)
     on_cuda = (functools.partial(gemm, on_gpu=True) if gpu_shapes_supported(w_gate_up, w_down)
@@ -179,161 +205,68 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *,
     k_block_d, k_block_f = min(block_d, contraction_block(w_gate_up, 128)), min(block_f, contraction_block(w_down, 128))
     fmt = w_gate_up.fmt if quantized.is_quantized(w_gate_up) else None
     group = w_gate_up.group if fmt else 0
-    if num_tokens == 1 and one_row_gemv:
-        return _pair_gemv(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, act=act, fmt=fmt, group=group,
-                          block_f=block_f, block_d=block_d, k_block_d=min(k_block_d, GEMV_K_BLOCK),
-                          k_block_f=min(k_block_f, GEMV_K_BLOCK), on_gpu=on_gpu)
-    layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
-    x_rows = grouping.gather_rows(x, layout)
-    num_rows = x_rows.shape[0]
-    num_tiles = num_rows // block_m
+    one_row = num_tokens == 1 and one_row_gemv
+    if one_row:
+        # A program per choice: a row's choices are distinct experts, so no slot is read twice, and there is no tile
+        # layout to build (the row gathered into tiles and the tiles' router weights were two kernels a MoE layer on
+        # a GPU, and each tile multiplied 15 rows of padding).
+        layout, programs, rows, slots, x_rows, row_weights = None, top_k, 1, slot_ids, x, weights
+        k_block_d, k_block_f = min(k_block_d, GEMV_K_BLOCK), min(k_block_f, GEMV_K_BLOCK)
+    else:
+        layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
+        x_rows, slots, row_weights = grouping.gather_rows(x, layout), layout.tile_group, layout.row_weight
+        rows = block_m
+        programs = x_rows.shape[0] // block_m
+    num_k = quantized.contraction_extent(w_down) // k_block_f
+    parts = down_parts(programs, d // block_d, num_k) if one_row else 1
+    gate_up_leaves, down_leaves = jax.tree.leaves((w_gate_up, b_gate_up)), jax.tree.leaves((w_down, b_down))
+    suffix, params = ("_gemv", TRITON_GEMV_PARAMS) if one_row else ("", TRITON_PARAMS)
 
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt, group=group,
-                          has_bias=b_gate_up is not None),
-        out_shape=jax.ShapeDtypeStruct((num_rows, f), x.dtype),
-        grid=(num_tiles, f // block_f),
+        functools.partial(_gate_up_kernel, one_row=one_row, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt,
+                          group=group, has_bias=b_gate_up is not None),
+        out_shape=jax.ShapeDtypeStruct((programs * rows, f), x.dtype),
+        grid=(programs, f // block_f),
         in_specs=[
-            pl.no_block_spec,  # tile_group: whole, read one scalar per program
-            pl.BlockSpec((block_m, d), lambda i, n: (i, 0)),
-            # w_gate_up (and its bias): whole, indexed by the tile's slot
-            *[pl.no_block_spec] * len(jax.tree.leaves((w_gate_up, b_gate_up))),
+            pl.no_block_spec,  # the slots: whole, one read per program
+            pl.BlockSpec((rows, d), lambda i, n: (0 if one_row else i, 0)),
+            *[pl.no_block_spec] * len(gate_up_leaves),  # w_gate_up (and its bias): whole, indexed by the slot
         ],
-        out_specs=pl.BlockSpec((block_m, block_f), lambda i, n: (i, n)),
+        out_specs=pl.BlockSpec((rows, block_f), lambda i, n: (i, n)),
         interpret=not on_gpu,
-        compiler_params=TRITON_PARAMS if on_gpu else None,
-        name="moe_gate_up",
-    )(layout.tile_group, x_rows, *jax.tree.leaves((w_gate_up, b_gate_up)))
+        compiler_params=params if on_gpu else None,
+        name="moe_gate_up" + suffix,
+    )(slots, x_rows, *gate_up_leaves)
 
-    y_rows = pl.pallas_call(
-        functools.partial(_down_kernel, block_f=k_block_f, block_d=block_d, fmt=fmt, group=group,
-                          has_bias=b_down is not None),
-        out_shape=jax.ShapeDtypeStruct((num_rows, d), jnp.float32),
-        grid=(num_tiles, d // block_d),
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, one_row=one_row, block_f=k_block_f, block_d=block_d, steps=-(-num_k // parts),
+                          fmt=fmt, group=group, has_bias=b_down is not None),
+        out_shape=jax.ShapeDtypeStruct((programs * parts * rows, d), jnp.float32),
+        grid=(programs, parts, d // block_d),
         in_specs=[
             pl.no_block_spec,
-            pl.BlockSpec((block_m, f), lambda i, n: (i, 0)),
-            pl.BlockSpec((block_m,), lambda i, n: (i,)),
-            *[pl.no_block_spec] * len(jax.tree.leaves((w_down, b_down))),  # w_down (+ bias): whole, by slot
+            pl.BlockSpec((rows, f), lambda i, s, n: (i, 0)),
+            pl.no_block_spec if one_row else pl.BlockSpec((block_m,), lambda i, s, n: (i,)),  # the router weights
+            *[pl.no_block_spec] * len(down_leaves),  # w_down (+ bias): whole, by slot
         ],
-        out_specs=pl.BlockSpec((block_m, block_d), lambda i, n: (i, n)),
+        out_specs=pl.BlockSpec((rows, block_d), lambda i, s, n: (i * parts + s, n)),
         interpret=not on_gpu,
-        compiler_params=TRITON_PARAMS if on_gpu else None,
-        name="moe_down",
-    )(layout.tile_group, h, layout.row_weight, *jax.tree.leaves((w_down, b_down)))
-    return grouping.combine_rows(y_rows, layout, top_k)
+        compiler_params=params if on_gpu else None,
+        name="moe_down" + suffix,
+    )(slots, h, row_weights, *down_leaves)
+    # A one-row step's parts summed: more than a few are a kernel of their own (XLA no longer fuses the sum with the
+    # residual add and the next norm's reduction), one launch against the down kernel's idle multiprocessors.
+    return jnp.sum(y, axis=0, keepdims=True) if one_row else grouping.combine_rows(y, layout, top_k)
 
 
-def _gemv_gate_up_kernel(slot_ids_ref, x_ref, *refs, block_d, block_f, f, act, fmt, group, has_bias):
-    """One (pair, block of f) program of a one-row step: h = act(x Wg, x Wu) for the pair's slot, as sums of
-    products (a matrix-vector product: Triton's dot needs 16 rows)."""
-    *w_refs, h_ref = refs
-    b_ref = w_refs.pop() if has_bias else None
-    pair, n = pl.program_id(0), pl.program_id(1)
-    slot = slot_ids_ref[0, pair]
-
-    @pl.when(slot < 0)
-    def _():
-        h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
-
-    @pl.when(slot >= 0)
-    def _():
-        def step(kk, acc):
-            acc_gate, acc_up = acc
-            row = kk * block_d
-            for first, w_gate in _weight_blocks(w_refs, fmt, group, slot, row, block_d, n * block_f, block_f):
-                acc_gate += _vector_product(x_ref[0, pl.ds(first, block_d)], w_gate)
-            for first, w_up in _weight_blocks(w_refs, fmt, group, slot, row, block_d, f + n * block_f, block_f):
-                acc_up += _vector_product(x_ref[0, pl.ds(first, block_d)], w_up)
-            return acc_gate, acc_up
-
-        zeros = jnp.zeros((block_f,), jnp.float32)
-        acc_gate, acc_up = jax.lax.fori_loop(0, w_refs[0].shape[1] // block_d, step, (zeros, zeros))
-        if b_ref is not None:
-            acc_gate += b_ref[slot, pl.ds(n * block_f, block_f)].astype(jnp.float32)
-            acc_up += b_ref[slot, pl.ds(f + n * block_f, block_f)].astype(jnp.float32)
-        h_ref[...] = act(acc_gate, acc_up).astype(h_ref.dtype)[None, :]
-
-
-def _gemv_down_kernel(slot_ids_ref, weights_ref, h_ref, *refs, block_f, block_d, steps, fmt, group, has_bias):
-    """One (pair, part of f, block of d) program of a one-row step: its part of y = weight * (h Wd) for the pair's
-    slot, in float32 (the parts are summed afterwards), `steps` blocks of f a part (the last one's fewer)."""
-    *w_refs, y_ref = refs
-    b_ref = w_refs.pop() if has_bias else None
-    pair, part, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slot_ids_ref[0, pair]
-
-    @pl.when(slot < 0)
-    def _():
-        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
-
-    @pl.when(slot >= 0)
-    def _():
-        def step(kk, acc):
-            for first, w in _weight_blocks(w_refs, fmt, group, slot, kk * block_f, block_f, n * block_d, block_d):
-                acc += _vector_product(h_ref[0, pl.ds(first, block_f)], w)
-            return acc
-
-        end = jnp.minimum((part + 1) * steps, w_refs[0].shape[1] // block_f)
-        acc = jax.lax.fori_loop(part * steps, end, step, jnp.zeros((block_d,), jnp.float32))
-        if b_ref is not None:  # once, in the first part
-            acc += jnp.where(part == 0, b_ref[slot, pl.ds(n * block_d, block_d)].astype(jnp.float32), 0.0)
-        weight = weights_ref[0, pair].astype(jnp.float32)
-        y_ref[...] = (acc * weight)[None, None, :]  # the router weight after the down projection, as HF does
-
-
-def down_parts(pairs: int, d_blocks: int, steps: int) -> int:
+def down_parts(programs: int, d_blocks: int, steps: int) -> int:
     """The parts a one-row step's down projection splits f into: the fewest (a power of two, at most one a step of f)
     that make MIN_DOWN_PROGRAMS programs. Unsplit, a layer's few blocks of d leave most multiprocessors idle: on an
     H100, gpu_check's Mixtral-shaped layer's down kernel (2 pairs x 16 blocks of d, 32 programs) took 59 us a call
     against its gate-up kernel's 42 (2 x 56 programs) for half the bytes, 2.8 times as long a byte (the 2026-11-27
-    profile, bench/results/gpu_check_h100_2026-11-27.md: the row-tile kernels, whose grids these had copied)."""
+    profile, bench/results/gpu_check_h100_2026-11-27.md: the row-tile kernels, whose grids the one-row ones had
+    copied)."""
     parts = 1
-    while pairs * d_blocks * parts < MIN_DOWN_PROGRAMS and parts * 2 <= steps:
+    while programs * d_blocks * parts < MIN_DOWN_PROGRAMS and parts * 2 <= steps:
         parts *= 2
     return parts
-
-
-def _vector_product(v, w):
-    """v [K] times w [K, N], summed over K in float32."""
-    return jnp.sum(v.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)
-
-
-def _pair_gemv(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *, act, fmt, group, block_f, block_d,
-               k_block_d, k_block_f, on_gpu):
-    """The grouped GEMM of a one-row step (decode of one sequence): a program per (pair, output block) reading the
-    row and its pair's slot directly. A row's choices are distinct experts, so no slot is read twice, and with no
-    tile layout there is nothing to lay out: the row gathered into tiles and the tiles' router weights were two
-    kernels a MoE layer on a GPU, and each tile multiplied 15 rows of padding."""
-    top_k = slot_ids.shape[1]
-    d, f = x.shape[1], w_down.shape[1]
-    gate_up_leaves, down_leaves = jax.tree.leaves((w_gate_up, b_gate_up)), jax.tree.leaves((w_down, b_down))
-    h = pl.pallas_call(
-        functools.partial(_gemv_gate_up_kernel, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt,
-                          group=group, has_bias=b_gate_up is not None),
-        out_shape=jax.ShapeDtypeStruct((top_k, f), x.dtype),
-        grid=(top_k, f // block_f),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((1, d), lambda p, n: (0, 0)),
-                  *[pl.no_block_spec] * len(gate_up_leaves)],  # the weights whole, indexed by the pair's slot
-        out_specs=pl.BlockSpec((1, block_f), lambda p, n: (p, n)),
-        interpret=not on_gpu,
-        compiler_params=TRITON_GEMV_PARAMS if on_gpu else None,
-        name="moe_gate_up_gemv",
-    )(slot_ids, x, *gate_up_leaves)
-    steps = quantized.contraction_extent(w_down) // k_block_f
-    parts = down_parts(top_k, d // block_d, steps)
-    y = pl.pallas_call(
-        functools.partial(_gemv_down_kernel, block_f=k_block_f, block_d=block_d, steps=-(-steps // parts), fmt=fmt,
-                          group=group, has_bias=b_down is not None),
-        out_shape=jax.ShapeDtypeStruct((top_k, parts, d), jnp.float32),
-        grid=(top_k, parts, d // block_d),
-        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, f), lambda p, s, n: (p, 0)),
-                  *[pl.no_block_spec] * len(down_leaves)],
-        out_specs=pl.BlockSpec((1, 1, block_d), lambda p, s, n: (p, s, n)),
-        interpret=not on_gpu,
-        compiler_params=TRITON_GEMV_PARAMS if on_gpu else None,
-        name="moe_down_gemv",
-    )(slot_ids, weights, h, *down_leaves)
-    # Summing more than a few parts is a kernel of its own (XLA no longer fuses it with the residual add and the
-    # next norm's reduction): one launch against the down kernel's idle multiprocessors (down_parts).
-    return jnp.sum(y, axis=(0, 1))[None]
