@@ -112,7 +112,7 @@ def report(args, configurations: list) -> None:
             "decode 406, 192, 200 from 20bac92 (each layer's tables bound apart: among others a copy a layer of the "
             "zeros jnp.nonzero scatters into, which XLA shares between the layers), 160 from 6cfc997, 137 from "
             "e0cca3c (no scratch copy and expert kernel where the cache slots outnumber the experts a step routes "
-            "to; with router prefetch 173 -> 148), 133 since 7e41ea4 (the one-row expert kernels).\n\n"
+            "to; with router prefetch 173 -> 148), 133-134 since 7e41ea4 (the one-row expert kernels).\n\n"
             "No program has a loop left: the grouped GEMM's tile layout searched its groups' ends with a loop of "
             "log2(groups) iterations (one per expert kernel call and layer: the 4 and 8 loops of known trip count "
             "the resident and offloaded programs had until 7c13241), each iteration launching its kernels again.\n\n"
