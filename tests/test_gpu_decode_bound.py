@@ -90,12 +90,27 @@ def test_the_report_shows_copies_issued_outside_the_step_or_why_they_were_not_me
               ("copy, then compute", "compute, then copy", "between two steps")}
     overlap = {"copy_mb": 1073.7, "matmul_width": 4096, "pinned_numpy_view": "np.from_dlpack: a copy",
                "sources": {"own pinned-host array": dict(copy_ms=20.0, gbs=53.7, call_returns_ms=0.05, compute_ms=21.0,
-                                                         orders=orders)}}
+                                                         orders=orders),
+                           "one of a stacked pinned-host array": {"failed": "ValueError: memory kinds"}}}
     args = argparse.Namespace(commit="a" * 40, tokens=4, budget_s=60.0, small=True, smoke=False)
     _, text = report(args, {"default": {"device": "gpu", "jax": "0", "rows": [], "exits": [0],
                                         "device_put_overlap": overlap}})
     assert "| own pinned-host array | 20 | 53.7 | 0.05 | 21 | 6 (0.75) | 6 (0.75) | 6 (0.75) |" in text
     assert "A NumPy view of pinned-host memory: np.from_dlpack: a copy." in text
+    assert "| one of a stacked pinned-host array | **failed**: ValueError: memory kinds |" in text  # the others run
     _, text = report(args, {"default": {"device": "gpu", "jax": "0", "rows": [], "exits": [0],
                                         "device_put_overlap": {"failed": "XlaRuntimeError: out of memory"}}})
     assert "device_put_overlap: **failed**: XlaRuntimeError: out of memory" in text
+
+
+def test_the_kernel_forms_report_names_each_forms_speed_and_a_failed_shape():
+    from bench.gpu.kernel_forms import markdown
+
+    form = {"us": 20.0, "gbs": 2900.0, "share_of_hbm": 0.9}
+    results = {"hbm_gbs": 3200.0, "calls": 50, "shapes": {
+        "mixtral-shaped, bf16": {"mb_read": 58.7, "matrix-vector": form, "row tiles": {**form, "us": 40.0},
+                                 "relative_difference": 1e-3},
+        "gpt-oss-120b-shaped, mxfp4": {"failed": "CompilationError: too many registers"}}}
+    text = "\n".join(markdown(results))
+    assert "| mixtral-shaped, bf16 | 58.7 | 20 | 2900 | 0.90 | 40 | 2900 | 0.90 | 1.00e-03 |" in text
+    assert "| gpt-oss-120b-shaped, mxfp4 | **failed**: CompilationError: too many registers |" in text
