@@ -30,8 +30,8 @@ GPU_MIN_BLOCK = 16
 # Triton launch settings for both kernels (Pallas' GPU default would be Mosaic GPU, sm_90 only).
 TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 # A one-row step's matrix-vector programs (one_row): rows of K multiplied and summed at once, [64, 128] float32
-# products of 32 values a thread of 8 warps (128 rows would be 64 and spill), and 16 KiB of bf16 weights read a
-# step, two steps in flight. Unmeasured on a GPU: bench.gpu.kernel_forms times it against the tiles.
+# products of 32 values a thread of 8 warps (128 rows would hold 64), and 16 KiB of bf16 weights read a step, two
+# steps in flight. Unmeasured on a GPU: bench.gpu.kernel_forms times it against the tiles.
 GEMV_K_BLOCK = 64
 TRITON_GEMV_PARAMS = pltriton.CompilerParams(num_warps=8, num_stages=2)
 MIN_DOWN_PROGRAMS = 256  # about two programs a multiprocessor of an H100's or H200's 132 (down_parts)
