@@ -1,8 +1,9 @@
 """A one-row step's expert FFN in its two forms, timed side by side against the bytes it must read: the
-matrix-vector programs a decode step of one sequence runs (jmoe.kernels.pallas_grouped._pair_gemv, one program per
-(choice, output block), no tile layout) and the row tiles every other step runs (the row gathered into 16-row tiles,
-15 of them padding). Issue #54 item 5: the first is two kernels fewer a MoE layer; this says whether its programs
-read the weights as fast.
+matrix-vector programs a decode step of one sequence runs (jmoe.kernels.pallas_grouped, one_row: a program per
+(choice, output block), no tile layout, the down projection split over f) and the row tiles every other step runs
+(the row gathered into 16-row tiles, 15 of them padding). Issue #54 item 5: the first has two kernels fewer a MoE
+layer (one more where the split down projection's parts are summed); this says whether its programs read the
+weights faster.
 
 Per layer shape (a cache-slot buffer of S experts, top-k distinct slots chosen, as a decode step's): each form's
 median microseconds a call (a jitted call per iteration, dispatch included, as a step's kernels are launched), the
