@@ -161,11 +161,12 @@ def _down_kernel(slots_ref, h_ref, weights_ref, *refs, one_row, block_f, block_d
             return acc
 
         num_k = w_refs[0].shape[1] // block_f
-        bounds = (0, num_k) if steps >= num_k else (part * steps, jnp.minimum((part + 1) * steps, num_k))
+        split = steps < num_k  # else one part, whose loop bounds stay static
+        bounds = (part * steps, jnp.minimum((part + 1) * steps, num_k)) if split else (0, num_k)
         acc = jax.lax.fori_loop(*bounds, step, jnp.zeros(y_ref.shape, jnp.float32))
         if b_ref is not None:
             bias = b_ref[pl.ds(slot, 1), pl.ds(n * block_d, block_d)].astype(jnp.float32)
-            acc += bias if steps >= num_k else jnp.where(part == 0, bias, 0.0)  # once, in the first part
+            acc += jnp.where(part == 0, bias, 0.0) if split else bias  # once, in the first part
         weight = weights_ref[0, i].astype(jnp.float32) if one_row else weights_ref[...][:, None]
         y_ref[...] = acc * weight  # the router weight after the down projection, as Hugging Face does
 
