@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from bench.gpu.results import NOT_REACHED, Budget, SectionResult, markdown, summary
-from bench.helpers.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, error_text, smoke_run, write_result
 
 BUDGET_SECONDS = 540  # 9 minutes: a lent machine allows 10 per command
 SMOKE_BUDGET_SECONDS = 90  # a bound: on a quiet machine a smoke run ends sooner, having run what it chose
@@ -121,7 +121,7 @@ def run_sections(args, after_section=lambda results: None) -> dict[str, SectionR
             import traceback
 
             traceback.print_exc()
-            results[name] = SectionResult(status=f"failed: {type(error).__name__}: {error}"[:600])
+            results[name] = SectionResult(status=f"failed: {error_text(error)}")
         results[name].seconds = time.perf_counter() - began
         checks = results[name].checks
         log(f"{name}: {results[name].status}; checks: {sum(c['passed'] is True for c in checks)} passed, "

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 from bench.gpu import kernel_forms, transfer_overlap
-from bench.helpers.common import add_smoke_argument, smoke_run, write_result
+from bench.helpers.common import add_smoke_argument, error_text, smoke_run, write_result
 
 BIG = "gpt-oss-120b shape"  # issue #54 item 7: built in memory (bench.gpu.in_memory), experts past a 24 GB budget
 BIG_BUDGET_GB = 24.0  # what a 24 GB card holds on the device (the small run: a third of the experts cached instead)
@@ -252,7 +252,7 @@ def run_variant(args) -> None:
                 state[probe] = measure_probe(args.small)
             except Exception as error:  # recorded: the settings still run
                 traceback.print_exc()
-                state[probe] = {"failed": f"{type(error).__name__}: {error}"[:600]}
+                state[probe] = {"failed": error_text(error)}
     path.write_text(json.dumps(state, indent=1))
     done = {label_of(row) for row in state["rows"]} | set(state["died_in"]) | set(state["failed"])
     resident = {row["model"]: row["step_ms"] for row in state["rows"] if row["miss_mode"] == "resident"}
@@ -273,7 +273,7 @@ def run_variant(args) -> None:
                           args.workdir / "trace" / label.replace(", ", "_") if trace else None)
         except Exception as error:  # recorded: one broken setting must not cost the others a lent GPU's time
             traceback.print_exc()
-            state["failed"][label] = f"{type(error).__name__}: {error}"[:600]
+            state["failed"][label] = error_text(error)
         else:
             traced = traced or trace
             row.update(link_gbs=state["link_gbs"], resident_step_ms=resident.get(setting["model"]))

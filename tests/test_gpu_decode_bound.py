@@ -107,7 +107,7 @@ def test_the_kernel_forms_report_names_each_forms_speed_and_a_failed_shape():
     from bench.gpu.kernel_forms import markdown
 
     form = {"us": 20.0, "gbs": 2900.0, "share_of_hbm": 0.9}
-    results = {"hbm_gbs": 3200.0, "calls": 50, "shapes": {
+    results = {"read_gbs": 3200.0, "calls": 50, "shapes": {
         "mixtral-shaped, bf16": {"mb_read": 58.7, "matrix-vector": form, "row tiles": {**form, "us": 40.0},
                                  "relative_difference": 1e-3},
         "gpt-oss-120b-shaped, mxfp4": {"failed": "CompilationError: too many registers"}}}

@@ -7,15 +7,16 @@ weights faster.
 
 Per layer shape (a cache-slot buffer of S experts, top-k distinct slots chosen, as a decode step's): each form's
 median microseconds a call (a jitted call per iteration, dispatch included, as a step's kernels are launched), the
-weight bytes the k experts hold over that time (GB/s), and that against a device-to-device copy's GB/s measured in the
-same run (the HBM bound); and the two forms' largest difference relative to the tiles' output.
+weight bytes the k experts hold over that time (GB/s), and that against the device's read bandwidth measured in the
+same run (bench.helpers.common.read_bandwidth_gbs, a jitted sum: the bound of a kernel that reads its weights once);
+and the two forms' largest difference relative to the tiles' output.
 """
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
+
+from bench.helpers.common import error_text, median_seconds, read_bandwidth_gbs
 
 # (name, slots, d, f, top-k, expert format): gpu_check's Mixtral-shaped layer, and GPT-OSS-120B's (MXFP4 experts with
 # biases, its clamped SwiGLU) at a cache of 8 slots (the bytes a call reads depend on top-k, not on the slots).
@@ -25,7 +26,6 @@ SHAPES = (("mixtral-shaped, bf16", 8, 2048, 7168, 2, None, "swiglu"),
 SMALL_SHAPES = (("small, bf16", 4, 64, 64, 2, None, "swiglu"),
                 ("small, mxfp4", 4, 64, 64, 2, "mxfp4", GPT_OSS_ACTIVATION))
 CALLS = 50  # per timing: a call is tens of microseconds on a GPU, so each timing is many
-COPY_BYTES = 1 << 30  # the HBM bound's copy (16 MiB in small mode)
 
 
 def layer_inputs(slots: int, d: int, f: int, top_k: int, fmt: str | None, seed: int = 0):
@@ -64,38 +64,24 @@ def median_us(fn, args, calls: int) -> float:
     """Median over 5 timings of the microseconds a call of the jitted `fn` takes, `calls` calls each."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
+    def many():
         for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times)) * 1e6
 
-
-def hbm_gbs(small: bool) -> float:
-    """GB/s of a device-to-device copy (bytes read plus written), the bound a memory-bound kernel approaches."""
-    import jax
-    import jax.numpy as jnp
-
-    size = COPY_BYTES // (64 if small else 1)
-    source = jnp.ones(size // 4, jnp.float32)
-    copy = jax.jit(lambda a: a + 0)  # a read and a write of every element
-    return 2 * size / median_us(copy, (source,), 10) / 1e3
+    return median_seconds(many, 5) / calls * 1e6
 
 
 def one_row_forms(small: bool) -> dict:
     """Per shape: each form's us a call and GB/s of the chosen experts' bytes, the HBM bound's share, and the
     forms' difference (or why the shape failed: the others still run)."""
-    bound = hbm_gbs(small)
-    results = {"hbm_gbs": bound, "calls": CALLS, "shapes": {}}
+    bound = read_bandwidth_gbs(small)
+    results = {"read_gbs": bound, "calls": CALLS, "shapes": {}}
     for name, *shape in SMALL_SHAPES if small else SHAPES:
         try:
             results["shapes"][name] = both_forms(*shape, bound=bound, calls=CALLS // (10 if small else 1))
         except Exception as error:  # recorded, as gpu_decode_bound records a setting that raises
-            results["shapes"][name] = {"failed": f"{type(error).__name__}: {error}"[:300]}
+            results["shapes"][name] = {"failed": error_text(error, 300)}
     return results
 
 
@@ -124,8 +110,8 @@ def both_forms(slots: int, d: int, f: int, top_k: int, fmt: str | None, activati
 
 def markdown(results: dict) -> list[str]:
     lines = [f"A one-row step's expert FFN, the two forms (jmoe.kernels.pallas_grouped; {results['calls']} jitted "
-             f"calls a timing, median of 5): the chosen experts' bytes over the time, against a device-to-device "
-             f"copy's {results['hbm_gbs']:.4g} GB/s.", "",
+             f"calls a timing, median of 5): the chosen experts' bytes over the time, against the device's read "
+             f"bandwidth, {results['read_gbs']:.4g} GB/s (a jitted sum).", "",
              "| layer | MB read | matrix-vector us | GB/s | share of HBM | row tiles us | GB/s | share of HBM "
              "| largest difference |", "|---" * 9 + "|"]
     for name, row in results["shapes"].items():

@@ -13,6 +13,8 @@ import sys
 import time
 import traceback
 
+from bench.helpers.common import error_text
+
 OUT_OF_TIME = "not run: out of time"
 NOT_REACHED = "not run: the run ended before this section (stopped, or killed at its time limit)"
 
@@ -79,7 +81,7 @@ class SectionResult:
         try:
             passed, detail = fn()
         except Exception as error:  # recorded, not raised: see the module docstring
-            passed, detail = False, f"{type(error).__name__}: {error}"[:600]
+            passed, detail = False, error_text(error)
             traceback.print_exc()
         self.check(name, bool(passed), detail)
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from bench.gpu.speed import plain_copy_bytes
-from bench.helpers.common import median_seconds
+from bench.helpers.common import error_text, median_seconds
 
 MATMUL_WIDTH = 4096  # bf16 [n, n] products: ~0.1 TFLOP each, a few hundred microseconds on an H100 (small: 256)
 ORDERS = ("copy, then compute", "compute, then copy", "between two steps")
@@ -85,7 +85,7 @@ def device_put_overlap(small: bool) -> dict:
         try:
             results["sources"][name] = source_overlap(copy, functools.partial(busy, x, w), one_ms, size)
         except Exception as error:  # recorded (indexing a pinned-host array may not run on a GPU): the rest still run
-            results["sources"][name] = {"failed": f"{type(error).__name__}: {error}"[:300]}
+            results["sources"][name] = {"failed": error_text(error, 300)}
     return results
 
 
@@ -119,7 +119,7 @@ def pinned_numpy_view(array) -> tuple[np.ndarray | None, str]:
         try:
             view = make(array)
         except Exception as error:  # recorded: which way JAX offers is the finding
-            tried.append(f"{name}: {type(error).__name__}: {error}"[:200])
+            tried.append(f"{name}: {error_text(error, 200)}")
             continue
         if view.ctypes.data == pointer:
             return view, name

@@ -176,6 +176,11 @@ def per_expert_copies(experts):
     return tuple(jax.tree.map(lambda a: a[e:e + 1], experts.stacked()) for e in range(experts.num_experts))
 
 
+def error_text(error: BaseException, limit: int = 600) -> str:
+    """An exception as a report's one line: its type and message, cut at `limit` characters."""
+    return f"{type(error).__name__}: {error}"[:limit]
+
+
 def median_seconds(fn, repeats: int = 5) -> float:
     fn()  # warm
     times = []
