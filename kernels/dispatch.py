@@ -52,6 +52,16 @@ def moe_ffn_auto(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down
                               default=functools.partial(cpu, activation=activation, per_expert=per_expert))
 
 
+def _ids_in_range(impl):
+    """`impl` with traced slot ids outside [0, S) as -1, none, so that they contribute nothing in every backend alike
+    (an XLA gather would clamp them to a slot). The Pallas kernels check the range themselves: on a GPU this select
+    was a kernel of its own between the router's and the grouped GEMM's."""
+    def guarded(x, slot_ids, weights, w_gate_up, *rest, **options):
+        in_range = (slot_ids >= 0) & (slot_ids < w_gate_up.shape[0])
+        return impl(x, jnp.where(in_range, slot_ids, -1), weights, w_gate_up, *rest, **options)
+    return guarded
+
+
 def _on_plain_arrays(impl, *args, **kwargs):
     """`impl` on FloatBits weights as the float arrays they stand for: the Pallas and Triton kernels take refs of
     plain arrays (and a GPU slices 16-bit floats as they are, so no program there holds FloatBits)."""
@@ -60,13 +70,13 @@ def _on_plain_arrays(impl, *args, **kwargs):
 
 _IMPLS = {
     "auto": moe_ffn_auto,  # chosen by the lowering platform (see moe_ffn_auto)
-    "reference": moe_ffn_reference,  # gather per (token, j) + einsum, HIGHEST: the oracle
-    "gather": moe_ffn_gather,  # decode: each needed slot read once, small dense products
-    "xla": moe_ffn_ragged,  # prefill: sort by slot + lax.ragged_dot
-    "xla_tiled": moe_ffn_tiled,  # prefill: sorted row tiles, one scan step per tile
-    "pairs": moe_ffn_pairs,  # decode on CPU: a loop of one matrix-vector FFN per (token, choice)
+    "reference": _ids_in_range(moe_ffn_reference),  # gather per (token, j) + einsum, HIGHEST: the oracle
+    "gather": _ids_in_range(moe_ffn_gather),  # decode: each needed slot read once, small dense products
+    "xla": _ids_in_range(moe_ffn_ragged),  # prefill: sort by slot + lax.ragged_dot
+    "xla_tiled": _ids_in_range(moe_ffn_tiled),  # prefill: sorted row tiles, one scan step per tile
+    "pairs": _ids_in_range(moe_ffn_pairs),  # decode on CPU: a loop of one matrix-vector FFN per (token, choice)
     "pallas": functools.partial(_on_plain_arrays, moe_ffn_pallas),  # Pallas grouped GEMM (Triton lowering on GPU)
-    "triton": functools.partial(_on_plain_arrays, moe_ffn_triton),  # Triton via jax-triton, GPU only
+    "triton": _ids_in_range(functools.partial(_on_plain_arrays, moe_ffn_triton)),  # Triton via jax-triton, GPU only
 }
 BACKENDS = tuple(_IMPLS)
 # The backends that read `per_expert` arrays (on CPU); the others read the stacked weights, which hold the
@@ -176,8 +186,6 @@ def moe_ffn(x, slot_ids, weights, w_gate_up, w_down, *, b_gate_up=None, b_down=N
     if not isinstance(slot_ids, jax.core.Tracer) and bool(((slot_ids < -1) | (slot_ids >= num_slots)).any()):
         raise ValueError(f"moe_ffn: slot_ids must be in [-1, {num_slots}) (-1 = none), found "
                          f"[{int(slot_ids.min())}, {int(slot_ids.max())}]")
-    # Traced ids out of range contribute nothing, in every backend alike.
-    slot_ids = jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1)
     get_activation(activation)
     if backend not in BACKENDS:
         raise ValueError(f"moe_ffn: unknown backend {backend!r}; expected one of {BACKENDS}")

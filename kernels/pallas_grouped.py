@@ -106,17 +106,17 @@ def _gate_up_kernel(slots_ref, x_ref, *refs, one_row, block_d, block_f, f, act, 
     *w_refs, h_ref = refs
     b_ref = w_refs.pop() if has_bias else None
     i, n = pl.program_id(0), pl.program_id(1)
-    slot = slots_ref[0, i] if one_row else slots_ref[i]
+    slot, used = _slot_of(slots_ref, i, one_row, w_refs[0].shape[0])
     product = _row_product if one_row else _tile_product
 
     def read_x(first):
         return x_ref[0, pl.ds(first, block_d)] if one_row else x_ref[:, pl.ds(first, block_d)]
 
-    @pl.when(slot < 0)
+    @pl.when(jnp.logical_not(used))
     def _():
         h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
 
-    @pl.when(slot >= 0)
+    @pl.when(used)
     def _():
         def step(kk, acc):
             acc_gate, acc_up = acc
@@ -143,17 +143,17 @@ def _down_kernel(slots_ref, h_ref, weights_ref, *refs, one_row, block_f, block_d
     *w_refs, y_ref = refs
     b_ref = w_refs.pop() if has_bias else None
     i, part, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slots_ref[0, i] if one_row else slots_ref[i]
+    slot, used = _slot_of(slots_ref, i, one_row, w_refs[0].shape[0])
     product = _row_product if one_row else _tile_product
 
     def read_h(first):
         return h_ref[0, pl.ds(first, block_f)] if one_row else h_ref[:, pl.ds(first, block_f)]
 
-    @pl.when(slot < 0)
+    @pl.when(jnp.logical_not(used))
     def _():
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
-    @pl.when(slot >= 0)
+    @pl.when(used)
     def _():
         def step(kk, acc):
             for first, w in _weight_blocks(w_refs, fmt, group, slot, kk * block_f, block_f, n * block_d, block_d):
@@ -169,6 +169,16 @@ def _down_kernel(slots_ref, h_ref, weights_ref, *refs, one_row, block_f, block_d
             acc += jnp.where(part == 0, bias, 0.0) if split else bias  # once, in the first part
         weight = weights_ref[0, i].astype(jnp.float32) if one_row else weights_ref[...][:, None]
         y_ref[...] = acc * weight  # the router weight after the down projection, as Hugging Face does
+
+
+def _slot_of(slots_ref, i, one_row: bool, num_slots: int):
+    """Program i's slot, and whether it names one: a one-row step's choice reads slot_ids as the caller gave them
+    (an id outside [0, S) is none, as every backend treats it), a row tile its slot from the layout (-1 or a slot)."""
+    if not one_row:
+        slot = slots_ref[i]
+        return slot, slot >= 0
+    slot = slots_ref[0, i]
+    return slot, jnp.logical_and(slot >= 0, slot < num_slots)
 
 
 def _tile_product(xs, w):

@@ -69,6 +69,10 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # tile layout to build (#54 item 5: two kernels fewer a MoE layer); a batch's run as row tiles.
     ran, other = ("moe_gate_up_gemv", "moe_gate_up") if batch == 1 else ("moe_gate_up", "moe_gate_up_gemv")
     assert len(triton_grids(decode.hlo_text, ran)) >= cfg.num_moe_layers and not triton_grids(decode.hlo_text, other)
+    # Each MoE layer chooses its experts in one kernel (#54 item 5): top-k, the chosen weights normalised and cast,
+    # padding rows' ids -1; XLA made them a sort and two fusions, and a select of the ids in range before the experts.
+    assert triton_grids(decode.hlo_text, "choose_experts") == [(batch, 1, 1)] * cfg.num_moe_layers
+    assert ('/top_k" ' in decode.hlo_text) == ("prefetch" in options)  # router prefetch's guess still sorts
     direct = options.get("miss_mode") == "direct"
     routed = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
     admitted = options.get("cache", cfg.num_experts) >= routed

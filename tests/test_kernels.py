@@ -384,7 +384,11 @@ def test_out_of_range_slot_ids_and_nan_in_unused_slots(backend):
     expected = numpy_moe(x, np.where(np.array(slot_ids) == 0, -1, slot_ids), weights, w_gate_up, w_down)
     with pytest.raises(ValueError, match=r"slot_ids must be in \[-1, 4\) \(-1 = none\), found \[1, 7\]"):
         moe_ffn(x, jnp.where(slot_ids == 0, 7, slot_ids), weights, w_gate_up, w_down, backend=backend)
-    # Traced, an id out of range contributes nothing, as -1 does.
+    # Traced, an id out of range contributes nothing, as -1 does: in row tiles and in a one-row step (the Pallas
+    # kernels' matrix-vector form checks the range itself).
     for bad in (7, -5):
-        y = _JITTED[backend](x, jnp.where(slot_ids == 0, bad, slot_ids), weights, w_gate_up, w_down)
-        np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4, err_msg=f"id {bad}")
+        for rows in (3, 1):
+            y = _JITTED[backend](x[:rows], jnp.where(slot_ids == 0, bad, slot_ids)[:rows], weights[:rows], w_gate_up,
+                                 w_down)
+            np.testing.assert_allclose(np.asarray(y), expected[:rows], rtol=1e-4, atol=1e-4,
+                                       err_msg=f"id {bad}, {rows} rows")

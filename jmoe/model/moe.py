@@ -15,6 +15,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.kernels import ExpertKernel, ExpertWeights
+from jmoe.kernels.routing import choose_experts, chosen_weights
 from jmoe.model.layers import DenseMLP, Experts, Linear, normal_param, project
 
 
@@ -89,18 +90,14 @@ class MoEBlock(nnx.Module):
         """
         cfg = self.cfg
         probs = router_probabilities(cfg, self.router_params(), x)
-        ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)[1] if forced_ids is None else forced_ids
         if cfg.router == "softmax":
-            weights = jnp.take_along_axis(probs, ids, axis=-1)
-            if cfg.norm_topk_prob:
-                weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            weigh, options = probs, {}
         else:  # the chosen experts' unbiased scores
-            weights = jnp.take_along_axis(_sigmoid_scores(self.router_params(), x), ids, axis=-1)
-            if cfg.norm_topk_prob:
-                weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-            weights = weights * cfg.routed_scaling_factor
-        ids = jnp.where(token_valid[:, None], ids.astype(jnp.int32), -1)
-        return ids, weights.astype(x.dtype)
+            weigh, options = _sigmoid_scores(self.router_params(), x), dict(eps=1e-20, scale=cfg.routed_scaling_factor)
+        options.update(normalize=cfg.norm_topk_prob, dtype=x.dtype)
+        if forced_ids is None:
+            return choose_experts(probs, token_valid, top_k=cfg.num_experts_per_tok, weigh=weigh, **options)
+        return chosen_weights(forced_ids, weigh, token_valid, **options)
 
     def view(self) -> MoELayerView:
         return MoELayerView(self.experts.weights(), self.router_params())
