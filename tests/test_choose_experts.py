@@ -10,7 +10,8 @@ from jmoe.kernels.routing import _choose_by_kernel, _choose_in_xla, choose_exper
 
 # (tokens, experts, top-k, normalize, eps, scale): Mixtral's and a sigmoid router's options, an expert count and a
 # top-k that are no powers of two (Triton's blocks are), every expert chosen.
-CASES = [(1, 8, 2, True, 0.0, 1.0), (5, 60, 4, False, 0.0, 1.0), (3, 256, 8, True, 1e-20, 2.5), (2, 6, 6, True, 0.0, 1.0)]
+CASES = [(1, 8, 2, True, 0.0, 1.0), (5, 60, 4, False, 0.0, 1.0), (3, 256, 8, True, 1e-20, 2.5),
+         (2, 6, 6, True, 0.0, 1.0)]
 
 
 def both(scores, valid, weigh=None, **options):

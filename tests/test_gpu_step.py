@@ -74,6 +74,8 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     assert triton_grids(decode.hlo_text, "choose_experts") == [(batch, 1, 1)] * cfg.num_moe_layers
     assert ('/top_k" ' in decode.hlo_text) == ("prefetch" in options)  # router prefetch's guess still sorts
     direct = options.get("miss_mode") == "direct"
+    # Miss mode "fetch"'s bookkeeping (which misses go where, the tables after) is one kernel an offloaded layer.
+    assert triton_grids(decode.hlo_text, "fetch_plan") == ([] if direct else [(1, 1, 1)] * offloaded)
     routed = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
     admitted = options.get("cache", cfg.num_experts) >= routed
     demand = [] if direct else ([routed] if admitted else [min(placement.scratch, routed)] * 2) * offloaded
@@ -152,6 +154,7 @@ LOOP_HLO = """HloModule m
 ENTRY %main (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)
   %fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%f
+  %custom-call = (s32[], s32[], s32[], s32[], s32[], /*index=5*/s32[]) custom-call(%p), custom_call_target="x"
   %while = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
   %call-start = ((f32[4]), f32[4]) call-start(%fusion), to_apply=%copy, frontend_attributes={_xla_stream_annotation="1"}
   %call-done = f32[4]{0} call-done(%call-start)
@@ -161,12 +164,12 @@ ENTRY %main (p: f32[4]) -> f32[4] {
 
 
 def test_kernel_count_counts_launches_a_run():
-    # The entry's fusion and sort, the async call's kernel, the loop's body (2) and condition (1) five times; not
-    # the dot inside the fused computation %f.
-    assert kernel_count(LOOP_HLO) == 2 + 1 + 5 * 3
-    assert kernel_count(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")) == 2 + 1 + 3
+    # The entry's fusion, custom call (its tuple type, past 5 elements, has /*index=5*/ in it) and sort, the async
+    # call's kernel, the loop's body (2) and condition (1) five times; not the dot inside the fused computation %f.
+    assert kernel_count(LOOP_HLO) == 3 + 1 + 5 * 3
+    assert kernel_count(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")) == 3 + 1 + 3
     # A chained step's text, its pieces' modules one after another (their computations' names alike): each counted.
-    assert kernel_count("\n".join([LOOP_HLO] * 3)) == 3 * (2 + 1 + 5 * 3)
+    assert kernel_count("\n".join([LOOP_HLO] * 3)) == 3 * (3 + 1 + 5 * 3)
 
 
 def test_module_count_counts_the_modules_of_a_chained_program_s_text():

@@ -36,6 +36,7 @@ from jmoe.kernels.expert_copy import copy_experts
 from jmoe.kernels.pallas_grouped import GPU_MIN_BLOCK, gpu_shapes_supported
 from jmoe.kernels.target import platform_dependent
 from jmoe.memory import on_second_stream, to_device
+from jmoe.offload.fetch_plan import FetchPlan, fetch_plan_by_kernel, fetch_plan_fits
 from jmoe.offload.host_compute import experts_on_host
 
 
@@ -208,52 +209,84 @@ def fetch_and_compute(slots: LayerSlots, scratch: Scratch, victim_order, host: E
     host into its slot (`copy_into_slots`), with no device-to-device copy after. A batch that misses more than M
     experts computes the rest on the host. Where the order names every slot and the slots outnumber the experts
     the step can route to, every miss is admitted: the scratch copy and its expert kernel are left out (on a GPU,
-    their kernels a layer). Returns (float32 y [T, d], slots, scratch, counts)."""
+    their kernels a layer). Which copies go where, and the tables after them: `plan_fetch`. Returns (float32 y
+    [T, d], slots, scratch, counts)."""
     num_experts, num_scratch = slots.slot_of_expert.shape[0], scratch.buffers.num_experts
     num_cache, most_needed = slots.expert_in_slot.shape[0], min(ids.size, num_experts)
     all_admitted = victim_order.shape[0] == num_cache >= most_needed
-    needed = needed_experts(ids, num_experts)
-    hits = count_hits(slots.slot_of_expert, ids)
-    missing = needed & (slots.slot_of_expert < 0)
-    y_disk = None
+    y_disk = on_disk = None
     if host_rows is not None:  # the disk tier: `host` holds rows, host_rows[e] expert e's (-1: on disk only)
-        on_disk = missing & (host_rows < 0)
-        missing = missing & ~on_disk
+        on_disk = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0) & (host_rows < 0)
         y_disk = disk(x, ids, weights, on_disk)
     # The step misses at most `most_missed` experts (its choices, distinct), the first M of them on the device:
     # only that many copy entries (a GPU launches no programs for more).
     most_missed = most_needed if all_admitted else min(num_scratch, most_needed)
-    n_miss = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), most_missed)
-    miss_ids = jnp.nonzero(missing, size=most_missed, fill_value=0)[0].astype(jnp.int32)
-    sources = miss_ids if host_rows is None else host_rows[miss_ids]
-    rank = rank_among(missing)  # of each expert among the misses
-    evicted, admitted = jnp.int32(0), jnp.int32(0)
-    if slots.expert_in_slot.shape[0]:
-        victims = usable_victims(slots, victim_order, needed)
-        victims = jnp.pad(victims, (0, max(0, most_missed - victims.shape[0])), constant_values=-1)[:most_missed]
-        into_cache = jnp.where(first_slots(n_miss, most_missed) >= 0, victims, -1)  # compacted: wanted first
-        admitted = jnp.sum(into_cache >= 0, dtype=jnp.int32)
-        slots, evicted = admitted_tables(slots._replace(buffers=copy_into_slots(slots.buffers, host, sources,
-                                                                                 into_cache)), miss_ids, into_cache)
-        y = kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
+    plan = plan_fetch(slots, victim_order, ids, most_missed=most_missed, num_scratch=num_scratch, on_disk=on_disk)
+
+    def sources(misses):
+        return misses if host_rows is None else host_rows[misses]
+
+    if num_cache:
+        slots = LayerSlots(copy_into_slots(slots.buffers, host, sources(plan.misses), plan.into_cache),
+                           plan.slot_of_expert, plan.expert_in_slot)
+        y = kernel(x, plan.cache_slot_ids, weights, slots.buffers, out_dtype=jnp.float32)
     else:
         y = jnp.zeros(x.shape, jnp.float32)
     if not all_admitted:
-        # The misses ranked past the admitted ones: scratch slot j holds the one ranked admitted + j.
-        shifted = jnp.minimum(admitted + jnp.arange(most_missed), most_missed - 1)
-        into = first_slots(n_miss - admitted, most_missed)
-        into = into if scratch.free is None else ordered_after(into, scratch.free)
-        buffers = copy_into_slots(scratch.buffers, host, sources[shifted], into)
-        scratch_slot = jnp.where((rank >= admitted) & (rank < n_miss), rank - admitted, -1)
-        y = y + kernel(x, slot_ids_of(scratch_slot, ids), weights, buffers, out_dtype=jnp.float32)
+        into = plan.into_scratch if scratch.free is None else ordered_after(plan.into_scratch, scratch.free)
+        buffers = copy_into_slots(scratch.buffers, host, sources(plan.scratch_misses), into)
+        y = y + kernel(x, plan.scratch_slot_ids, weights, buffers, out_dtype=jnp.float32)
         if most_needed > num_scratch:  # this step's shape can miss more experts than M
-            y = y + experts_on_host_where(missing & (rank >= num_scratch), x, ids, weights, host, kernel, host_rows)
+            y = y + experts_on_host_where(plan.past_scratch, x, ids, weights, host, kernel, host_rows)
         # The scratch slots' last reader is the layer's compute: the next layer's copies into them wait for it.
         scratch = Scratch(buffers, y)
     if y_disk is not None:
         y = y + y_disk
-    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, n_miss, evicted)
+    counts = StepCounts(plan.hits, plan.routed - plan.hits, plan.copied, plan.evicted)
     return y, slots, scratch, counts
+
+
+def plan_fetch(slots: LayerSlots, victim_order, ids, *, most_missed: int, num_scratch: int,
+               on_disk=None) -> FetchPlan:
+    """What `fetch_and_compute` copies where, and the tables after it (`FetchPlan`; `on_disk`: bool [E], misses
+    the disk tier reads, left out). On a GPU one kernel (`jmoe.offload.fetch_plan`), where XLA made it eight a
+    layer, for a decode step of few choices without a disk tier; elsewhere `fetch_plan_in_xla`."""
+    args = (LayerSlots(None, slots.slot_of_expert, slots.expert_in_slot), victim_order, ids)  # the tables only
+    options = dict(most_missed=most_missed, num_scratch=num_scratch)
+    in_xla = functools.partial(fetch_plan_in_xla, on_disk=on_disk, **options)
+    if on_disk is not None or not fetch_plan_fits(slots.slot_of_expert.shape[0], slots.expert_in_slot.shape[0],
+                                                  victim_order.shape[0], ids.size):
+        return in_xla(*args)
+    return platform_dependent(*args, cuda=functools.partial(fetch_plan_by_kernel, on_gpu=True, **options),
+                              default=in_xla)
+
+
+def fetch_plan_in_xla(slots: LayerSlots, victim_order, ids, *, most_missed: int, num_scratch: int,
+                      on_disk=None) -> FetchPlan:
+    """`plan_fetch` as XLA computations."""
+    num_experts = slots.slot_of_expert.shape[0]
+    needed = needed_experts(ids, num_experts)
+    hits = count_hits(slots.slot_of_expert, ids)
+    missing = needed & (slots.slot_of_expert < 0)
+    if on_disk is not None:
+        missing = missing & ~on_disk
+    copied = jnp.minimum(jnp.sum(missing, dtype=jnp.int32), most_missed)
+    misses = jnp.nonzero(missing, size=most_missed, fill_value=0)[0].astype(jnp.int32)
+    rank = rank_among(missing)  # of each expert among the misses
+    evicted, admitted, into_cache = jnp.int32(0), jnp.int32(0), jnp.full((most_missed,), -1, jnp.int32)
+    if slots.expert_in_slot.shape[0]:
+        victims = usable_victims(slots, victim_order, needed)
+        victims = jnp.pad(victims, (0, max(0, most_missed - victims.shape[0])), constant_values=-1)[:most_missed]
+        into_cache = jnp.where(first_slots(copied, most_missed) >= 0, victims, -1)  # compacted: wanted first
+        admitted = jnp.sum(into_cache >= 0, dtype=jnp.int32)
+        slots, evicted = admitted_tables(slots, misses, into_cache)
+    # The misses ranked past the admitted ones: scratch slot j holds the one ranked admitted + j.
+    shifted = jnp.minimum(admitted + jnp.arange(most_missed), most_missed - 1)
+    scratch_slot = jnp.where((rank >= admitted) & (rank < copied), rank - admitted, -1)
+    return FetchPlan(misses, into_cache, slots.slot_of_expert, slots.expert_in_slot,
+                     slot_ids_of(slots.slot_of_expert, ids), misses[shifted],
+                     first_slots(copied - admitted, most_missed), slot_ids_of(scratch_slot, ids),
+                     missing & (rank >= num_scratch), jnp.sum(ids >= 0, dtype=jnp.int32), hits, copied, evicted)
 
 
 def experts_on_host_where(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel,
