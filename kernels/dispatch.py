@@ -208,6 +208,29 @@ def _traced_once_per_shape(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b
                            **options)
 
 
+def moe_ffn_from_sources(x, weights, sources, *, activation="swiglu"):
+    """float32 [1, d]: the expert FFN of a one-row step whose choices lie in several sources, each (slot_ids [1, k],
+    ExpertWeights): a choice is read from the first source whose slot ids name a slot for it (an id in [0, S) of that
+    source's S), all in the Pallas grouped GEMM's two kernels (Triton on a GPU: miss mode "direct" reads the cache
+    slots' experts and the pinned-host ones in one gate-up and one down kernel, where one call a source made two of
+    each and a sum); interpreted elsewhere (tests)."""
+    for slot_ids, experts in sources:
+        validate_inputs(x, slot_ids, weights, *experts[:4])
+    if x.shape[0] != 1:
+        raise ValueError(f"moe_ffn_from_sources: a one-row step's experts; got x of {x.shape[0]} rows")
+    return _sources_traced_once(x, weights, tuple((ids, experts.stacked()) for ids, experts in sources),
+                                activation=activation, target=target_compute_capability())
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "target"))
+def _sources_traced_once(x, weights, sources, *, activation, target):
+    """moe_ffn_from_sources's kernels, jitted as `_traced_once_per_shape` is, for the same reason."""
+    del target
+    (slot_ids, first), *rest = [(ids, ExpertWeights(*(plain(w) for w in experts[:4]))) for ids, experts in sources]
+    return moe_ffn_pallas(x, slot_ids, weights, *first[:4], activation=activation,
+                          also=tuple((ids, *experts[:4]) for ids, experts in rest))
+
+
 class ExpertWeights(NamedTuple):
     """The stacked weights of S experts (or slots), a pytree whose every leaf has the expert axis first, so
     that copying, slicing or updating one expert is the same operation on every leaf (of the stacked arrays:

@@ -99,25 +99,19 @@ def _weight_blocks(w_refs, fmt, group, slot, row, block_k, col, block_n):
     return [(row, low * scale(row)), (half + row, high * scale(half + row))]
 
 
-def _gate_up_kernel(slots_ref, x_ref, *refs, one_row, block_d, block_f, f, act, fmt, group, has_bias):
+def _gate_up_kernel(slots_ref, x_ref, *refs, one_row, sources, block_d, block_f, f, act, fmt, group, has_bias):
     """One program of h = act(x Wg, x Wu) over a block of f, gate and up accumulated side by side in float32: for a
-    row tile (its slot from tile_group) or, `one_row`, for one choice of a one-row step (its slot from slot_ids
-    [1, k]; the row read as it is and multiplied as a vector, since Triton's dot needs 16 rows)."""
-    *w_refs, h_ref = refs
-    b_ref = w_refs.pop() if has_bias else None
+    row tile (its slot from tile_group) or, `one_row`, for one choice of a one-row step (its slot from the row of
+    slot ids [sources, k] of the first source holding it; the row read as it is and multiplied as a vector, since
+    Triton's dot needs 16 rows)."""
+    *source_refs, h_ref = refs
     i, n = pl.program_id(0), pl.program_id(1)
-    slot, used = _slot_of(slots_ref, i, one_row, w_refs[0].shape[0])
     product = _row_product if one_row else _tile_product
 
     def read_x(first):
         return x_ref[0, pl.ds(first, block_d)] if one_row else x_ref[:, pl.ds(first, block_d)]
 
-    @pl.when(jnp.logical_not(used))
-    def _():
-        h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
-
-    @pl.when(used)
-    def _():
+    def compute(w_refs, b_ref, slot):
         def step(kk, acc):
             acc_gate, acc_up = acc
             row = kk * block_d
@@ -135,26 +129,22 @@ def _gate_up_kernel(slots_ref, x_ref, *refs, one_row, block_d, block_f, f, act, 
             acc_up += b_ref[pl.ds(slot, 1), pl.ds(f + n * block_f, block_f)].astype(jnp.float32)
         h_ref[...] = act(acc_gate, acc_up).astype(h_ref.dtype)
 
+    _from_first_source(slots_ref, i, one_row, _by_source(source_refs, sources, has_bias), compute, h_ref)
 
-def _down_kernel(slots_ref, h_ref, weights_ref, *refs, one_row, block_f, block_d, steps, fmt, group, has_bias):
+
+def _down_kernel(slots_ref, h_ref, weights_ref, *refs, one_row, sources, block_f, block_d, steps, fmt, group,
+                 has_bias):
     """One program of y = weight * (h Wd) in float32 over a block of d and a part of f (`steps` blocks of f a part,
     the last one's fewer; the parts are summed afterwards): for a row tile (the rows' router weights) or, `one_row`,
-    for one choice of a one-row step (its weight from weights [1, k])."""
-    *w_refs, y_ref = refs
-    b_ref = w_refs.pop() if has_bias else None
+    for one choice of a one-row step (its weight from weights [1, k], its slot as the gate-up kernel's)."""
+    *source_refs, y_ref = refs
     i, part, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot, used = _slot_of(slots_ref, i, one_row, w_refs[0].shape[0])
     product = _row_product if one_row else _tile_product
 
     def read_h(first):
         return h_ref[0, pl.ds(first, block_f)] if one_row else h_ref[:, pl.ds(first, block_f)]
 
-    @pl.when(jnp.logical_not(used))
-    def _():
-        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
-
-    @pl.when(used)
-    def _():
+    def compute(w_refs, b_ref, slot):
         def step(kk, acc):
             for first, w in _weight_blocks(w_refs, fmt, group, slot, kk * block_f, block_f, n * block_d, block_d):
                 acc += product(read_h(first), w)
@@ -170,15 +160,30 @@ def _down_kernel(slots_ref, h_ref, weights_ref, *refs, one_row, block_f, block_d
         weight = weights_ref[0, i].astype(jnp.float32) if one_row else weights_ref[...][:, None]
         y_ref[...] = acc * weight  # the router weight after the down projection, as Hugging Face does
 
+    _from_first_source(slots_ref, i, one_row, _by_source(source_refs, sources, has_bias), compute, y_ref)
 
-def _slot_of(slots_ref, i, one_row: bool, num_slots: int):
-    """Program i's slot, and whether it names one: a one-row step's choice reads slot_ids as the caller gave them
-    (an id outside [0, S) is none, as every backend treats it), a row tile its slot from the layout (-1 or a slot)."""
-    if not one_row:
-        slot = slots_ref[i]
-        return slot, slot >= 0
-    slot = slots_ref[0, i]
-    return slot, jnp.logical_and(slot >= 0, slot < num_slots)
+
+def _by_source(refs, sources: int, has_bias: bool):
+    """[(weight refs, bias ref or None)] of each source, from their refs one source after another."""
+    size = len(refs) // sources
+    groups = [list(refs[s * size:(s + 1) * size]) for s in range(sources)]
+    return [(group[:-1], group[-1]) if has_bias else (group, None) for group in groups]
+
+
+def _from_first_source(slots_ref, i, one_row: bool, sources, compute, out_ref):
+    """compute(weight refs, bias ref, slot) for program i's slot in the first source that holds it (a slot id in
+    [0, S) of that source's S; a row tile's from the layout, -1 or a slot of its one source), else zeros."""
+    held = None  # by an earlier source
+    for source, (w_refs, b_ref) in enumerate(sources):
+        slot = slots_ref[source, i] if one_row else slots_ref[i]
+        in_range = jnp.logical_and(slot >= 0, slot < w_refs[0].shape[0])
+        first = in_range if held is None else jnp.logical_and(in_range, jnp.logical_not(held))
+        pl.when(first)(functools.partial(compute, w_refs, b_ref, slot))
+        held = in_range if held is None else jnp.logical_or(held, in_range)
+
+    @pl.when(jnp.logical_not(held))
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
 def _tile_product(xs, w):
@@ -192,19 +197,31 @@ def _row_product(v, w):
 
 
 def moe_ffn_pallas(x, slot_ids, weights, w_gate_up, w_down, b_gate_up=None, b_down=None, *, activation="swiglu",
-                   blocks=None, one_row_gemv: bool = True):
+                   blocks=None, one_row_gemv: bool = True, also=()):
     """The grouped GEMM as Triton kernels where the program is lowered for a CUDA GPU (weights Triton cannot
     tile run the portable XLA kernel there instead), interpreted elsewhere. A step of one row runs as
-    matrix-vector programs unless `one_row_gemv` is False (bench.gpu.kernel_forms times both)."""
-    args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
+    matrix-vector programs unless `one_row_gemv` is False (bench.gpu.kernel_forms times both). `also`: more
+    sources of experts for a one-row step, each (slot_ids [1, k], w_gate_up, w_down, b_gate_up, b_down) of the
+    same shapes but the slot count (e.g. the pinned-host experts of miss mode "direct" beside the cache slots): a
+    choice reads the first source whose slot ids name a slot for it, in the same two kernels."""
+    if also and not (x.shape[0] == 1 and one_row_gemv):
+        raise ValueError(f"moe_ffn_pallas: `also` serves one-row steps read as matrix-vector programs; got "
+                         f"{x.shape[0]} rows, one_row_gemv={one_row_gemv}")
+    args = (x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, tuple(also))
     gemm = functools.partial(_grouped_gemm, activation=activation, blocks=blocks, one_row_gemv=one_row_gemv)
     on_cuda = (functools.partial(gemm, on_gpu=True) if gpu_shapes_supported(w_gate_up, w_down)
-               else functools.partial(moe_ffn_tiled, activation=activation))
+               else functools.partial(_tiled_by_xla, activation=activation))
     return platform_dependent(*args, cuda=on_cuda, default=functools.partial(gemm, on_gpu=False))
 
 
-def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *, activation, blocks, on_gpu: bool,
-                  one_row_gemv: bool):
+def _tiled_by_xla(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, also, *, activation):
+    if also:
+        raise ValueError(f"moe_ffn_pallas: `also` needs weights Triton can tile; got w_gate_up {w_gate_up.shape}")
+    return moe_ffn_tiled(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation=activation)
+
+
+def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, also, *, activation, blocks,
+                  on_gpu: bool, one_row_gemv: bool):
     act = get_activation(activation)
     num_tokens, top_k = slot_ids.shape
     num_slots, d, two_f = w_gate_up.shape
@@ -221,7 +238,8 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *,
         # A program per choice: a row's choices are distinct experts, so no slot is read twice, and there is no tile
         # layout to build (the row gathered into tiles and the tiles' router weights were two kernels a MoE layer on
         # a GPU, and each tile multiplied 15 rows of padding).
-        layout, programs, rows, slots, x_rows, row_weights = None, top_k, 1, slot_ids, x, weights
+        layout, programs, rows, x_rows, row_weights = None, top_k, 1, x, weights
+        slots = jnp.concatenate([slot_ids, *(ids for ids, *_ in also)])  # [sources, k]
         k_block_d, k_block_f = min(k_block_d, GEMV_K_BLOCK), min(k_block_f, GEMV_K_BLOCK)
     else:
         layout = grouping.tile_layout(slot_ids, weights, num_slots, block_m)
@@ -230,18 +248,20 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *,
         programs = x_rows.shape[0] // block_m
     num_k = quantized.contraction_extent(w_down) // k_block_f
     parts = down_parts(programs, d // block_d, num_k) if one_row else 1
-    gate_up_leaves, down_leaves = jax.tree.leaves((w_gate_up, b_gate_up)), jax.tree.leaves((w_down, b_down))
+    sources = [(w_gate_up, w_down, b_gate_up, b_down), *(weights_of for _, *weights_of in also)]
+    gate_up_leaves = jax.tree.leaves([(gate_up, b_up) for gate_up, _, b_up, _ in sources])
+    down_leaves = jax.tree.leaves([(down, b_dn) for _, down, _, b_dn in sources])
     suffix, params = ("_gemv", TRITON_GEMV_PARAMS) if one_row else ("", TRITON_PARAMS)
 
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, one_row=one_row, block_d=k_block_d, block_f=block_f, f=f, act=act, fmt=fmt,
-                          group=group, has_bias=b_gate_up is not None),
+        functools.partial(_gate_up_kernel, one_row=one_row, sources=len(sources), block_d=k_block_d, block_f=block_f,
+                          f=f, act=act, fmt=fmt, group=group, has_bias=b_gate_up is not None),
         out_shape=jax.ShapeDtypeStruct((programs * rows, f), x.dtype),
         grid=(programs, f // block_f),
         in_specs=[
             pl.no_block_spec,  # the slots: whole, one read per program
             pl.BlockSpec((rows, d), lambda i, n: (0 if one_row else i, 0)),
-            *[pl.no_block_spec] * len(gate_up_leaves),  # w_gate_up (and its bias): whole, indexed by the slot
+            *[pl.no_block_spec] * len(gate_up_leaves),  # each source's w_gate_up (+ bias): whole, indexed by slot
         ],
         out_specs=pl.BlockSpec((rows, block_f), lambda i, n: (i, n)),
         interpret=not on_gpu,
@@ -250,15 +270,15 @@ def _grouped_gemm(x, slot_ids, weights, w_gate_up, w_down, b_gate_up, b_down, *,
     )(slots, x_rows, *gate_up_leaves)
 
     y = pl.pallas_call(
-        functools.partial(_down_kernel, one_row=one_row, block_f=k_block_f, block_d=block_d, steps=-(-num_k // parts),
-                          fmt=fmt, group=group, has_bias=b_down is not None),
+        functools.partial(_down_kernel, one_row=one_row, sources=len(sources), block_f=k_block_f, block_d=block_d,
+                          steps=-(-num_k // parts), fmt=fmt, group=group, has_bias=b_down is not None),
         out_shape=jax.ShapeDtypeStruct((programs * parts * rows, d), jnp.float32),
         grid=(programs, parts, d // block_d),
         in_specs=[
             pl.no_block_spec,
             pl.BlockSpec((rows, f), lambda i, s, n: (i, 0)),
             pl.no_block_spec if one_row else pl.BlockSpec((block_m,), lambda i, s, n: (i,)),  # the router weights
-            *[pl.no_block_spec] * len(down_leaves),  # w_down (+ bias): whole, by slot
+            *[pl.no_block_spec] * len(down_leaves),  # each source's w_down (+ bias): whole, by slot
         ],
         out_specs=pl.BlockSpec((rows, block_d), lambda i, s, n: (i * parts + s, n)),
         interpret=not on_gpu,

@@ -326,9 +326,10 @@ def test_direct_miss_mode_matches_resident_and_admits_its_misses(hf_checkpoints,
 def test_the_direct_kernel_computes_the_missed_experts_only():
     """What miss mode "direct" runs on a GPU (there over the pinned-host experts; here over device arrays, with
     the Pallas kernel interpreted): the grouped GEMM for the choices of missed experts, the others reading
-    nothing, against the reference kernel on those choices alone."""
-    from jmoe.kernels import ExpertWeights, moe_ffn
-    from jmoe.offload.slots import missed_experts_by_kernel
+    nothing, against the reference kernel on those choices alone; with cached experts beside them, every choice
+    from where it lies (a one-row step: in the same two kernels, one source after another)."""
+    from jmoe.kernels import ExpertKernel, ExpertWeights, moe_ffn
+    from jmoe.offload.where_they_lie import missed_experts_by_kernel
 
     rng = np.random.default_rng(0)
     experts, d, f = 4, 16, 16
@@ -338,16 +339,27 @@ def test_the_direct_kernel_computes_the_missed_experts_only():
     ids = np.array([[0, 2], [3, -1], [2, 1]], np.int32)
     weights = rng.random((3, 2), np.float32)
     missing = np.array([False, True, True, False])
-    y = missed_experts_by_kernel(missing, x, ids, weights, ExpertWeights(w_gate_up, w_down), "swiglu")
+    host = ExpertWeights(w_gate_up, w_down)
+    kernel = ExpertKernel("pallas", "swiglu")
+    y = missed_experts_by_kernel(missing, x, ids, weights, host, None, kernel)
     missed = np.where((ids >= 0) & missing[np.maximum(ids, 0)], ids, -1)
     expected = moe_ffn(x, missed, weights, w_gate_up, w_down, backend="reference", out_dtype=np.float32)
     assert np.abs(np.asarray(expected)).max() > 0
     np.testing.assert_allclose(np.asarray(y), np.asarray(expected), atol=1e-5, rtol=0)
+    # The experts not missing, 3 and 0, cached in slots 0 and 1 (copies of theirs): every choice computed.
+    slots = ExpertWeights(w_gate_up[[3, 0]], w_down[[3, 0]])
+    slot_ids = np.array([[1, -1], [0, -1], [-1, -1]], np.int32)
+    for rows in (1, 3):  # one kernel reading two sources; two calls
+        y = missed_experts_by_kernel(missing, x[:rows], ids[:rows], weights[:rows], host,
+                                     (slot_ids[:rows], slots), kernel)
+        expected = moe_ffn(x[:rows], ids[:rows], weights[:rows], w_gate_up, w_down, backend="reference",
+                           out_dtype=np.float32)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(expected), atol=1e-5, rtol=0, err_msg=f"{rows} rows")
     # An expert width Triton cannot tile (40: blocks of 8) is a clear error, not XLA's kernel failing on host arrays.
     narrow = ExpertWeights(w_gate_up[:, :, :80], w_down[:, :8].repeat(5, axis=1))
     with pytest.raises(jmoe.InputError, match=r'miss_mode="direct" .* divisible by 16 .*; found hidden size 16, '
                                               r'expert width 40, .* Use miss_mode="host" or "fetch"'):
-        missed_experts_by_kernel(missing, x, ids, weights, narrow, "swiglu")
+        missed_experts_by_kernel(missing, x, ids, weights, narrow, None, kernel)
 
 
 def test_host_miss_mode_moves_no_expert_weights_at_decode_without_cache(olmoe_dir):

@@ -34,8 +34,9 @@ from jmoe.offload.options import COMPUTED_WHERE_THEY_LIE, OffloadOptions
 from jmoe.offload.placement import Placement
 from jmoe.offload.policies import CachePolicy
 from jmoe.offload.resident import ResidentEngine
-from jmoe.offload.slots import (LayerSlots, Scratch, compute_misses_where_they_lie, copy_into_slots, copy_wanted,
-                                empty_slots, fetch_and_compute, prefetch, prefetch_by_score, prefill_experts)
+from jmoe.offload.slots import (LayerSlots, Scratch, copy_into_slots, copy_wanted, empty_slots, fetch_and_compute,
+                                prefetch, prefetch_by_score, prefill_experts)
+from jmoe.offload.where_they_lie import compute_misses_where_they_lie
 
 
 def steps_run_ahead(placement: Placement, options: OffloadOptions) -> bool:

@@ -30,10 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jmoe.errors import InputError
 from jmoe.kernels import ExpertKernel, ExpertWeights
 from jmoe.kernels.expert_copy import copy_experts
-from jmoe.kernels.pallas_grouped import GPU_MIN_BLOCK, gpu_shapes_supported
 from jmoe.kernels.target import platform_dependent
 from jmoe.memory import on_second_stream, to_device
 from jmoe.offload.fetch_plan import FetchPlan, fetch_plan_by_kernel, fetch_plan_fits
@@ -435,46 +433,3 @@ def stream_and_compute(slots: LayerSlots, host: ExpertWeights, x, ids, weights, 
         # rather than branched on: a branch makes a GPU wait for the host.
         y = y + compute(buffer, first)
     return y
-
-
-def compute_misses_where_they_lie(slots: LayerSlots, host: ExpertWeights, x, ids, weights, *, kernel: ExpertKernel,
-                                  miss_mode: str) -> tuple[jax.Array, StepCounts]:
-    """Miss modes "host" and "direct", decode path: cached experts run on the device from their slots; every
-    other needed expert runs where its weights lie (`experts_on_host_where`, `experts_read_in_place`), so the
-    device makes no demand copies for them. This step's misses are admitted into the cache by the manager's plan for
-    the next step (OffloadEngine), copied as that step starts. Returns float32 y [T, d]."""
-    num_experts = slots.slot_of_expert.shape[0]
-    hits = count_hits(slots.slot_of_expert, ids)
-    missing = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0)
-    misses = experts_read_in_place if miss_mode == "direct" else experts_on_host_where
-    y = misses(missing, x, ids, weights, host, kernel)
-    if slots.expert_in_slot.shape[0]:
-        y = y + kernel(x, slot_ids_of(slots.slot_of_expert, ids), weights, slots.buffers, out_dtype=jnp.float32)
-    counts = StepCounts(hits, jnp.sum(ids >= 0, dtype=jnp.int32) - hits, jnp.int32(0), jnp.int32(0))
-    return y, counts
-
-
-def experts_read_in_place(missing, x, ids, weights, host: ExpertWeights, kernel: ExpertKernel) -> jax.Array:
-    """float32 [T, d]: the contribution of the experts marked in `missing` (bool [E]), miss mode "direct". On a
-    GPU the Pallas grouped GEMM (Triton) is handed the pinned-host expert arrays as they are (XLA copies nothing
-    first: tests/test_gpu_step.py) and reads the missed experts' weight tiles over the host link: only their
-    bytes, with no demand copies and no host round trip. Elsewhere host and device memory are one RAM, and the host
-    computes them (`experts_on_host_where`)."""
-    return platform_dependent(missing, x, ids, weights, host,
-                              cuda=functools.partial(missed_experts_by_kernel, activation=kernel.activation),
-                              default=functools.partial(experts_on_host_where, kernel=kernel))
-
-
-def missed_experts_by_kernel(missing, x, ids, weights, experts: ExpertWeights, activation: str) -> jax.Array:
-    """float32 [T, d]: the Pallas grouped GEMM over `experts` (all E of them, wherever they are) for the choices
-    of an expert marked in `missing` (bool [E]); the other choices read nothing."""
-    experts = experts.stacked()
-    if not gpu_shapes_supported(experts.w_gate_up, experts.w_down):  # XLA's kernels cannot read host memory
-        leaves = jax.tree.leaves(experts)
-        raise InputError(f'miss_mode="direct" computes missed experts with the Triton expert kernel, whose blocks '
-                         f'need the hidden size and the expert width divisible by {GPU_MIN_BLOCK} and which cannot '
-                         f'address a layer of 2-4 GiB of one-byte codes; found hidden size {x.shape[-1]}, expert width '
-                         f'{experts.w_down.shape[1]}, arrays of shapes {[leaf.shape for leaf in leaves]} '
-                         f'{[str(leaf.dtype) for leaf in leaves]}. Use miss_mode="host" or "fetch" for this model')
-    missed = jnp.where(missing[jnp.maximum(ids, 0)] & (ids >= 0), ids, -1)
-    return ExpertKernel("pallas", activation)(x, missed, weights, experts, out_dtype=jnp.float32)
