@@ -63,7 +63,8 @@ class EngineState(NamedTuple):
     # Per offloaded layer its position l, an int32 scalar array of its own, at which the step reads row l of
     # slot_of_expert, victim_order, plan_experts, plan_slots and host_row_of_expert: a row read at a constant puts the
     # constant in the kernels that read it, and XLA:GPU compiles a kernel once for all its places only where they are
-    # identical (bench/results/depth.md: an H100 compile of 24 DeepSeek-V3 layers 17% shorter).
+    # identical (bench/results/depth.md: an H100 compile of 24 DeepSeek-V3 layers 17% shorter). A block's layers are
+    # consecutive positions, so the step writes its rows of slot_of_expert and counts at once from its first.
     layer_index: tuple
     # The disk tier (jmoe.offload.host_tier; () without a host budget): per layer ExpertWeights of its H host
     # rows in pinned host memory, and int32 [Lo, E] the row of each expert (-1 = on disk only).
@@ -376,12 +377,14 @@ class OffloadEngine(ResidentEngine):
                 handed_on[0], None if carry.history is None else (carry.history[0] + len(layers), seen[0]))
             if not lo:
                 return state, carry_out
-            slot_of_expert, step_counts = state.slot_of_expert, state.counts
-            for i, (slots, c) in enumerate(zip(layer_slots, counts)):  # each layer's rows at its own position
-                layer_counts = jnp.stack([c.hits, c.misses, c.copied + copied[i], c.evicted + evicted[i]])
-                slot_of_expert = jax.lax.dynamic_update_index_in_dim(slot_of_expert, slots.slot_of_expert,
-                                                                     state.layer_index[i], 0)
-                step_counts = jax.lax.dynamic_update_index_in_dim(step_counts, layer_counts, state.layer_index[i], 0)
+            layer_counts = [jnp.stack([c.hits, c.misses, c.copied + copied[i], c.evicted + evicted[i]])
+                            for i, c in enumerate(counts)]
+            # The block's layers are consecutive rows from its first position: each table is written once, where a
+            # row a layer was a kernel a layer on a GPU.
+            slot_of_expert, step_counts = (
+                jax.lax.dynamic_update_slice_in_dim(table, jnp.stack(rows), state.layer_index[0], 0)
+                for table, rows in ((state.slot_of_expert, [s.slot_of_expert for s in layer_slots]),
+                                    (state.counts, layer_counts)))
             return state._replace(buffers=tuple(s.buffers for s in layer_slots), scratch=scratch[0].buffers,
                                   slot_of_expert=slot_of_expert,
                                   expert_in_slot=tuple(s.expert_in_slot for s in layer_slots),
