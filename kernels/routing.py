@@ -33,8 +33,8 @@ def choose_experts(scores, valid, *, top_k: int, weigh=None, normalize: bool, ep
     times `scale`."""
     args = (scores, scores if weigh is None else weigh, valid)
     options = dict(top_k=top_k, normalize=normalize, eps=eps, scale=scale, dtype=dtype)
-    return platform_dependent(*args, cuda=functools.partial(_choose_by_kernel, on_gpu=True, **options),
-                              default=functools.partial(_choose_in_xla, **options))
+    return platform_dependent(*args, cuda=functools.partial(choose_by_kernel, on_gpu=True, **options),
+                              default=functools.partial(choose_in_xla, **options))
 
 
 def chosen_weights(ids, weigh, valid, *, normalize: bool, eps: float = 0.0, scale: float = 1.0, dtype):
@@ -47,11 +47,13 @@ def chosen_weights(ids, weigh, valid, *, normalize: bool, eps: float = 0.0, scal
     return jnp.where(valid[:, None], ids.astype(jnp.int32), -1), weights.astype(dtype)
 
 
-def _choose_in_xla(scores, weigh, valid, *, top_k, **options):
+def choose_in_xla(scores, weigh, valid, *, top_k, **options):
+    """`choose_experts` in XLA (weigh given), what every platform but a GPU runs."""
     return chosen_weights(jax.lax.top_k(scores, top_k)[1], weigh, valid, **options)
 
 
-def _choose_by_kernel(scores, weigh, valid, *, top_k, normalize, eps, scale, dtype, on_gpu: bool):
+def choose_by_kernel(scores, weigh, valid, *, top_k, normalize, eps, scale, dtype, on_gpu: bool):
+    """`choose_experts` as the Pallas kernel (weigh given): Triton where on_gpu, else interpreted (tests)."""
     num_tokens, num_experts = scores.shape
     kernel = functools.partial(_choose_kernel, top_k=top_k, num_experts=num_experts, normalize=normalize, eps=eps,
                                scale=scale)
