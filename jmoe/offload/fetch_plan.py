@@ -56,7 +56,7 @@ def fetch_plan_by_kernel(slots, victim_order, ids, *, most_missed: int, num_scra
                  most_missed=most_missed)
     vector = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     outputs = pl.pallas_call(
-        functools.partial(_plan_kernel, num_scratch=num_scratch, **sizes),
+        functools.partial(_plan_kernel, num_scratch=num_scratch, on_gpu=on_gpu, **sizes),
         out_shape=[vector((most_missed,)), vector((most_missed,)), vector((num_experts,)), vector((num_cache,)),
                    vector((ids.size,)), vector((most_missed,)), vector((most_missed,)), vector((ids.size,)),
                    vector((num_experts,)), vector((4,))],
@@ -64,6 +64,8 @@ def fetch_plan_by_kernel(slots, victim_order, ids, *, most_missed: int, num_scra
         # Whole arrays, read and written by masked loads and stores: Triton's blocks are powers of two.
         in_specs=[pl.no_block_spec] * 4,
         out_specs=[pl.no_block_spec] * 10,
+        # expert_in_slot updated in its own buffer (the state's, donated): a new one was a copy into it after the step
+        input_output_aliases={1: 3},
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="fetch_plan",
@@ -103,7 +105,7 @@ def _rank(marked) -> jax.Array:
 
 def _plan_kernel(soe_ref, eis_ref, order_ref, ids_ref, misses_ref, into_cache_ref, soe_out, eis_out, cache_ids_ref,
                  scratch_misses_ref, into_scratch_ref, scratch_ids_ref, past_ref, counts_ref, *, experts, cache,
-                 victims, pairs, most_missed, num_scratch):
+                 victims, pairs, most_missed, num_scratch, on_gpu):
     """fetch_plan_in_xla's steps, in its order, on vectors padded to powers of two (pad experts count as cached,
     pad pairs, victims and slots as -1)."""
     expert, rows = _iota(experts), _iota(most_missed)
@@ -130,6 +132,8 @@ def _plan_kernel(soe_ref, eis_ref, order_ref, ids_ref, misses_ref, into_cache_re
     slot_of_expert = jnp.where(gone, -1, slot_of_expert)
     slot_of_expert = _lookup(expert, into_cache, jnp.where(admitting, misses, -1), empty=slot_of_expert)
     expert_in_slot = _lookup(_iota(cache), misses, jnp.where(admitting, into_cache, -1), empty=expert_in_slot)
+    if on_gpu:  # every thread's reads of expert_in_slot before any writes it (the output's buffer); interpreted: in order
+        pltriton.debug_barrier()
     # The misses past the admitted ones go to scratch, in rank order.
     shifted = jnp.minimum(admitted + rows, most_missed - 1)
     scratch_slot = jnp.where((rank >= admitted) & (rank < copied), rank - admitted, -1)
