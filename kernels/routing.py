@@ -5,7 +5,7 @@ Where the program is lowered for a CUDA GPU this is one Pallas kernel (Triton), 
 it three kernels after the router's own (a sort for top_k, the chosen scores' gather, their normalisation and cast),
 each a launch in a one-row decode step, whose kernels are a few microseconds of work each (gpu_check's Mixtral-shaped
 resident step on an H100, 2026-11-27: 93 kernels, 1.24-1.66 ms against 0.28 ms of HBM reads). Elsewhere it is the
-same computation in XLA (`chosen_weights` after lax.top_k); tests/test_choose_experts.py holds the kernel,
+same computation in XLA (`chosen_weights` after lax.top_k); tests/test_bookkeeping_kernels.py holds the kernel,
 interpreted, to it."""
 
 from __future__ import annotations

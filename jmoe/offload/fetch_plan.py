@@ -6,7 +6,7 @@ Why a kernel: XLA:GPU made this integer work on a few dozen elements eight kerne
 victims the step may use, compacted by a sort, the misses listed by a scatter, the tables' updates, the slot ids), each
 a launch as long as a small kernel's work; the layer's copies and expert kernels wait for all of them. One program
 does it all here, with every gather and compaction written as comparisons of small vectors. `jmoe.offload.slots.
-fetch_plan_in_xla` is the same computation in XLA, what every other platform runs, and tests/test_fetch_plan.py
+fetch_plan_in_xla` is the same computation in XLA, what every other platform runs, and tests/test_bookkeeping_kernels.py
 holds the kernel (interpreted) to it."""
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def _plan_kernel(soe_ref, eis_ref, order_ref, ids_ref, misses_ref, into_cache_re
     slot_of_expert = jnp.where(gone, -1, slot_of_expert)
     slot_of_expert = _lookup(expert, into_cache, jnp.where(admitting, misses, -1), empty=slot_of_expert)
     expert_in_slot = _lookup(_iota(cache), misses, jnp.where(admitting, into_cache, -1), empty=expert_in_slot)
-    if on_gpu:  # every thread's reads of expert_in_slot before any writes it (the output's buffer); interpreted: in order
-        pltriton.debug_barrier()
+    if on_gpu:  # every thread's reads of expert_in_slot before any writes it (the output's buffer; interpreted: in
+        pltriton.debug_barrier()  # order)
     # The misses past the admitted ones go to scratch, in rank order.
     shifted = jnp.minimum(admitted + rows, most_missed - 1)
     scratch_slot = jnp.where((rank >= admitted) & (rank < copied), rank - admitted, -1)
