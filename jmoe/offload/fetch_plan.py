@@ -132,8 +132,9 @@ def _plan_kernel(soe_ref, eis_ref, order_ref, ids_ref, misses_ref, into_cache_re
     slot_of_expert = jnp.where(gone, -1, slot_of_expert)
     slot_of_expert = _lookup(expert, into_cache, jnp.where(admitting, misses, -1), empty=slot_of_expert)
     expert_in_slot = _lookup(_iota(cache), misses, jnp.where(admitting, into_cache, -1), empty=expert_in_slot)
-    if on_gpu:  # every thread's reads of expert_in_slot before any writes it (the output's buffer; interpreted: in
-        pltriton.debug_barrier()  # order)
+    # Every thread reads expert_in_slot before any writes it (its buffer is the output's); interpreted, in order.
+    if on_gpu:
+        pltriton.debug_barrier()
     # The misses past the admitted ones go to scratch, in rank order.
     shifted = jnp.minimum(admitted + rows, most_missed - 1)
     scratch_slot = jnp.where((rank >= admitted) & (rank < copied), rank - admitted, -1)
