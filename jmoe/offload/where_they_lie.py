@@ -23,7 +23,7 @@ def compute_misses_where_they_lie(slots: LayerSlots, host: ExpertWeights, x, ids
     """Miss modes "host" and "direct", decode path: cached experts run on the device from their slots; every
     other needed expert runs where its weights lie (`experts_on_host_where`, `experts_read_in_place`), so the
     device makes no demand copies for them. This step's misses are admitted into the cache by the manager's plan for
-    the next step (OffloadEngine), copied as that step starts. Returns float32 y [T, d]."""
+    the next step (OffloadEngine), copied as that step starts. Returns (float32 y [T, d], counts)."""
     num_experts = slots.slot_of_expert.shape[0]
     hits = count_hits(slots.slot_of_expert, ids)
     missing = needed_experts(ids, num_experts) & (slots.slot_of_expert < 0)
