@@ -3,6 +3,7 @@ scores, normalised, scaled, cast) and -1 for the ids of tokens that route nowher
 
 Where the program is lowered for a CUDA GPU this is one Pallas kernel (Triton), a program per token. XLA:GPU made
 it three kernels after the router's own (a sort for top_k, the chosen scores' gather, their normalisation and cast),
+four more for DeepSeek-V3's groups (the sort of each group's best two, their sums, the groups' sort, the mask),
 each a launch in a one-row decode step, whose kernels are a few microseconds of work each (gpu_check's Mixtral-shaped
 resident step on an H100, 2026-11-27: 93 kernels, 1.24-1.66 ms against 0.28 ms of HBM reads). Elsewhere it is the
 same computation in XLA (`chosen_weights` after lax.top_k); tests/test_bookkeeping_kernels.py holds the kernel,
@@ -23,18 +24,31 @@ from jmoe.kernels.target import platform_dependent
 TRITON_PARAMS = pltriton.CompilerParams(num_warps=1, num_stages=1)
 
 
-def choose_experts(scores, valid, *, top_k: int, weigh=None, normalize: bool, eps: float = 0.0, scale: float = 1.0,
-                   dtype):
+def choose_experts(scores, valid, *, top_k: int, weigh=None, bias=None, groups: tuple[int, int] = (1, 1),
+                   normalize: bool, eps: float = 0.0, scale: float = 1.0, dtype):
     """ids int32 [N, top_k] and weights [N, top_k] of `dtype` for scores float32 [N, E] and valid bool [N].
 
-    A token's ids are its `top_k` highest scores' experts, highest first (ties: the lower expert first, as
-    lax.top_k; -inf scores are never preferred to finite ones), -1 where not `valid`; its weights are the same
-    experts' entries of `weigh` (float32 [N, E], default `scores`), divided by their sum plus `eps` if `normalize`,
-    times `scale`."""
-    args = (scores, scores if weigh is None else weigh, valid)
-    options = dict(top_k=top_k, normalize=normalize, eps=eps, scale=scale, dtype=dtype)
+    A token's ids are the `top_k` experts of the highest selection scores, highest first (ties: the lower expert
+    first, as lax.top_k; -inf scores are never preferred to finite ones), -1 where not `valid`. The selection scores
+    are `scores` plus `bias` (float32 [E], if given), limited to the experts of the best groups[1] of groups[0]
+    equal groups (`group_limited`). Its weights are the chosen experts' entries of `weigh` (float32 [N, E], default
+    `scores`), divided by their sum plus `eps` if `normalize`, times `scale`."""
+    args = (scores, scores if weigh is None else weigh, valid, jnp.zeros(scores.shape[-1:]) if bias is None else bias)
+    options = dict(top_k=top_k, groups=tuple(groups), normalize=normalize, eps=eps, scale=scale, dtype=dtype)
     return platform_dependent(*args, cuda=functools.partial(choose_by_kernel, on_gpu=True, **options),
                               default=functools.partial(choose_in_xla, **options))
+
+
+def group_limited(scores, num_groups: int, top_groups: int):
+    """scores [N, E] with -inf outside the `top_groups` best of `num_groups` equal groups of experts, a group scored
+    by the sum of its best two (DeepSeek-V3's node-limited routing; ties: the lower group first)."""
+    if num_groups == 1:
+        return scores
+    grouped = scores.reshape(scores.shape[0], num_groups, -1)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best_groups = jax.lax.top_k(group_scores, top_groups)
+    eligible = jnp.any(best_groups[:, :, None] == jnp.arange(num_groups), axis=1)
+    return jnp.where(eligible[:, :, None], grouped, -jnp.inf).reshape(scores.shape)
 
 
 def chosen_weights(ids, weigh, valid, *, normalize: bool, eps: float = 0.0, scale: float = 1.0, dtype):
@@ -47,16 +61,17 @@ def chosen_weights(ids, weigh, valid, *, normalize: bool, eps: float = 0.0, scal
     return jnp.where(valid[:, None], ids.astype(jnp.int32), -1), weights.astype(dtype)
 
 
-def choose_in_xla(scores, weigh, valid, *, top_k, **options):
-    """`choose_experts` in XLA (weigh given), what every platform but a GPU runs."""
-    return chosen_weights(jax.lax.top_k(scores, top_k)[1], weigh, valid, **options)
+def choose_in_xla(scores, weigh, valid, bias, *, top_k, groups, **options):
+    """`choose_experts` in XLA (weigh and bias given), what every platform but a GPU runs."""
+    selection = group_limited(scores + bias.astype(jnp.float32), *groups)
+    return chosen_weights(jax.lax.top_k(selection, top_k)[1], weigh, valid, **options)
 
 
-def choose_by_kernel(scores, weigh, valid, *, top_k, normalize, eps, scale, dtype, on_gpu: bool):
-    """`choose_experts` as the Pallas kernel (weigh given): Triton where on_gpu, else interpreted (tests)."""
+def choose_by_kernel(scores, weigh, valid, bias, *, top_k, groups, normalize, eps, scale, dtype, on_gpu: bool):
+    """`choose_experts` as the Pallas kernel (weigh and bias given): Triton where on_gpu, else interpreted (tests)."""
     num_tokens, num_experts = scores.shape
-    kernel = functools.partial(_choose_kernel, top_k=top_k, num_experts=num_experts, normalize=normalize, eps=eps,
-                               scale=scale)
+    kernel = functools.partial(_choose_kernel, top_k=top_k, num_experts=num_experts, groups=groups,
+                               normalize=normalize, eps=eps, scale=scale)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
@@ -64,23 +79,26 @@ def choose_by_kernel(scores, weigh, valid, *, top_k, normalize, eps, scale, dtyp
         grid=(num_tokens,),
         # Whole arrays, read and written by masked loads and stores: Triton's blocks are powers of two, E and k
         # need not be.
-        in_specs=[pl.no_block_spec] * 3,
+        in_specs=[pl.no_block_spec] * 4,
         out_specs=[pl.no_block_spec] * 2,
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="choose_experts",
-    )(scores, weigh, valid.astype(jnp.int32))
+    )(scores, weigh, valid.astype(jnp.int32), bias.astype(jnp.float32).reshape(1, -1))
 
 
-def _choose_kernel(scores_ref, weigh_ref, valid_ref, ids_ref, weights_ref, *, top_k, num_experts, normalize, eps,
-                   scale):
-    """One token: top_k rounds of "the highest score not yet taken, the lowest expert among equals"."""
+def _choose_kernel(scores_ref, weigh_ref, valid_ref, bias_ref, ids_ref, weights_ref, *, top_k, num_experts, groups,
+                   normalize, eps, scale):
+    """One token: its selection scores (group_limited's groups, each a round over the experts), then top_k rounds of
+    "the highest score not yet taken, the lowest expert among equals"."""
     token = pl.program_id(0)
     experts = jax.lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(num_experts)), 1)
     ranks = jax.lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(top_k)), 1)
     real = experts < num_experts
     row = (pl.ds(token, 1), pl.ds(0, experts.shape[1]))
-    scores = pltriton.load(scores_ref.at[row], mask=real, other=-jnp.inf)
+    scores = (pltriton.load(scores_ref.at[row], mask=real, other=-jnp.inf)
+              + pltriton.load(bias_ref.at[(pl.ds(0, 1), row[1])], mask=real, other=0.0))
+    scores = _group_limited(scores, experts, num_experts, *groups)
     weigh = pltriton.load(weigh_ref.at[row], mask=real, other=0.0)
     taken = jnp.logical_not(real)
     ids = jnp.zeros(ranks.shape, jnp.int32)
@@ -104,3 +122,27 @@ def _choose_kernel(scores_ref, weigh_ref, valid_ref, ids_ref, weights_ref, *, to
     out = (pl.ds(token, 1), pl.ds(0, ranks.shape[1]))
     pltriton.store(ids_ref.at[out], ids, mask=ranks < top_k)
     pltriton.store(weights_ref.at[out], weights.astype(weights_ref.dtype), mask=ranks < top_k)
+
+
+def _group_limited(scores, experts, num_experts: int, num_groups: int, top_groups: int):
+    """group_limited for one token's scores [1, E'] inside the kernel: each group's best two, then each group's rank
+    among the groups (better ones, and equal ones of a lower index), its experts kept where the rank is below
+    top_groups."""
+    if num_groups == 1:
+        return scores
+    group = experts // (num_experts // num_groups)  # padding experts fall in no group
+    group_scores = []
+    for g in range(num_groups):
+        inside = group == g
+        best = jnp.max(jnp.where(inside, scores, -jnp.inf), axis=1, keepdims=True)
+        at = jnp.min(jnp.where(jnp.logical_and(inside, scores == best), experts, num_experts), axis=1, keepdims=True)
+        second = jnp.max(jnp.where(jnp.logical_and(inside, experts != at), scores, -jnp.inf), axis=1, keepdims=True)
+        group_scores.append(best + second)
+    kept = None
+    for g, score in enumerate(group_scores):
+        # Groups ahead of g: better, or as good and earlier.
+        ahead = [(other >= score if h < g else other > score).astype(jnp.int32)
+                 for h, other in enumerate(group_scores) if h != g]
+        keep = jnp.logical_and(group == g, functools.reduce(jnp.add, ahead) < top_groups)
+        kept = keep if kept is None else jnp.logical_or(kept, keep)
+    return jnp.where(kept, scores, -jnp.inf)

@@ -11,14 +11,16 @@ from bench.gpu.bookkeeping import plan_agrees, routing_agrees
 from jmoe.kernels.routing import choose_by_kernel, choose_experts
 from jmoe.offload.fetch_plan import fetch_plan_fits
 
-# Routing (tokens, experts, top-k, normalize, eps, scale): Mixtral's and a sigmoid router's options, an expert count
-# and a top-k that are no powers of two (Triton's blocks are), every expert chosen; the last of several tokens
-# padding. The plan (experts, cache slots, tokens, top-k, scratch slots): one-row steps whose misses are all admitted
-# or partly go to scratch, batches that repeat experts, more misses than scratch slots, sizes no powers of two.
-CHECKS = ([(routing_agrees, case) for case in [(1, 8, 2, True, 0.0, 1.0), (5, 60, 4, False, 0.0, 1.0),
-                                               (3, 256, 8, True, 1e-20, 2.5), (2, 6, 6, True, 0.0, 1.0)]]
-          + [(plan_agrees, case) for case in [(8, 2, 1, 2, 2), (8, 4, 3, 2, 2), (60, 6, 2, 4, 3), (16, 3, 4, 3, 1),
-                                              (32, 8, 1, 4, 4)]])
+# Routing (tokens, experts, top-k, normalize, eps, scale, groups): Mixtral's and a sigmoid router's options (with and
+# without groups, groups of two experts), an expert count and a top-k that are no powers of two (Triton's blocks
+# are), every expert chosen; the last of several tokens padding.
+ROUTINGS = [(1, 8, 2, True, 0.0, 1.0, (1, 1)), (5, 60, 4, False, 0.0, 1.0, (1, 1)),
+            (3, 256, 8, True, 1e-20, 2.5, (8, 4)), (2, 6, 6, True, 0.0, 1.0, (1, 1)),
+            (3, 12, 3, True, 1e-20, 1.0, (6, 2)), (2, 64, 6, False, 1e-20, 1.0, (1, 1))]
+# The plan (experts, cache slots, tokens, top-k, scratch slots): one-row steps whose misses are all admitted or partly
+# go to scratch, batches that repeat experts, more misses than scratch slots, sizes no powers of two.
+PLANS = [(8, 2, 1, 2, 2), (8, 4, 3, 2, 2), (60, 6, 2, 4, 3), (16, 3, 4, 3, 1), (32, 8, 1, 4, 4)]
+CHECKS = [(routing_agrees, case) for case in ROUTINGS] + [(plan_agrees, case) for case in PLANS]
 
 
 @pytest.mark.quick
@@ -30,8 +32,9 @@ def test_each_kernel_computes_what_xla_does(agrees, case):
 
 def kernel_ids(scores, top_k):
     """The routing kernel's choice for every row of scores, all valid."""
-    return np.asarray(choose_by_kernel(scores, scores, jnp.ones(scores.shape[0], bool), top_k=top_k, normalize=False,
-                                       eps=0.0, scale=1.0, dtype=jnp.float32, on_gpu=False)[0])
+    return np.asarray(choose_by_kernel(scores, scores, jnp.ones(scores.shape[0], bool), jnp.zeros(scores.shape[1]),
+                                       top_k=top_k, groups=(1, 1), normalize=False, eps=0.0, scale=1.0,
+                                       dtype=jnp.float32, on_gpu=False)[0])
 
 
 def test_ties_and_minus_infinity_choose_the_lower_expert_first():

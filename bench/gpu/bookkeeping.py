@@ -11,10 +11,11 @@ import functools
 import numpy as np
 
 WEIGHT_TOLERANCE = 1e-6  # float32 sums of at most k weights, in another order
-# (tokens, experts, top-k, normalize, eps, scale): Mixtral's, GPT-OSS-120B's, a sigmoid router's (DeepSeek-V3's
-# sizes), and an expert count and top-k that are no powers of two over a few tokens.
-ROUTING_CASES = [(1, 8, 2, True, 0.0, 1.0), (1, 128, 4, True, 0.0, 1.0), (1, 256, 8, True, 1e-20, 2.5),
-                 (4, 60, 6, False, 0.0, 1.0)]
+# (tokens, experts, top-k, normalize, eps, scale, (groups, best groups kept)): Mixtral's, GPT-OSS-120B's,
+# DeepSeek-V3's sigmoid router (bias-corrected, the best 4 of 8 groups), and an expert count and top-k that are no
+# powers of two over a few tokens. A case with eps is a sigmoid router's: biased choice, unbiased weights.
+ROUTING_CASES = [(1, 8, 2, True, 0.0, 1.0, (1, 1)), (1, 128, 4, True, 0.0, 1.0, (1, 1)),
+                 (1, 256, 8, True, 1e-20, 2.5, (8, 4)), (4, 60, 6, False, 0.0, 1.0, (1, 1))]
 # (experts, cache slots, tokens, top-k, scratch slots): one-row steps, all admitted or partly to scratch, a batch.
 PLAN_CASES = [(8, 2, 1, 2, 2), (128, 40, 1, 4, 4), (60, 6, 2, 4, 3), (32, 8, 4, 2, 4)]
 
@@ -60,11 +61,14 @@ def routing_agrees(case, on_gpu: bool) -> tuple[bool, str]:
 
     from jmoe.kernels.routing import choose_by_kernel, choose_in_xla
 
-    tokens, experts, top_k, normalize, eps, scale = case
-    scores = jnp.asarray(random_scores(np.random.default_rng(experts), tokens, experts))
-    weigh = jax.nn.sigmoid(scores) if eps else scores
-    args = (scores, weigh, jnp.arange(tokens) < max(1, tokens - 1))  # the last of several tokens is padding
-    options = dict(top_k=top_k, normalize=normalize, eps=eps, scale=scale, dtype=jnp.float32)
+    tokens, experts, top_k, normalize, eps, scale, groups = case
+    rng = np.random.default_rng(experts)
+    scores = jnp.asarray(random_scores(rng, tokens, experts))
+    if eps:  # a sigmoid router: chosen by sigmoid scores plus a bias, weighed by the sigmoid scores
+        scores = jax.nn.sigmoid(scores)
+    bias = jnp.asarray(rng.normal(scale=0.1 if eps else 0.0, size=experts), jnp.float32)
+    args = (scores, scores, jnp.arange(tokens) < max(1, tokens - 1), bias)  # the last of several tokens: padding
+    options = dict(top_k=top_k, groups=groups, normalize=normalize, eps=eps, scale=scale, dtype=jnp.float32)
     (ids, weights), (kernel_ids, kernel_weights) = (
         jax.jit(functools.partial(choose_in_xla, **options))(*args),
         jax.jit(functools.partial(choose_by_kernel, on_gpu=on_gpu, **options))(*args))

@@ -15,7 +15,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.kernels.routing import choose_experts, chosen_weights
+from jmoe.kernels.routing import choose_experts, chosen_weights, group_limited
 from jmoe.model.layers import DenseMLP, Experts, Linear, normal_param, project
 
 
@@ -29,12 +29,7 @@ def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax
         logits = project(x, kernel, *bias)
         return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     _, bias = router
-    biased = _sigmoid_scores(router, x) + bias.astype(jnp.float32)
-    grouped = biased.reshape(x.shape[0], cfg.n_group, -1)
-    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # a group is as good as its best two
-    _, best_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-    eligible = jnp.zeros(group_scores.shape, bool).at[jnp.arange(x.shape[0])[:, None], best_groups].set(True)
-    return jnp.where(eligible[:, :, None], grouped, -jnp.inf).reshape(x.shape[0], -1)
+    return group_limited(_sigmoid_scores(router, x) + bias.astype(jnp.float32), cfg.n_group, cfg.topk_group)
 
 
 def _sigmoid_scores(router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
@@ -89,15 +84,16 @@ class MoEBlock(nnx.Module):
         the forced experts.
         """
         cfg = self.cfg
-        probs = router_probabilities(cfg, self.router_params(), x)
         if cfg.router == "softmax":
-            weigh, options = probs, {}
-        else:  # the chosen experts' unbiased scores
-            weigh, options = _sigmoid_scores(self.router_params(), x), dict(eps=1e-20, scale=cfg.routed_scaling_factor)
+            scores, choice, options = router_probabilities(cfg, self.router_params(), x), {}, {}
+        else:  # chosen by the bias-corrected scores of the best groups (router_probabilities), weighed unbiased
+            scores = _sigmoid_scores(self.router_params(), x)
+            choice = dict(bias=self.router_params()[1], groups=(cfg.n_group, cfg.topk_group))
+            options = dict(eps=1e-20, scale=cfg.routed_scaling_factor)
         options.update(normalize=cfg.norm_topk_prob, dtype=x.dtype)
         if forced_ids is None:
-            return choose_experts(probs, token_valid, top_k=cfg.num_experts_per_tok, weigh=weigh, **options)
-        return chosen_weights(forced_ids, weigh, token_valid, **options)
+            return choose_experts(scores, token_valid, top_k=cfg.num_experts_per_tok, **choice, **options)
+        return chosen_weights(forced_ids, scores, token_valid, **options)
 
     def view(self) -> MoELayerView:
         return MoELayerView(self.experts.weights(), self.router_params())
