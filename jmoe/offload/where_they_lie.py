@@ -54,7 +54,8 @@ def experts_read_in_place(missing, x, ids, weights, host: ExpertWeights, kernel:
     every choice, cached or not, in the same two kernels (`moe_ffn_from_sources`). Elsewhere host and device memory
     are one RAM, and the host computes the missed experts (`experts_on_host_where`)."""
     def elsewhere(missing, x, ids, weights, host, cached):
-        return experts_on_host_where(missing, x, ids, weights, host, kernel) + cached_experts(x, weights, cached, kernel)
+        on_host = experts_on_host_where(missing, x, ids, weights, host, kernel)
+        return on_host + cached_experts(x, weights, cached, kernel)
 
     return platform_dependent(missing, x, ids, weights, host, cached,
                               cuda=functools.partial(missed_experts_by_kernel, kernel=kernel), default=elsewhere)
