@@ -47,7 +47,7 @@ def random_layer(rng, num_experts: int, num_cache: int, tokens: int, top_k: int)
 def check(result, on_gpu: bool) -> None:
     """Each case a check of `result` (a SectionResult), whatever the time: a few small programs."""
     for case in ROUTING_CASES:
-        result.attempt(f"choose_experts kernel / (T, E, k) = {case[:3]}", None,
+        result.attempt(f"choose_experts kernel / (T, E, k) = {case[:3]}, groups {case[6]}", None,
                        functools.partial(routing_agrees, case, on_gpu))
     for case in PLAN_CASES:
         result.attempt(f"fetch_plan kernel / (E, S, T, k, M) = {case}", None,
