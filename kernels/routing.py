@@ -33,7 +33,7 @@ def choose_experts(scores, valid, *, top_k: int, weigh=None, bias=None, groups: 
     are `scores` plus `bias` (float32 [E], if given), limited to the experts of the best groups[1] of groups[0]
     equal groups (`group_limited`). Its weights are the chosen experts' entries of `weigh` (float32 [N, E], default
     `scores`), divided by their sum plus `eps` if `normalize`, times `scale`."""
-    args = (scores, scores if weigh is None else weigh, valid, jnp.zeros(scores.shape[-1:]) if bias is None else bias)
+    args = (scores, scores if weigh is None else weigh, valid, bias)
     options = dict(top_k=top_k, groups=tuple(groups), normalize=normalize, eps=eps, scale=scale, dtype=dtype)
     return platform_dependent(*args, cuda=functools.partial(choose_by_kernel, on_gpu=True, **options),
                               default=functools.partial(choose_in_xla, **options))
@@ -62,14 +62,16 @@ def chosen_weights(ids, weigh, valid, *, normalize: bool, eps: float = 0.0, scal
 
 
 def choose_in_xla(scores, weigh, valid, bias, *, top_k, groups, **options):
-    """`choose_experts` in XLA (weigh and bias given), what every platform but a GPU runs."""
-    selection = group_limited(scores + bias.astype(jnp.float32), *groups)
+    """`choose_experts` in XLA (weigh given; bias None: none), what every platform but a GPU runs."""
+    selection = group_limited(scores if bias is None else scores + bias.astype(jnp.float32), *groups)
     return chosen_weights(jax.lax.top_k(selection, top_k)[1], weigh, valid, **options)
 
 
 def choose_by_kernel(scores, weigh, valid, bias, *, top_k, groups, normalize, eps, scale, dtype, on_gpu: bool):
-    """`choose_experts` as the Pallas kernel (weigh and bias given): Triton where on_gpu, else interpreted (tests)."""
+    """`choose_experts` as the Pallas kernel (weigh given; bias None: none): Triton where on_gpu, else interpreted
+    (tests)."""
     num_tokens, num_experts = scores.shape
+    biases = () if bias is None else (bias.astype(jnp.float32).reshape(1, -1),)
     kernel = functools.partial(_choose_kernel, top_k=top_k, num_experts=num_experts, groups=groups,
                                normalize=normalize, eps=eps, scale=scale)
     return pl.pallas_call(
@@ -79,25 +81,26 @@ def choose_by_kernel(scores, weigh, valid, bias, *, top_k, groups, normalize, ep
         grid=(num_tokens,),
         # Whole arrays, read and written by masked loads and stores: Triton's blocks are powers of two, E and k
         # need not be.
-        in_specs=[pl.no_block_spec] * 4,
+        in_specs=[pl.no_block_spec] * (3 + len(biases)),
         out_specs=[pl.no_block_spec] * 2,
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="choose_experts",
-    )(scores, weigh, valid.astype(jnp.int32), bias.astype(jnp.float32).reshape(1, -1))
+    )(scores, weigh, valid.astype(jnp.int32), *biases)
 
 
-def _choose_kernel(scores_ref, weigh_ref, valid_ref, bias_ref, ids_ref, weights_ref, *, top_k, num_experts, groups,
-                   normalize, eps, scale):
+def _choose_kernel(scores_ref, weigh_ref, valid_ref, *refs, top_k, num_experts, groups, normalize, eps, scale):
     """One token: its selection scores (group_limited's groups, each a round over the experts), then top_k rounds of
     "the highest score not yet taken, the lowest expert among equals"."""
+    *bias_refs, ids_ref, weights_ref = refs  # a bias ref if the scores have one
     token = pl.program_id(0)
     experts = jax.lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(num_experts)), 1)
     ranks = jax.lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(top_k)), 1)
     real = experts < num_experts
     row = (pl.ds(token, 1), pl.ds(0, experts.shape[1]))
-    scores = (pltriton.load(scores_ref.at[row], mask=real, other=-jnp.inf)
-              + pltriton.load(bias_ref.at[(pl.ds(0, 1), row[1])], mask=real, other=0.0))
+    scores = pltriton.load(scores_ref.at[row], mask=real, other=-jnp.inf)
+    for ref in bias_refs:
+        scores = scores + pltriton.load(ref.at[(pl.ds(0, 1), row[1])], mask=real, other=0.0)
     scores = _group_limited(scores, experts, num_experts, *groups)
     weigh = pltriton.load(weigh_ref.at[row], mask=real, other=0.0)
     taken = jnp.logical_not(real)

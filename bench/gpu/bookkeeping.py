@@ -66,7 +66,7 @@ def routing_agrees(case, on_gpu: bool) -> tuple[bool, str]:
     scores = jnp.asarray(random_scores(rng, tokens, experts))
     if eps:  # a sigmoid router: chosen by sigmoid scores plus a bias, weighed by the sigmoid scores
         scores = jax.nn.sigmoid(scores)
-    bias = jnp.asarray(rng.normal(scale=0.1 if eps else 0.0, size=experts), jnp.float32)
+    bias = jnp.asarray(rng.normal(scale=0.1, size=experts), jnp.float32) if eps else None
     args = (scores, scores, jnp.arange(tokens) < max(1, tokens - 1), bias)  # the last of several tokens: padding
     options = dict(top_k=top_k, groups=groups, normalize=normalize, eps=eps, scale=scale, dtype=jnp.float32)
     (ids, weights), (kernel_ids, kernel_weights) = (
