@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bench.helpers.common import (add_smoke_argument, median_seconds, read_bandwidth_gbs, smoke_run, smoke_spec,
-                          write_random_checkpoint, write_result)
+from bench.helpers.common import (add_smoke_argument, median_seconds, one_expert_bytes, read_bandwidth_gbs, smoke_run,
+                                  smoke_spec, write_random_checkpoint, write_result)
 
 COMPARE_MODELS = {
     # ~215M parameters: hidden 512, 8 layers, 16 experts, top-2, vocab 8192
@@ -144,7 +144,7 @@ def copy_bandwidth_gbs(model) -> float:
     host = model.module().moe_blocks()[0].experts.weights()
     copy = jax.jit(device_copy)
     seconds = median_seconds(lambda: jax.block_until_ready(copy(host, np.int32(1))), repeats=20)
-    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(host.stacked())) / seconds / 1e9
+    return one_expert_bytes(host.stacked()) / seconds / 1e9
 
 
 def cmd_cache(args) -> None:

@@ -214,21 +214,22 @@ def moe_ffn_from_sources(x, weights, sources, *, activation="swiglu"):
     source's S), all in the Pallas grouped GEMM's two kernels (Triton on a GPU: miss mode "direct" reads the cache
     slots' experts and the pinned-host ones in one gate-up and one down kernel, where one call a source made two of
     each and a sum); interpreted elsewhere (tests)."""
-    for slot_ids, experts in sources:
-        validate_inputs(x, slot_ids, weights, *experts[:4])
+    # Each as moe_ffn_pallas takes a source: (slot_ids, w_gate_up, w_down, b_gate_up, b_down).
+    flat = tuple((ids, experts.w_gate_up, experts.w_down, experts.b_gate_up, experts.b_down)
+                 for ids, experts in sources)
+    for source in flat:
+        validate_inputs(x, source[0], weights, *source[1:])
     if x.shape[0] != 1:
         raise ValueError(f"moe_ffn_from_sources: a one-row step's experts; got x of {x.shape[0]} rows")
-    return _sources_traced_once(x, weights, tuple((ids, experts.stacked()) for ids, experts in sources),
-                                activation=activation, target=target_compute_capability())
+    return _sources_traced_once(x, weights, flat, activation=activation, target=target_compute_capability())
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "target"))
 def _sources_traced_once(x, weights, sources, *, activation, target):
     """moe_ffn_from_sources's kernels, jitted as `_traced_once_per_shape` is, for the same reason."""
     del target
-    (slot_ids, first), *rest = [(ids, ExpertWeights(*(plain(w) for w in experts[:4]))) for ids, experts in sources]
-    return moe_ffn_pallas(x, slot_ids, weights, *first[:4], activation=activation,
-                          also=tuple((ids, *experts[:4]) for ids, experts in rest))
+    (slot_ids, *first), *rest = [(ids, *map(plain, leaves)) for ids, *leaves in sources]
+    return moe_ffn_pallas(x, slot_ids, weights, *first, activation=activation, also=tuple(rest))
 
 
 class ExpertWeights(NamedTuple):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.helpers.common import error_text, median_seconds, read_bandwidth_gbs
+from bench.helpers.common import error_text, median_seconds, one_expert_bytes, read_bandwidth_gbs
 
 # (name, slots, d, f, top-k, expert format): gpu_check's Mixtral-shaped layer, and GPT-OSS-120B's (MXFP4 experts with
 # biases, its clamped SwiGLU) at a cache of 8 slots (the bytes a call reads depend on top-k, not on the slots).
@@ -51,13 +51,6 @@ def layer_inputs(slots: int, d: int, f: int, top_k: int, fmt: str | None, seed: 
 
     biases = (jnp.zeros((slots, 2 * f), jnp.bfloat16), jnp.zeros((slots, d), jnp.bfloat16)) if fmt else (None, None)
     return x, slot_ids, weights, weight(keys[1], d, 2 * f), weight(keys[2], f, d), *biases
-
-
-def expert_bytes(w_gate_up, w_down, b_gate_up, b_down) -> int:
-    """Bytes of one expert across its leaves (the slot axis first)."""
-    import jax
-
-    return sum(a.nbytes // a.shape[0] for a in jax.tree.leaves((w_gate_up, w_down, b_gate_up, b_down)))
 
 
 def median_us(fn, args, calls: int) -> float:
@@ -95,7 +88,7 @@ def both_forms(slots: int, d: int, f: int, top_k: int, fmt: str | None, activati
     from jmoe.kernels.pallas_grouped import moe_ffn_pallas
 
     inputs = layer_inputs(slots, d, f, top_k, fmt)
-    moved = top_k * expert_bytes(*inputs[3:])
+    moved = top_k * one_expert_bytes(inputs[3:])  # the weights and biases
     row, outputs = {"mb_read": moved / 1e6}, {}
     for form, gemv in (("matrix-vector", True), ("row tiles", False)):
         fn = jax.jit(functools.partial(moe_ffn_pallas, activation=activation, one_row_gemv=gemv))

@@ -15,7 +15,7 @@ from bench.disk_reads import convert_once
 from bench.gpu.models import SPEED_DTYPE, speed_config, speed_models, write_checkpoint
 from bench.gpu.profile import step_split, step_timer, traced_steps
 from bench.gpu.results import Budget, SectionResult, format_value
-from bench.helpers.common import median_seconds
+from bench.helpers.common import median_seconds, one_expert_bytes
 
 PLAIN_COPY_BYTES = 1 << 30  # the link's peak: one plain 1 GiB copy (16 MiB in small mode)
 COPIED_EXPERTS = 8  # experts per timed in-program copy: enough bytes that launch overhead does not dominate
@@ -66,7 +66,7 @@ def bandwidth(workdir: Path, small: bool, budget: Budget, log) -> SectionResult:
     model = jmoe.load(speed_checkpoint(workdir, "mixtral", small), cache=0, progress=False, check_finite=False)
     host = host_experts(model).stacked()
     count = min(COPIED_EXPERTS, host.num_experts)
-    expert_bytes = sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(host))
+    expert_bytes = one_expert_bytes(host)
 
     @jax.jit
     def copy_unrolled(host):  # what a step did per missed expert: slice the host array, device_put the slice

@@ -41,8 +41,6 @@ def overlap_share(order: str, copy_ms: float, compute_ms: float, measured_ms: fl
 def busy_program(small: bool):
     """A jitted compute of `repeats` chained matmuls on the device (static repeats, so a loop of known trip count), and
     its inputs."""
-    import functools
-
     import jax
     import jax.numpy as jnp
 

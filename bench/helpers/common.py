@@ -176,6 +176,13 @@ def per_expert_copies(experts):
     return tuple(jax.tree.map(lambda a: a[e:e + 1], experts.stacked()) for e in range(experts.num_experts))
 
 
+def one_expert_bytes(experts) -> int:
+    """Bytes of one expert of `experts`: a pytree whose leaves have the expert axis first (stacked ExpertWeights)."""
+    import jax
+
+    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(experts))
+
+
 def error_text(error: BaseException, limit: int = 600) -> str:
     """An exception as a report's one line: its type and message, cut at `limit` characters."""
     return f"{type(error).__name__}: {error}"[:limit]

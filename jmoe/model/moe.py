@@ -83,12 +83,12 @@ class MoEBlock(nnx.Module):
         a random-weight model sees real cache behaviour; the weights are the router's probabilities of
         the forced experts.
         """
-        cfg = self.cfg
+        cfg, router = self.cfg, self.router_params()
         if cfg.router == "softmax":
-            scores, choice, options = router_probabilities(cfg, self.router_params(), x), {}, {}
+            scores, choice, options = router_probabilities(cfg, router, x), {}, {}
         else:  # chosen by the bias-corrected scores of the best groups (router_probabilities), weighed unbiased
-            scores = _sigmoid_scores(self.router_params(), x)
-            choice = dict(bias=self.router_params()[1], groups=(cfg.n_group, cfg.topk_group))
+            scores = _sigmoid_scores(router, x)
+            choice = dict(bias=router[1], groups=(cfg.n_group, cfg.topk_group))
             options = dict(eps=1e-20, scale=cfg.routed_scaling_factor)
         options.update(normalize=cfg.norm_topk_prob, dtype=x.dtype)
         if forced_ids is None:

@@ -44,8 +44,8 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _COPY = re.compile(r"%(\S*slice\S*fusion\S*|copy\S*) = \w+\[([\d,]*)\]\S* (?:copy|copy-start|fusion)\(")
 # A collective, synchronous or the start of an asynchronous one (its `-done` is the same transfer); the result
 # shape (a tuple when XLA combined several) says what crosses.
-_COLLECTIVE = re.compile(r"=\s*(\((?:[^=]|/\*index=\d+\*/)*?\)|\S+)\s+(all-reduce|all-gather|all-to-all|"
-                         r"ragged-all-to-all|reduce-scatter|collective-permute|collective-broadcast)(?:-start)?\(")
+_COLLECTIVE = re.compile(rf"=\s*(\({_TYPE}\)|\S+)\s+(all-reduce|all-gather|all-to-all|ragged-all-to-all|"
+                         r"reduce-scatter|collective-permute|collective-broadcast)(?:-start)?\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
          "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64}
