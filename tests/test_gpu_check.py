@@ -29,13 +29,17 @@ def test_every_kernel_backend_in_every_format_matches_reference_on_cpu(smoke_rep
     from jmoe.kernels.dispatch import BACKENDS
     from jmoe.kernels.quantized import FORMATS
 
+    from bench.gpu import decode_attention
     from bench.gpu.bookkeeping import PLAN_CASES, ROUTING_CASES
 
     checks = smoke_report["sections"]["kernels"]["checks"]
-    # The decode step's bookkeeping kernels against XLA's computations, each case run and passed (interpreted here).
-    bookkeeping = [c for c in checks if c["name"].startswith(("choose_experts kernel", "fetch_plan kernel"))]
-    assert len(bookkeeping) == len(ROUTING_CASES) + len(PLAN_CASES) and all(c["passed"] for c in bookkeeping)
-    checks = [c for c in checks if c not in bookkeeping]
+    # The decode step's bookkeeping and attention kernels against XLA's computations, each case run and passed
+    # (interpreted here).
+    step_kernels = [c for c in checks
+                    if c["name"].startswith(("choose_experts kernel", "fetch_plan kernel", "attend_one_token kernel"))]
+    cases = len(ROUTING_CASES) + len(PLAN_CASES) + len(decode_attention.CASES)
+    assert len(step_kernels) == cases and all(c["passed"] for c in step_kernels)
+    checks = [c for c in checks if c not in step_kernels]
     assert len(checks) == (len(BACKENDS) - 1) * (len(FORMATS) + 1)  # every backend but reference, bf16 + formats
     not_run = [c for c in checks if c["passed"] is None]
     assert {c["name"].split(" / ")[0] for c in not_run} == {"triton"}  # GPU-only, said so

@@ -114,3 +114,18 @@ def test_the_kernel_forms_report_names_each_forms_speed_and_a_failed_shape():
     text = "\n".join(markdown(results))
     assert "| mixtral-shaped, bf16 | 58.7 | 20 | 2900 | 0.90 | 40 | 2900 | 0.90 | 1.00e-03 |" in text
     assert "| gpt-oss-120b-shaped, mxfp4 | **failed**: CompilationError: too many registers |" in text
+
+
+def test_the_attention_forms_report_names_each_forms_speed_and_a_failed_shape():
+    from bench.gpu.attention_forms import markdown
+
+    form = {"us": 20.0, "gbs": 2900.0, "share_of_hbm": 0.9}
+    results = {"read_gbs": 3200.0, "calls": 50, "shapes": {
+        "mixtral-shaped, 1 row, 1k of 4k": {"mb_read": 4.19, "xla": {**form, "us": 60.0, "share_of_hbm": 0.02},
+                                            "kernel, parts of 256": {**form, "difference": 2e-3},
+                                            "kernel, parts of 1024": {**form, "us": 30.0, "difference": 1e-3}},
+        "gpt-oss-shaped, 8 rows, 8k": {"failed": "CompilationError: out of shared memory"}}}
+    text = "\n".join(markdown(results))
+    assert "| shape | MB visible | xla us (share of HBM) | kernel, parts of 256 us (share of HBM) |" in text
+    assert "| mixtral-shaped, 1 row, 1k of 4k | 4.19 | 60 (0.02) | 20 (0.90) | 30 (0.90) | 2.00e-03 |" in text
+    assert "| gpt-oss-shaped, 8 rows, 8k | **failed**: CompilationError: out of shared memory | | | |" in text

@@ -73,6 +73,9 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     # padding rows' ids -1; XLA made them a sort and two fusions, and a select of the ids in range before the experts.
     assert triton_grids(decode.hlo_text, "choose_experts") == [(batch, 1, 1)] * cfg.num_moe_layers
     assert ('/top_k" ' in decode.hlo_text) == ("prefetch" in options)  # router prefetch's guess still sorts
+    # Each layer's attention is one kernel (#54 item 5): the new key and value written, the columns a row sees read
+    # (a 64-column cache: one part); XLA made it five (two cache writes, scores, softmax, products with the values).
+    assert triton_grids(decode.hlo_text, "attend_one_token") == [(batch, cfg.num_kv_heads, 1)] * cfg.num_layers
     direct = options.get("miss_mode") == "direct"
     # Miss mode "fetch"'s bookkeeping (which misses go where, the tables after) is one kernel an offloaded layer.
     assert triton_grids(decode.hlo_text, "fetch_plan") == ([] if direct else [(1, 1, 1)] * offloaded)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
+from jmoe.kernels.decode_attention import COLUMNS_PER_PART, attend_one_token
+from jmoe.kernels.target import platform_dependent
 from jmoe.model.layers import Linear, RMSNorm
-from jmoe.model.rope import RoPE, apply_rope
+from jmoe.model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from jmoe.model.transformer import StepContext
 
 
 def write_cache(cache: jax.Array, new: jax.Array, write_index) -> jax.Array:
@@ -35,7 +43,9 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(norm_dims[1], eps=cfg.rms_norm_eps, dtype=dtype) if norm_dims else None
         self.sinks = nnx.Param(jnp.zeros((h,), dtype)) if cfg.attention_sinks else None
 
-    def __call__(self, x, rope: RoPE, k_cache, v_cache, write_index, mask):
+    def __call__(self, x, k_cache, v_cache, context: StepContext, window: int | None):
+        """(output [B, T, d], k_cache, v_cache) of the layer's attention of x [B, T, d] (written at the context's
+        columns, seeing what `context.mask(window)` lets each query see)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
@@ -48,47 +58,75 @@ class Attention(nnx.Module):
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k_cache, v_cache = write_cache(k_cache, k, write_index), write_cache(v_cache, v, write_index)
+        q, k = apply_rope(q, context.rope), apply_rope(k, context.rope)
         groups = cfg.num_heads // cfg.num_kv_heads
-        visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
-        # The first b rows: a serving step may run fewer rows than its cache holds.
-        keys = k_cache[:b, :visible].astype(q.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, S, hd]
-        values = v_cache[:b, :visible].transpose(0, 2, 1, 3)
         # Each kv head's queries as the rows of one matrix (row = token * groups + group), so both products
         # are plain batched matmuls: XLA:CPU then moves no score-sized array between layouts (3x faster
         # at 512 tokens than contracting [B, T, Hkv, G, hd] directly).
         q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 1, 3, 4)
         q = q.reshape(b, cfg.num_kv_heads, t * groups, cfg.head_dim)
-        if t == visible:  # a prompt from column 0: query i sees columns <= i, so a block of queries needs no later one
-            bounds = causal_block_bounds(t)
-            out = jnp.concatenate([self._attend(q[:, :, lo * groups:hi * groups], keys[:, :, :hi], values[:, :, :hi],
-                                                mask[:, lo:hi, :hi]) for lo, hi in zip((0, *bounds), bounds)], axis=2)
+        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, groups)
+        forms = dict(sinks=sinks, scale=cfg.head_dim ** -0.5)
+        args = (q, k, v, k_cache, v_cache, context.write_index, context.mask(window))
+        if t == 1:  # decode: one kernel on a GPU, which reads only the columns a row sees
+            out, k_cache, v_cache = platform_dependent(
+                *args, context.decode_columns(window), cuda=functools.partial(one_token_by_kernel, **forms),
+                default=functools.partial(written_and_attended, **forms))
         else:
-            out = self._attend(q, keys, values, mask)
+            out, k_cache, v_cache = written_and_attended(*args, **forms)
         out = out.reshape(b, cfg.num_kv_heads, t, groups, cfg.head_dim)
         out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, -1).astype(x.dtype)
         return self.o(out), k_cache, v_cache
 
-    def _attend(self, q, keys, values, mask):
-        """q [B, Hkv, M*G, hd] (M queries, G query heads per kv head), keys/values [B, Hkv, S, hd], mask [B, M, S]
-        -> [B, Hkv, M*G, hd]."""
-        cfg = self.cfg
-        b, _, rows, _ = q.shape
-        groups, visible = cfg.num_heads // cfg.num_kv_heads, keys.shape[2]
-        # Scores in the activation dtype, softmax in float32 (as the reference implementations do).
-        scores = jnp.einsum("bkmd,bksd->bkms", q, keys).astype(jnp.float32).reshape(
-            b, cfg.num_kv_heads, rows // groups, groups, visible)
-        scores = scores * cfg.head_dim ** -0.5
-        scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
-        if self.sinks is None:
-            probs = jax.nn.softmax(scores, axis=-1)
-        else:  # each head's sink logit joins the softmax as one more column, then is dropped
-            sink = self.sinks[...].astype(jnp.float32).reshape(1, cfg.num_kv_heads, 1, groups, 1)
-            sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
-            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        probs = probs.astype(values.dtype).reshape(b, cfg.num_kv_heads, rows, visible)
-        return jnp.einsum("bkms,bksd->bkmd", probs, values)
+
+def written_and_attended(q, k, v, k_cache, v_cache, write_index, mask, columns=None, *, sinks, scale: float):
+    """(out [B, Hkv, T*G, hd], k_cache, v_cache) in XLA: k, v [B, T, Hkv, hd] written into the caches [Bc, S, Hkv, hd]
+    from `write_index` (write_cache), then queries q [B, Hkv, T*G, hd] (each kv head's G query heads, token-major)
+    attending to the cache columns mask [B, T, S'] shows (S' <= S: the first S'). `sinks` float32 [Hkv, G] or None;
+    `columns`: unused, the kernel's form of a decode step's mask (one_token_by_kernel)."""
+    b, t = k.shape[:2]
+    k_cache, v_cache = write_cache(k_cache, k, write_index), write_cache(v_cache, v, write_index)
+    visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
+    # The first b rows: a serving step may run fewer rows than its cache holds.
+    keys = k_cache[:b, :visible].astype(q.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, S, hd]
+    values = v_cache[:b, :visible].transpose(0, 2, 1, 3)
+    groups = q.shape[2] // t
+    if t == visible:  # a prompt from column 0: query i sees columns <= i, so a block of queries needs no later one
+        bounds = causal_block_bounds(t)
+        out = jnp.concatenate([_attend(q[:, :, lo * groups:hi * groups], keys[:, :, :hi], values[:, :, :hi],
+                                       mask[:, lo:hi, :hi], sinks, scale) for lo, hi in zip((0, *bounds), bounds)],
+                              axis=2)
+    else:
+        out = _attend(q, keys, values, mask, sinks, scale)
+    return out, k_cache, v_cache
+
+
+def one_token_by_kernel(q, k, v, k_cache, v_cache, write_index, mask, columns, *, sinks, scale: float,
+                        on_gpu: bool = True, columns_per_part: int = COLUMNS_PER_PART):
+    """written_and_attended of one token per row (T = 1) as the Pallas kernel (interpreted where not on_gpu): `columns`
+    int32 [B, 2], each row's first and last visible column, says what its mask does (and the last is where the
+    token is written: write_index, unused)."""
+    return attend_one_token(q, k[:, 0], v[:, 0], k_cache, v_cache, columns, sinks, scale=scale, on_gpu=on_gpu,
+                            columns_per_part=columns_per_part)
+
+
+def _attend(q, keys, values, mask, sinks, scale: float):
+    """q [B, Hkv, M*G, hd] (M queries, G query heads per kv head), keys/values [B, Hkv, S, hd], mask [B, M, S],
+    sinks float32 [Hkv, G] or None -> [B, Hkv, M*G, hd]."""
+    b, kv_heads, rows, _ = q.shape
+    queries, visible = mask.shape[1], keys.shape[2]
+    groups = rows // queries
+    # Scores in the activation dtype, softmax in float32 (as the reference implementations do).
+    scores = jnp.einsum("bkmd,bksd->bkms", q, keys).astype(jnp.float32).reshape(b, kv_heads, queries, groups, visible)
+    scores = scores * scale
+    scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # each head's sink logit joins the softmax as one more column, then is dropped
+        sink = jnp.broadcast_to(sinks.reshape(1, kv_heads, 1, groups, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    probs = probs.astype(values.dtype).reshape(b, kv_heads, rows, visible)
+    return jnp.einsum("bkms,bksd->bkmd", probs, values)
 
 
 # Prompt queries per causal block: a block reads only the keys up to its last query, which skips most of the

@@ -13,6 +13,8 @@ queries are many. Both compute the same function; they differ only in rounding.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +23,9 @@ from jmoe.config import MLA_NORM_EPS, ModelConfig
 from jmoe.model.attention import write_cache
 from jmoe.model.layers import Linear, RMSNorm, weight_for
 from jmoe.model.rope import RoPE, apply_rope, deinterleave
+
+if TYPE_CHECKING:
+    from jmoe.model.transformer import StepContext
 
 
 class MLAttention(nnx.Module):
@@ -43,8 +48,10 @@ class MLAttention(nnx.Module):
     def _rope(self, x: jax.Array, rope: RoPE) -> jax.Array:
         return apply_rope(deinterleave(x) if self.cfg.mla.rope_interleave else x, rope)
 
-    def __call__(self, x, rope: RoPE, latent_cache, rope_cache, write_index, mask):
+    def __call__(self, x, latent_cache, rope_cache, context: StepContext, window: int | None):
+        """As Attention.__call__, over the latent cache pair."""
         cfg, m = self.cfg, self.cfg.mla
+        rope, write_index, mask = context.rope, context.write_index, context.mask(window)
         b, t, _ = x.shape
         dn, r = m.qk_nope_head_dim, m.kv_lora_rank
         q = self.q_b(self.q_a_norm(self.q_a(x))) if m.q_lora_rank else self.q(x)

@@ -121,11 +121,19 @@ class StepContext(NamedTuple):
     cols: jax.Array  # int32 [S]: the cache columns attention reads
     base_mask: jax.Array  # bool [B, T, S]: causal and past each row's left padding
     token_valid: jax.Array  # bool [B * T]: real tokens (padding routes to no expert)
+    pad_len: jax.Array  # int32 [B]: each row's left padding, its first visible column
 
     def mask(self, window: int | None) -> jax.Array:
         if window is None:
             return self.base_mask
         return self.base_mask & (self.q_cols[..., None] - self.cols < window)
+
+    def decode_columns(self, window: int | None) -> jax.Array:
+        """int32 [B, 2]: the first and last column each row's one query sees (a step of one token per row, whose
+        mask(window) is that range of columns)."""
+        last = jnp.broadcast_to(self.q_cols[:, 0], self.pad_len.shape)
+        first = self.pad_len if window is None else jnp.maximum(self.pad_len, last - (window - 1))
+        return jnp.stack([first, last], axis=1).astype(jnp.int32)
 
 
 def step_context(cfg: ModelConfig, tokens_shape: tuple[int, int], visible: int, write_index, pad_len: jax.Array,
@@ -140,7 +148,7 @@ def step_context(cfg: ModelConfig, tokens_shape: tuple[int, int], visible: int, 
     if valid_len is not None:
         token_valid = token_valid & (jnp.arange(t) < valid_len[:, None])
     token_valid = jnp.broadcast_to(token_valid, (b, t)).reshape(-1)
-    return StepContext(rope_tables(positions, cfg), write_index, q_cols, cols, base_mask, token_valid)
+    return StepContext(rope_tables(positions, cfg), write_index, q_cols, cols, base_mask, token_valid, pad_len)
 
 
 def run_decoder_layers(cfg: ModelConfig, layers: list[DecoderLayer], windows: tuple, x: jax.Array, kv_cache,
@@ -156,8 +164,7 @@ def run_decoder_layers(cfg: ModelConfig, layers: list[DecoderLayer], windows: tu
         if before_layer is not None:
             x = before_layer(i, x)
         k_cache, v_cache = kv_cache[i]
-        attn_out, k_cache, v_cache = layer.attn(layer.input_norm(x), context.rope, k_cache, v_cache,
-                                                context.write_index, context.mask(windows[i]))
+        attn_out, k_cache, v_cache = layer.attn(layer.input_norm(x), k_cache, v_cache, context, windows[i])
         new_cache.append((k_cache, v_cache))
         x = x + attn_out
         h = layer.post_norm(x).reshape(b * t, -1)

@@ -1,0 +1,160 @@
+"""A decode step's grouped-query attention over its KV cache, with the new column's write, as one Pallas kernel
+(Triton on a GPU): per (row, kv head, part of the cache) a program writes nothing or the new key and value, then
+reads only the cache columns its row can see (`columns`: the row's first and last), in blocks, with an online
+softmax (flash decoding); where the cache is long, its parts' partial results are combined after.
+
+Why a kernel: XLA:GPU made a one-token attention five kernels a layer (the key and value cache writes, the scores,
+the softmax, the products with the values) and read every column of the cache, filled or not, masking the rest: at
+a serving cache of 32k columns a step read all of them in every layer. The model's XLA form (`jmoe.model.attention`)
+is what every other platform runs; tests/test_decode_attention.py holds the kernel, interpreted, to it."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Cache columns one program reads at most: a longer cache is split into parts whose partial softmaxes are combined
+# after (one small kernel more), so that a one-row step at a long context still spreads its reads over the GPU.
+COLUMNS_PER_PART = 1024
+# Columns of one block of the loop: a [64, head_dim] tile of keys, then of values.
+BLOCK = 64
+# Triton's matrix products need at least 16 rows: a kv head's query heads are padded to it.
+MIN_ROWS = 16
+TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def attend_one_token(q, k_new, v_new, k_cache, v_cache, columns, sinks=None, *, scale: float, on_gpu: bool,
+                     columns_per_part: int = COLUMNS_PER_PART):
+    """(out [B, Hkv, G, hd] in q's dtype, k_cache, v_cache) for one query token per row.
+
+    q [B, Hkv, G, hd]: each kv head's G query heads, roped; k_new, v_new [B, Hkv, hd]: the token's key and value,
+    written into column columns[b, 1] of rows b < B of k_cache, v_cache [Bc, S, Hkv, hd] (Bc >= B; a column outside
+    the cache is not written). Row b attends to columns columns[b, 0] ..= columns[b, 1] (none if the first is past
+    the last: its output is zeros). `sinks` float32 [Hkv, G]: each query head's sink logit, which joins the softmax's
+    denominator only. Scores are rounded to q's dtype before the float32 softmax, as the XLA form's product is.
+    Interpreted where not on_gpu (tests)."""
+    batch, kv_heads, groups, head_dim = q.shape
+    length = k_cache.shape[1]
+    parts = pl.cdiv(length, columns_per_part)
+    part_len = length if parts == 1 else columns_per_part
+    kernel = functools.partial(_attend_kernel, groups=groups, head_dim=head_dim, length=length,
+                               part_len=part_len, block=min(BLOCK, max(MIN_ROWS, pl.next_power_of_2(length))),
+                               scale=scale, combined=parts == 1, with_sinks=sinks is not None and parts == 1)
+    float32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    if parts == 1:
+        results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    else:  # each part's unnormalised output, its running max and its sum of exponentials
+        results = [float32((batch, kv_heads, parts, groups, head_dim)), float32((batch, kv_heads, parts, groups)),
+                   float32((batch, kv_heads, parts, groups))]
+    sink_inputs = () if sinks is None or parts > 1 else (sinks.astype(jnp.float32),)
+    inputs = (q, k_new, v_new, columns.astype(jnp.int32), *sink_inputs, k_cache, v_cache)
+    *results, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        out_shape=[*results, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        grid=(batch, kv_heads, parts),
+        # Whole arrays, read and written by masked loads and stores: Triton's blocks are powers of two, the head
+        # dimension, the query heads and the cache's length need not be.
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=[pl.no_block_spec] * (len(results) + 2),
+        input_output_aliases={len(inputs) - 2: len(results), len(inputs) - 1: len(results) + 1},
+        interpret=not on_gpu,
+        compiler_params=TRITON_PARAMS if on_gpu else None,
+        name="attend_one_token",
+    )(*inputs)
+    if parts == 1:
+        return results[0], k_cache, v_cache
+    return combine_parts(*results, sinks).astype(q.dtype), k_cache, v_cache
+
+
+def combine_parts(out, running_max, total, sinks=None):
+    """The softmax-weighted output [B, Hkv, G, hd] of parts' unnormalised outputs out [B, Hkv, P, G, hd], running
+    maxima and sums of exponentials [B, Hkv, P, G] (a part that saw no column: -inf and 0), a sink logit per query
+    head [Hkv, G] joining the denominator."""
+    best = jnp.max(running_max, axis=2)
+    if sinks is not None:
+        best = jnp.maximum(best, sinks.astype(jnp.float32))
+    best = jnp.where(jnp.isfinite(best), best, 0.0)  # a row that sees no column: zeros, not NaN
+    weight = jnp.exp(running_max - best[:, :, None])
+    total = jnp.sum(weight * total, axis=2)
+    if sinks is not None:
+        total = total + jnp.exp(sinks.astype(jnp.float32) - best)
+    out = jnp.sum(weight[..., None] * out, axis=2)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+def _attend_kernel(q_ref, k_new_ref, v_new_ref, columns_ref, *refs, groups, head_dim, length, part_len, block,
+                   scale, combined, with_sinks):
+    """One (row, kv head, part): the new column written by part 0, then the part's visible columns in blocks."""
+    sinks_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
+    k_in, v_in, *results, k_out, v_out = refs
+    row, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows_p, dims_p = max(MIN_ROWS, pl.next_power_of_2(groups)), pl.next_power_of_2(head_dim)
+    query_rows = jax.lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
+    dims = jax.lax.broadcasted_iota(jnp.int32, (1, dims_p), 1)
+    real_dims = dims < head_dim
+    q = pltriton.load(q_ref.at[row, head, pl.ds(0, rows_p), pl.ds(0, dims_p)],
+                      mask=jnp.logical_and(query_rows < groups, real_dims), other=0)
+    k_new = pltriton.load(k_new_ref.at[pl.ds(row, 1), head, pl.ds(0, dims_p)], mask=real_dims, other=0)
+    v_new = pltriton.load(v_new_ref.at[pl.ds(row, 1), head, pl.ds(0, dims_p)], mask=real_dims, other=0)
+    k_new, v_new = k_new.astype(k_out.dtype), v_new.astype(v_out.dtype)  # as the cache holds them
+    first, last = columns_ref[row, 0], columns_ref[row, 1]
+
+    written = jnp.logical_and(real_dims, jnp.logical_and(part == 0, jnp.logical_and(last >= 0, last < length)))
+    pltriton.store(k_out.at[row, pl.ds(last, 1), head, pl.ds(0, dims_p)], k_new, mask=written)
+    pltriton.store(v_out.at[row, pl.ds(last, 1), head, pl.ds(0, dims_p)], v_new, mask=written)
+
+    # This part's visible columns [lo, hi]; every block of the loop holds at least one of them.
+    lo = jnp.maximum(first, part * part_len)
+    hi = jnp.minimum(jnp.minimum(last, length - 1), (part + 1) * part_len - 1)
+
+    def body(index, carry):
+        acc, running_max, total = carry
+        start = index * block
+        cols = start + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+        tile = pl.ds(start, block)
+        in_cache = jnp.logical_and(cols < length, real_dims)
+        # The new column from k_new / v_new: the cache's may not hold it yet (another program writes it).
+        keys = jnp.where(cols == last, k_new, pltriton.load(k_in.at[row, tile, head, pl.ds(0, dims_p)],
+                                                              mask=in_cache, other=0))
+        values = jnp.where(cols == last, v_new, pltriton.load(v_in.at[row, tile, head, pl.ds(0, dims_p)],
+                                                                mask=in_cache, other=0))
+        scores = pl.dot(q, keys.astype(q.dtype), trans_b=True, precision=_precision(q.dtype))
+        scores = scores.astype(q.dtype).astype(jnp.float32) * scale
+        visible = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        scores = jnp.where(jnp.logical_and(visible >= lo, visible <= hi), scores, -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))
+        correction = jnp.exp(running_max - new_max)
+        probs = jnp.exp(scores - new_max)
+        total = total * correction + jnp.sum(probs, axis=1, keepdims=True)
+        acc = acc * correction + pl.dot(probs.astype(values.dtype), values, precision=_precision(values.dtype))
+        return acc, new_max, total
+
+    acc = jnp.zeros((rows_p, dims_p), jnp.float32)
+    running_max = jnp.full((rows_p, 1), -jnp.inf, jnp.float32)
+    total = jnp.zeros((rows_p, 1), jnp.float32)
+    if with_sinks:  # the sink's exponential starts the sum; its logit the running max
+        running_max = pltriton.load(sinks_ref.at[head, pl.ds(0, rows_p)], mask=query_rows[:, 0] < groups,
+                                    other=0.0)[:, None]
+        total = jnp.ones((rows_p, 1), jnp.float32)
+    acc, running_max, total = jax.lax.fori_loop(lo // block, jnp.where(lo <= hi, hi // block + 1, lo // block),
+                                                body, (acc, running_max, total))
+    store_mask = jnp.logical_and(query_rows < groups, real_dims)
+    if combined:
+        out = jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
+        pltriton.store(results[0].at[row, head, pl.ds(0, rows_p), pl.ds(0, dims_p)], out.astype(results[0].dtype),
+                       mask=store_mask)
+        return
+    out_ref, max_ref, total_ref = results
+    pltriton.store(out_ref.at[row, head, part, pl.ds(0, rows_p), pl.ds(0, dims_p)], acc, mask=store_mask)
+    pltriton.store(max_ref.at[row, head, part, pl.ds(0, rows_p)], running_max[:, 0], mask=query_rows[:, 0] < groups)
+    pltriton.store(total_ref.at[row, head, part, pl.ds(0, rows_p)], total[:, 0], mask=query_rows[:, 0] < groups)
+
+
+def _precision(dtype):
+    """Full float32 products for float32 models (Triton would round their inputs to TF32)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

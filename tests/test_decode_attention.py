@@ -1,0 +1,78 @@
+"""A decode step's attention as one kernel (jmoe.kernels.decode_attention), interpreted here as a GPU runs it lowered
+to Triton, against the XLA form every other platform runs (bench.gpu_check's checks, bench.gpu.decode_attention),
+and inside whole models' decode steps."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe
+from bench.gpu.decode_attention import CASES, attention_agrees
+from jmoe.config import load_config
+from jmoe.model import attention
+from jmoe.model.transformer import empty_kv_cache, step_context
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[:6]}-w{c[6]}-sinks{c[7]}-{c[8]}-{c[9]}" for c in CASES])
+def test_the_kernel_computes_what_xla_does(case):
+    same, detail = attention_agrees(case, on_gpu=False)
+    assert same, detail
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 100])
+def test_decode_columns_are_the_decode_mask(window, hf_checkpoints):
+    cfg = load_config(hf_checkpoints["gpt_oss_e4k2_window"][0])
+    rng = np.random.default_rng(window or 0)
+    write_index = jnp.asarray(rng.integers(0, 40, 6), jnp.int32)
+    pad_len = jnp.asarray(rng.integers(0, 45, 6), jnp.int32)  # some past their row's token: it sees nothing
+    for index in (write_index, write_index[0]):  # per row (serving) and one for every row (generate)
+        context = step_context(cfg, (6, 1), 48, index, pad_len)
+        first, last = np.asarray(context.decode_columns(window)).T
+        cols = np.arange(48)
+        np.testing.assert_array_equal((cols >= first[:, None]) & (cols <= last[:, None]),
+                                      np.asarray(context.mask(window))[:, 0])
+
+
+def decode_logits(module, cfg, prompt, pad_len, steps: int, per_row: bool):
+    """float32 logits [steps, B, V] of greedy decode steps after `prompt` [B, T] (left-padded by pad_len [B]), each
+    step's write column one per row (a serving step's) or one for all rows."""
+    batch, length = prompt.shape
+    cache = empty_kv_cache(cfg, batch, length + steps + 3, jnp.float32)
+    out = module(prompt, cache, 0, pad_len, visible_len=length)
+    logits = []
+    for step in range(steps):
+        token = jnp.argmax(out.logits[:, -1], axis=-1)[:, None]
+        column = length + step
+        out = module(token, out.kv_cache, jnp.full((batch,), column, jnp.int32) if per_row else column, pad_len)
+        logits.append(out.logits[:, -1])
+    return np.asarray(jnp.stack(logits))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_e4k2_window", "qwen3_moe_headdim_tied"])
+def test_a_model_decodes_the_same_through_the_kernel(name, hf_checkpoints, monkeypatch):
+    """GPT-OSS (sinks, a window of 4 on every other layer) and Qwen3 (per-head q/k norms, two query heads a kv head):
+    two left-padded rows' logits over 8 greedy decode steps, every decode attention through the interpreted kernel
+    (as a GPU chooses it, in parts of 16 columns) and through XLA's form."""
+    model = jmoe.load(hf_checkpoints[name][0])
+    module, cfg = model.module(), model.config
+    prompt = jnp.asarray([[0, 0, 5, 9, 2, 7], [4, 1, 8, 3, 6, 2]], jnp.int32)
+    pad_len = jnp.asarray([2, 0], jnp.int32)
+    want = [decode_logits(module, cfg, prompt, pad_len, 8, per_row) for per_row in (False, True)]
+    monkeypatch.setattr(attention, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    monkeypatch.setattr(attention, "one_token_by_kernel", functools.partial(attention.one_token_by_kernel,
+                                                                            on_gpu=False, columns_per_part=16))
+    for per_row, logits in zip((False, True), want):
+        np.testing.assert_allclose(decode_logits(module, cfg, prompt, pad_len, 8, per_row), logits, atol=2e-5)
+
+
+def test_on_the_cpu_decode_attention_is_xla_s(hf_checkpoints):
+    model = jmoe.load(hf_checkpoints["gpt_oss_e4k2_window"][0])
+    module, cfg = model.module(), model.config
+    cache = empty_kv_cache(cfg, 1, 8, jnp.float32)
+    step = str(jax.make_jaxpr(lambda token: module(token, cache, 3, jnp.zeros(1, jnp.int32)).logits)(
+        jnp.ones((1, 1), jnp.int32)))
+    assert "pallas_call" not in step and "dot_general" in step
