@@ -5,8 +5,10 @@ softmax (flash decoding); where the cache is long, its parts' partial results ar
 
 Why a kernel: XLA:GPU made a one-token attention five kernels a layer (the key and value cache writes, the scores,
 the softmax, the products with the values) and read every column of the cache, filled or not, masking the rest: at
-a serving cache of 32k columns a step read all of them in every layer. The model's XLA form (`jmoe.model.attention`)
-is what every other platform runs; tests/test_decode_attention.py holds the kernel, interpreted, to it."""
+a serving cache of 32k columns a step read all of them in every layer; and roping the queries and the keys was a
+kernel each. The kernel reads them as one array, roped together (one kernel). The model's XLA form
+(`jmoe.model.attention`) is what every other platform runs; tests/test_decode_attention.py holds the kernel,
+interpreted, to it."""
 
 from __future__ import annotations
 
@@ -27,31 +29,34 @@ MIN_ROWS = 16
 TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
-def attend_one_token(q, k_new, v_new, k_cache, v_cache, columns, sinks=None, *, scale: float, on_gpu: bool,
-                     columns_per_part: int = COLUMNS_PER_PART):
-    """(out [B, Hkv, G, hd] in q's dtype, k_cache, v_cache) for one query token per row.
+def attend_one_token(queries_and_keys, v_new, k_cache, v_cache, columns, sinks=None, *, groups: int, scale: float,
+                     on_gpu: bool, columns_per_part: int = COLUMNS_PER_PART):
+    """(out [B, Hkv, G, hd] in the queries' dtype, k_cache, v_cache) for one query token per row.
 
-    q [B, Hkv, G, hd]: each kv head's G query heads, roped; k_new, v_new [B, Hkv, hd]: the token's key and value,
-    written into column columns[b, 1] of rows b < B of k_cache, v_cache [Bc, S, Hkv, hd] (Bc >= B; a column outside
-    the cache is not written). Row b attends to columns columns[b, 0] ..= columns[b, 1] (none if the first is past
-    the last: its output is zeros). `sinks` float32 [Hkv, G]: each query head's sink logit, which joins the softmax's
-    denominator only. Scores are rounded to q's dtype before the float32 softmax, as the XLA form's product is.
-    Interpreted where not on_gpu (tests)."""
-    batch, kv_heads, groups, head_dim = q.shape
+    queries_and_keys [B, Hkv*G + Hkv, hd]: the token's query heads (each kv head's G together, kv head h's from row
+    h*G), then its keys, roped; the keys and v_new [B, Hkv, hd] are written into column columns[b, 1] of rows b < B
+    of k_cache, v_cache [Bc, S, Hkv, hd] (Bc >= B; a column outside the cache is not written). Row b attends to
+    columns columns[b, 0] ..= columns[b, 1] (none if the first is past the last: its output is zeros). `sinks`
+    float32 [Hkv, G]: each query head's sink logit, which joins the softmax's denominator only. Scores are rounded to
+    the queries' dtype before the float32 softmax, as the XLA form's product is. Interpreted where not on_gpu
+    (tests)."""
+    batch, all_heads, head_dim = queries_and_keys.shape
+    kv_heads = all_heads // (groups + 1)
     length = k_cache.shape[1]
     parts = pl.cdiv(length, columns_per_part)
     part_len = length if parts == 1 else columns_per_part
-    kernel = functools.partial(_attend_kernel, groups=groups, head_dim=head_dim, length=length,
+    kernel = functools.partial(_attend_kernel, heads=kv_heads * groups, groups=groups, head_dim=head_dim, length=length,
                                part_len=part_len, block=min(BLOCK, max(MIN_ROWS, pl.next_power_of_2(length))),
                                scale=scale, combined=parts == 1, with_sinks=sinks is not None and parts == 1)
     float32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    dtype = queries_and_keys.dtype
     if parts == 1:
-        results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        results = [jax.ShapeDtypeStruct((batch, kv_heads, groups, head_dim), dtype)]
     else:  # each part's unnormalised output, its running max and its sum of exponentials
         results = [float32((batch, kv_heads, parts, groups, head_dim)), float32((batch, kv_heads, parts, groups)),
                    float32((batch, kv_heads, parts, groups))]
     sink_inputs = () if sinks is None or parts > 1 else (sinks.astype(jnp.float32),)
-    inputs = (q, k_new, v_new, columns.astype(jnp.int32), *sink_inputs, k_cache, v_cache)
+    inputs = (queries_and_keys, v_new, columns.astype(jnp.int32), *sink_inputs, k_cache, v_cache)
     *results, k_cache, v_cache = pl.pallas_call(
         kernel,
         out_shape=[*results, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
@@ -68,7 +73,7 @@ def attend_one_token(q, k_new, v_new, k_cache, v_cache, columns, sinks=None, *, 
     )(*inputs)
     if parts == 1:
         return results[0], k_cache, v_cache
-    return combine_parts(*results, sinks).astype(q.dtype), k_cache, v_cache
+    return combine_parts(*results, sinks).astype(dtype), k_cache, v_cache
 
 
 def combine_parts(out, running_max, total, sinks=None):
@@ -87,8 +92,8 @@ def combine_parts(out, running_max, total, sinks=None):
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
-def _attend_kernel(q_ref, k_new_ref, v_new_ref, columns_ref, *refs, groups, head_dim, length, part_len, block,
-                   scale, combined, with_sinks):
+def _attend_kernel(qk_ref, v_new_ref, columns_ref, *refs, heads, groups, head_dim, length, part_len, block, scale,
+                   combined, with_sinks):
     """One (row, kv head, part): the new column written by part 0, then the part's visible columns in blocks."""
     sinks_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
     k_in, v_in, *results, k_out, v_out = refs
@@ -97,9 +102,9 @@ def _attend_kernel(q_ref, k_new_ref, v_new_ref, columns_ref, *refs, groups, head
     query_rows = jax.lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
     dims = jax.lax.broadcasted_iota(jnp.int32, (1, dims_p), 1)
     real_dims = dims < head_dim
-    q = pltriton.load(q_ref.at[row, head, pl.ds(0, rows_p), pl.ds(0, dims_p)],
+    q = pltriton.load(qk_ref.at[row, pl.ds(head * groups, rows_p), pl.ds(0, dims_p)],
                       mask=jnp.logical_and(query_rows < groups, real_dims), other=0)
-    k_new = pltriton.load(k_new_ref.at[pl.ds(row, 1), head, pl.ds(0, dims_p)], mask=real_dims, other=0)
+    k_new = pltriton.load(qk_ref.at[pl.ds(row, 1), heads + head, pl.ds(0, dims_p)], mask=real_dims, other=0)
     v_new = pltriton.load(v_new_ref.at[pl.ds(row, 1), head, pl.ds(0, dims_p)], mask=real_dims, other=0)
     k_new, v_new = k_new.astype(k_out.dtype), v_new.astype(v_out.dtype)  # as the cache holds them
     first, last = columns_ref[row, 0], columns_ref[row, 1]

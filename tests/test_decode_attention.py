@@ -17,7 +17,7 @@ from jmoe.model.transformer import empty_kv_cache, step_context
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[:6]}-w{c[6]}-sinks{c[7]}-{c[8]}-{c[9]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[:6]}-w{c[6]}-sinks{c[7]}-{c[8]}-{c[9]}-rot{c[10]}" for c in CASES])
 def test_the_kernel_computes_what_xla_does(case):
     same, detail = attention_agrees(case, on_gpu=False)
     assert same, detail

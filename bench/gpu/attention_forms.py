@@ -48,23 +48,27 @@ def attention_forms(small: bool) -> dict:
 
 
 def step_inputs(rows, length, filled, kv_heads, groups, head_dim, window, sinks):
-    """(q, k, v, k_cache, v_cache, write_index, mask, columns), sinks of one decode step, drawn on the device: every
-    row's token at column filled - 1."""
+    """(q, k, v, k_cache, v_cache, rope, write_index, mask, columns), sinks of one decode step, drawn on the device:
+    every row's token at column filled - 1."""
     import functools
 
     import jax
     import jax.numpy as jnp
 
-    keys = jax.random.split(jax.random.key(0), 6)
+    from jmoe.model.rope import RoPE
+
+    keys = jax.random.split(jax.random.key(0), 7)
     normal = functools.partial(jax.random.normal, dtype=jnp.bfloat16)
     last = filled - 1
     first = 0 if window is None else max(0, last - (window - 1))
     cols = jnp.arange(length)
     mask = jnp.broadcast_to((cols >= first) & (cols <= last), (rows, 1, length))
     columns = jnp.broadcast_to(jnp.asarray([first, last], jnp.int32), (rows, 2))
-    step = (normal(keys[0], (rows, kv_heads, groups, head_dim)), normal(keys[1], (rows, 1, kv_heads, head_dim)),
+    angles = jax.random.uniform(keys[6], (rows, 1, head_dim), jnp.float32, 0, 6.3)
+    step = (normal(keys[0], (rows, 1, kv_heads * groups, head_dim)), normal(keys[1], (rows, 1, kv_heads, head_dim)),
             normal(keys[2], (rows, 1, kv_heads, head_dim)), normal(keys[3], (rows, length, kv_heads, head_dim)),
-            normal(keys[4], (rows, length, kv_heads, head_dim)), jnp.asarray(last, jnp.int32), mask, columns)
+            normal(keys[4], (rows, length, kv_heads, head_dim)), RoPE(jnp.cos(angles), jnp.sin(angles)),
+            jnp.asarray(last, jnp.int32), mask, columns)
     return step, (jax.random.normal(keys[5], (kv_heads, groups), jnp.float32) if sinks else None)
 
 

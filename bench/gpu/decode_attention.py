@@ -13,14 +13,15 @@ import numpy as np
 # Largest difference from the XLA form: float32 products in another order; bfloat16 outputs (a unit in their last
 # place is 2^-8 of a value) whose probabilities are rounded before normalisation instead of after.
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
-# (rows, cache rows, columns, kv heads, query heads per kv head, head dim, window, sinks, dtype, columns per part):
-# Mixtral's heads at a 4k cache in four parts; GPT-OSS's (64-wide heads, a 128 window, sinks) for a serving batch
-# of 4 in a cache of 8 rows; odd sizes in float32, with a window and sinks in one part and in parts of 64 columns.
-CASES = [(1, 1, 4096, 8, 4, 128, None, False, "bfloat16", 1024),
-         (4, 8, 1000, 8, 8, 64, 128, True, "bfloat16", 1024),
-         (2, 2, 300, 4, 1, 80, None, False, "float32", 1024),
-         (3, 4, 200, 2, 3, 80, 50, True, "float32", 1024),
-         (3, 4, 200, 2, 3, 80, 50, True, "float32", 64)]
+# (rows, cache rows, columns, kv heads, query heads per kv head, head dim, window, sinks, dtype, columns per part,
+# rotated dims): Mixtral's heads at a 4k cache in four parts; GPT-OSS's (64-wide heads, a 128 window, sinks) for a
+# serving batch of 4 in a cache of 8 rows; odd sizes in float32, half of each head rotated (GLM-4.5's partial
+# rotary), with a window and sinks in one part and in parts of 64 columns.
+CASES = [(1, 1, 4096, 8, 4, 128, None, False, "bfloat16", 1024, 128),
+         (4, 8, 1000, 8, 8, 64, 128, True, "bfloat16", 1024, 64),
+         (2, 2, 300, 4, 1, 80, None, False, "float32", 1024, 40),
+         (3, 4, 200, 2, 3, 80, 50, True, "float32", 1024, 40),
+         (3, 4, 200, 2, 3, 80, 50, True, "float32", 64, 80)]
 # Sink logits: large enough that a sink takes a visible share of a window's softmax.
 SINK_MEAN = 2.0
 
@@ -29,18 +30,21 @@ def check(result, on_gpu: bool) -> None:
     """Each case a check of `result` (a SectionResult), whatever the time: a few small programs."""
     for case in CASES:
         result.attempt(f"attend_one_token kernel / (B, S, Hkv, G, hd) = {case[:1] + case[2:6]}, window {case[6]}, "
-                       f"sinks {case[7]}, {case[8]}, parts of {case[9]}", None,
+                       f"sinks {case[7]}, {case[8]}, parts of {case[9]}, {case[10]} dims rotated", None,
                        functools.partial(attention_agrees, case, on_gpu))
 
 
 def random_step(case, seed: int = 0):
-    """(q, k, v, k_cache, v_cache, write_index, mask, columns, sinks) of one decode step of `case`: each row's last
+    """(q, k, v, k_cache, v_cache, rope, write_index, mask, columns, sinks) of one decode step of `case` (q, k, v
+    unroped, rope at random positions): each row's last
     column random in the cache's second half, its first past a random left padding and the window; row 0 (of
     several) sees no column (its padding past its token, as an idle serving row's can be); the last row (of three
     or more) writes past the cache."""
     import jax.numpy as jnp
 
-    rows, cache_rows, length, kv_heads, groups, head_dim, window, sinks, dtype, _ = case
+    from jmoe.model.rope import RoPE
+
+    rows, cache_rows, length, kv_heads, groups, head_dim, window, sinks, dtype, _, rotated = case
     rng = np.random.default_rng(seed + length)
     last = rng.integers(length // 2, length, rows)
     pad = rng.integers(0, last // 4 + 1)
@@ -52,11 +56,14 @@ def random_step(case, seed: int = 0):
     cols = np.arange(length)
     mask = (cols >= first[:, None]) & (cols <= last[:, None])
     as_array = functools.partial(jnp.asarray, dtype=dtype)
-    return (as_array(rng.standard_normal((rows, kv_heads, groups, head_dim))),
+    angles = rng.uniform(0, 2 * np.pi, (rows, 1, rotated // 2))
+    angles = np.concatenate([angles, angles], axis=-1)  # as rope_tables makes them
+    return (as_array(rng.standard_normal((rows, 1, kv_heads * groups, head_dim))),
             as_array(rng.standard_normal((rows, 1, kv_heads, head_dim))),
             as_array(rng.standard_normal((rows, 1, kv_heads, head_dim))),
             as_array(rng.standard_normal((cache_rows, length, kv_heads, head_dim))),
             as_array(rng.standard_normal((cache_rows, length, kv_heads, head_dim))),
+            RoPE(jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)),
             jnp.asarray(last, jnp.int32), jnp.asarray(mask[:, None, :]),
             jnp.asarray(np.stack([first, last], axis=1), jnp.int32),
             jnp.asarray(rng.normal(SINK_MEAN, 1.0, (kv_heads, groups)), jnp.float32) if sinks else None)

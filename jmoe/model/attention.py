@@ -13,7 +13,7 @@ from jmoe.config import ModelConfig
 from jmoe.kernels.decode_attention import COLUMNS_PER_PART, attend_one_token
 from jmoe.kernels.target import platform_dependent
 from jmoe.model.layers import Linear, RMSNorm
-from jmoe.model.rope import apply_rope
+from jmoe.model.rope import RoPE, apply_rope
 
 if TYPE_CHECKING:
     from jmoe.model.transformer import StepContext
@@ -58,16 +58,10 @@ class Attention(nnx.Module):
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, context.rope), apply_rope(k, context.rope)
         groups = cfg.num_heads // cfg.num_kv_heads
-        # Each kv head's queries as the rows of one matrix (row = token * groups + group), so both products
-        # are plain batched matmuls: XLA:CPU then moves no score-sized array between layouts (3x faster
-        # at 512 tokens than contracting [B, T, Hkv, G, hd] directly).
-        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 1, 3, 4)
-        q = q.reshape(b, cfg.num_kv_heads, t * groups, cfg.head_dim)
         sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, groups)
         forms = dict(sinks=sinks, scale=cfg.head_dim ** -0.5)
-        args = (q, k, v, k_cache, v_cache, context.write_index, context.mask(window))
+        args = (q, k, v, k_cache, v_cache, context.rope, context.write_index, context.mask(window))
         if t == 1:  # decode: one kernel on a GPU, which reads only the columns a row sees
             out, k_cache, v_cache = platform_dependent(
                 *args, context.decode_columns(window), cuda=functools.partial(one_token_by_kernel, **forms),
@@ -79,18 +73,26 @@ class Attention(nnx.Module):
         return self.o(out), k_cache, v_cache
 
 
-def written_and_attended(q, k, v, k_cache, v_cache, write_index, mask, columns=None, *, sinks, scale: float):
-    """(out [B, Hkv, T*G, hd], k_cache, v_cache) in XLA: k, v [B, T, Hkv, hd] written into the caches [Bc, S, Hkv, hd]
-    from `write_index` (write_cache), then queries q [B, Hkv, T*G, hd] (each kv head's G query heads, token-major)
-    attending to the cache columns mask [B, T, S'] shows (S' <= S: the first S'). `sinks` float32 [Hkv, G] or None;
-    `columns`: unused, the kernel's form of a decode step's mask (one_token_by_kernel)."""
-    b, t = k.shape[:2]
+def written_and_attended(q, k, v, k_cache, v_cache, rope: RoPE, write_index, mask, columns=None, *, sinks,
+                         scale: float):
+    """(out [B, Hkv, T*G, hd], k_cache, v_cache) in XLA: queries q [B, T, H, hd] and keys k [B, T, Hkv, hd] roped,
+    keys and values v written into the caches [Bc, S, Hkv, hd] from `write_index` (write_cache), then the queries
+    attending to the cache columns mask [B, T, S'] shows (S' <= S: the first S'); out holds each kv head's G = H / Hkv
+    query heads, token-major. `sinks` float32 [Hkv, G] or None; `columns`: unused, the kernel's form of a decode
+    step's mask (one_token_by_kernel)."""
+    b, t, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
     k_cache, v_cache = write_cache(k_cache, k, write_index), write_cache(v_cache, v, write_index)
+    # Each kv head's queries as the rows of one matrix (row = token * groups + group), so both products
+    # are plain batched matmuls: XLA:CPU then moves no score-sized array between layouts (3x faster
+    # at 512 tokens than contracting [B, T, Hkv, G, hd] directly).
+    groups = heads // kv_heads
+    q = q.reshape(b, t, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * groups, head_dim)
     visible = mask.shape[-1]  # the cache columns any query can see (a prompt step: its own)
     # The first b rows: a serving step may run fewer rows than its cache holds.
     keys = k_cache[:b, :visible].astype(q.dtype).transpose(0, 2, 1, 3)  # [B, Hkv, S, hd]
     values = v_cache[:b, :visible].transpose(0, 2, 1, 3)
-    groups = q.shape[2] // t
     if t == visible:  # a prompt from column 0: query i sees columns <= i, so a block of queries needs no later one
         bounds = causal_block_bounds(t)
         out = jnp.concatenate([_attend(q[:, :, lo * groups:hi * groups], keys[:, :, :hi], values[:, :, :hi],
@@ -101,13 +103,17 @@ def written_and_attended(q, k, v, k_cache, v_cache, write_index, mask, columns=N
     return out, k_cache, v_cache
 
 
-def one_token_by_kernel(q, k, v, k_cache, v_cache, write_index, mask, columns, *, sinks, scale: float,
+def one_token_by_kernel(q, k, v, k_cache, v_cache, rope: RoPE, write_index, mask, columns, *, sinks, scale: float,
                         on_gpu: bool = True, columns_per_part: int = COLUMNS_PER_PART):
     """written_and_attended of one token per row (T = 1) as the Pallas kernel (interpreted where not on_gpu): `columns`
     int32 [B, 2], each row's first and last visible column, says what its mask does (and the last is where the
-    token is written: write_index, unused)."""
-    return attend_one_token(q, k[:, 0], v[:, 0], k_cache, v_cache, columns, sinks, scale=scale, on_gpu=on_gpu,
-                            columns_per_part=columns_per_part)
+    token is written: write_index, unused). The queries and keys are roped as one array, which the kernel reads as it
+    is: roped apart, each was a kernel of its own, and slicing them out of one array two more."""
+    b, _, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    queries_and_keys = apply_rope(jnp.concatenate([q, k], axis=2), rope).reshape(b, heads + kv_heads, head_dim)
+    return attend_one_token(queries_and_keys, v[:, 0], k_cache, v_cache, columns, sinks, groups=heads // kv_heads,
+                            scale=scale, on_gpu=on_gpu, columns_per_part=columns_per_part)
 
 
 def _attend(q, keys, values, mask, sinks, scale: float):
