@@ -26,7 +26,6 @@ COLUMNS_PER_PART = 1024
 BLOCK = 64
 # Triton's matrix products need at least 16 rows: a kv head's query heads are padded to it.
 MIN_ROWS = 16
-TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def attend_one_token(queries_and_keys, v_new, k_cache, v_cache, columns, sinks=None, *, groups: int, scale: float,
@@ -42,38 +41,53 @@ def attend_one_token(queries_and_keys, v_new, k_cache, v_cache, columns, sinks=N
     (tests)."""
     batch, all_heads, head_dim = queries_and_keys.shape
     kv_heads = all_heads // (groups + 1)
-    length = k_cache.shape[1]
-    parts = pl.cdiv(length, columns_per_part)
-    part_len = length if parts == 1 else columns_per_part
-    kernel = functools.partial(_attend_kernel, heads=kv_heads * groups, groups=groups, head_dim=head_dim, length=length,
-                               part_len=part_len, block=min(BLOCK, max(MIN_ROWS, pl.next_power_of_2(length))),
-                               scale=scale, combined=parts == 1, with_sinks=sinks is not None and parts == 1)
+    parts = pl.cdiv(k_cache.shape[1], columns_per_part)
+    with_sinks = sinks is not None and parts == 1  # several parts: the sinks join when they are combined
+    kernel = functools.partial(_attend_kernel, heads=kv_heads * groups, groups=groups, head_dim=head_dim,
+                               scale=scale, with_sinks=with_sinks, **_sizes(k_cache.shape[1], parts, columns_per_part))
+    inputs = (queries_and_keys, v_new, columns.astype(jnp.int32), *((sinks.astype(jnp.float32),) if with_sinks else ()))
+    out, k_cache, v_cache = call_with_caches(kernel, inputs, (k_cache, v_cache), (batch, kv_heads, groups, head_dim),
+                                             queries_and_keys.dtype, grid=(batch, kv_heads, parts), num_warps=4,
+                                             name="attend_one_token", on_gpu=on_gpu)
+    if parts > 1:
+        out = combine_parts(*out, sinks).astype(queries_and_keys.dtype)
+    return out, k_cache, v_cache
+
+
+def _sizes(length: int, parts: int, columns_per_part: int) -> dict:
+    """A kernel's static sizes: the cache's columns, a part's, a block's (a power of two, at least MIN_ROWS: a
+    product's dimension)."""
+    return dict(length=length, part_len=length if parts == 1 else columns_per_part,
+                block=min(BLOCK, max(MIN_ROWS, pl.next_power_of_2(length))), combined=parts == 1)
+
+
+def call_with_caches(kernel, inputs, caches, out_shape, dtype, *, grid, num_warps: int, name: str, on_gpu: bool):
+    """(out, *caches) of a decode-attention `kernel` over `grid` (row, head or head block, part): `inputs`, then the
+    caches (aliased to the outputs, updated in place). out: [B, Hkv, G, dv] of `dtype` where the grid has one part,
+    else each part's (unnormalised output [B, Hkv, P, G, dv], running max, sum of exponentials [B, Hkv, P, G])
+    in float32, for combine_parts."""
+    parts = grid[2]
     float32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
-    dtype = queries_and_keys.dtype
     if parts == 1:
-        results = [jax.ShapeDtypeStruct((batch, kv_heads, groups, head_dim), dtype)]
-    else:  # each part's unnormalised output, its running max and its sum of exponentials
-        results = [float32((batch, kv_heads, parts, groups, head_dim)), float32((batch, kv_heads, parts, groups)),
-                   float32((batch, kv_heads, parts, groups))]
-    sink_inputs = () if sinks is None or parts > 1 else (sinks.astype(jnp.float32),)
-    inputs = (queries_and_keys, v_new, columns.astype(jnp.int32), *sink_inputs, k_cache, v_cache)
+        results = [jax.ShapeDtypeStruct(out_shape, dtype)]
+    else:
+        batch, heads, groups, width = out_shape
+        results = [float32((batch, heads, parts, groups, width)), float32((batch, heads, parts, groups)),
+                   float32((batch, heads, parts, groups))]
     *results, k_cache, v_cache = pl.pallas_call(
         kernel,
-        out_shape=[*results, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        grid=(batch, kv_heads, parts),
+        out_shape=[*results, *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)],
+        grid=grid,
         # Whole arrays, read and written by masked loads and stores: Triton's blocks are powers of two, the head
         # dimension, the query heads and the cache's length need not be.
-        in_specs=[pl.no_block_spec] * len(inputs),
-        out_specs=[pl.no_block_spec] * (len(results) + 2),
-        input_output_aliases={len(inputs) - 2: len(results), len(inputs) - 1: len(results) + 1},
+        in_specs=[pl.no_block_spec] * (len(inputs) + len(caches)),
+        out_specs=[pl.no_block_spec] * (len(results) + len(caches)),
+        input_output_aliases={len(inputs) + i: len(results) + i for i in range(len(caches))},
         interpret=not on_gpu,
-        compiler_params=TRITON_PARAMS if on_gpu else None,
-        name="attend_one_token",
-    )(*inputs)
-    if parts == 1:
-        return results[0], k_cache, v_cache
-    return combine_parts(*results, sinks).astype(dtype), k_cache, v_cache
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2) if on_gpu else None,
+        name=name,
+    )(*inputs, *caches)
+    return (results[0] if parts == 1 else results), k_cache, v_cache
 
 
 def combine_parts(out, running_max, total, sinks=None):
@@ -108,28 +122,55 @@ def _attend_kernel(qk_ref, v_new_ref, columns_ref, *refs, heads, groups, head_di
     v_new = pltriton.load(v_new_ref.at[pl.ds(row, 1), head, pl.ds(0, dims_p)], mask=real_dims, other=0)
     k_new, v_new = k_new.astype(k_out.dtype), v_new.astype(v_out.dtype)  # as the cache holds them
     first, last = columns_ref[row, 0], columns_ref[row, 1]
+    write_new_column(((k_out, k_new), (v_out, v_new)), row, head, last, length, part == 0, dims_p, real_dims)
 
-    written = jnp.logical_and(real_dims, jnp.logical_and(part == 0, jnp.logical_and(last >= 0, last < length)))
-    pltriton.store(k_out.at[row, pl.ds(last, 1), head, pl.ds(0, dims_p)], k_new, mask=written)
-    pltriton.store(v_out.at[row, pl.ds(last, 1), head, pl.ds(0, dims_p)], v_new, mask=written)
+    def scores_and_values(start):
+        tile = (row, pl.ds(start, block), head, pl.ds(0, dims_p))
+        keys = column_tile(k_in, tile, k_new, last, length, real_dims)
+        values = column_tile(v_in, tile, v_new, last, length, real_dims)
+        scores = pl.dot(q, keys.astype(q.dtype), trans_b=True, precision=_precision(q.dtype))
+        return scores.astype(q.dtype).astype(jnp.float32) * scale, values
 
-    # This part's visible columns [lo, hi]; every block of the loop holds at least one of them.
+    sink_logits = None
+    if with_sinks:
+        sink_logits = pltriton.load(sinks_ref.at[head, pl.ds(0, rows_p)], mask=query_rows[:, 0] < groups, other=0.0)
+    carry = online_softmax(*part_bounds(first, last, part, part_len, length), block, scores_and_values,
+                           (rows_p, dims_p), sink_logits)
+    store_results(results, (row, head, part), 0, carry, query_rows < groups, real_dims, combined)
+
+
+def write_new_column(writes, row, head, last, length: int, writer, dims_p: int, real_dims):
+    """Each (cache ref [Bc, S, H, d], value [1, d']) of `writes` stored at column `last` of `row` and `head`, by the
+    `writer` program only and only where the column lies in the cache."""
+    written = jnp.logical_and(real_dims, jnp.logical_and(writer, jnp.logical_and(last >= 0, last < length)))
+    for cache, value in writes:
+        pltriton.store(cache.at[row, pl.ds(last, 1), head, pl.ds(0, dims_p)], value, mask=written)
+
+
+def column_tile(cache, tile, new, last, length: int, real_dims):
+    """A tile of cache columns [block, d'] (past the cache: zeros), with column `last` taken from `new`: the cache's
+    may not hold it yet (another program writes it)."""
+    cols = tile[1].start + jax.lax.broadcasted_iota(jnp.int32, (tile[1].size, 1), 0)
+    loaded = pltriton.load(cache.at[tile], mask=jnp.logical_and(cols < length, real_dims), other=0)
+    return jnp.where(cols == last, new, loaded)
+
+
+def part_bounds(first, last, part, part_len: int, length: int):
+    """The visible columns [lo, hi] of a row whose first and last visible columns are given, within its part."""
     lo = jnp.maximum(first, part * part_len)
     hi = jnp.minimum(jnp.minimum(last, length - 1), (part + 1) * part_len - 1)
+    return lo, hi
 
+
+def online_softmax(lo, hi, block: int, scores_and_values, shape, sink_logits=None):
+    """(acc [rows, d'], running max, sum of exponentials [rows, 1]) over the blocks of columns holding [lo, hi]: per
+    block, `scores_and_values(start)` gives the scores (float32 [rows, block], scaled) and the values ([block, d'])
+    of columns start .. start + block - 1, the columns outside [lo, hi] masked here. `sink_logits` [rows]: each
+    row's sink, which starts the sum (its exponential) and the running max (its logit)."""
     def body(index, carry):
         acc, running_max, total = carry
         start = index * block
-        cols = start + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-        tile = pl.ds(start, block)
-        in_cache = jnp.logical_and(cols < length, real_dims)
-        # The new column from k_new / v_new: the cache's may not hold it yet (another program writes it).
-        keys = jnp.where(cols == last, k_new, pltriton.load(k_in.at[row, tile, head, pl.ds(0, dims_p)],
-                                                              mask=in_cache, other=0))
-        values = jnp.where(cols == last, v_new, pltriton.load(v_in.at[row, tile, head, pl.ds(0, dims_p)],
-                                                                mask=in_cache, other=0))
-        scores = pl.dot(q, keys.astype(q.dtype), trans_b=True, precision=_precision(q.dtype))
-        scores = scores.astype(q.dtype).astype(jnp.float32) * scale
+        scores, values = scores_and_values(start)
         visible = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
         scores = jnp.where(jnp.logical_and(visible >= lo, visible <= hi), scores, -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))
@@ -139,25 +180,33 @@ def _attend_kernel(qk_ref, v_new_ref, columns_ref, *refs, heads, groups, head_di
         acc = acc * correction + pl.dot(probs.astype(values.dtype), values, precision=_precision(values.dtype))
         return acc, new_max, total
 
-    acc = jnp.zeros((rows_p, dims_p), jnp.float32)
-    running_max = jnp.full((rows_p, 1), -jnp.inf, jnp.float32)
-    total = jnp.zeros((rows_p, 1), jnp.float32)
-    if with_sinks:  # the sink's exponential starts the sum; its logit the running max
-        running_max = pltriton.load(sinks_ref.at[head, pl.ds(0, rows_p)], mask=query_rows[:, 0] < groups,
-                                    other=0.0)[:, None]
-        total = jnp.ones((rows_p, 1), jnp.float32)
-    acc, running_max, total = jax.lax.fori_loop(lo // block, jnp.where(lo <= hi, hi // block + 1, lo // block),
-                                                body, (acc, running_max, total))
-    store_mask = jnp.logical_and(query_rows < groups, real_dims)
+    rows = shape[0]
+    acc = jnp.zeros(shape, jnp.float32)
+    if sink_logits is None:
+        running_max, total = jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
+    else:
+        running_max, total = sink_logits[:, None], jnp.ones((rows, 1), jnp.float32)
+    # Every block of the loop holds at least one visible column, so the running max is finite after the first.
+    return jax.lax.fori_loop(lo // block, jnp.where(lo <= hi, hi // block + 1, lo // block), body,
+                             (acc, running_max, total))
+
+
+def store_results(results, index, first_query: int, carry, real_rows, real_dims, combined: bool):
+    """A program's results stored for (row, head, part) = index, its query rows from `first_query`: the normalised
+    output (a row that saw nothing: zeros) where its part is the only one, else the part's acc, max and sum."""
+    acc, running_max, total = carry
+    row, head, part = index
+    rows_p, dims_p = acc.shape
+    mask = jnp.logical_and(real_rows, real_dims)
     if combined:
         out = jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
-        pltriton.store(results[0].at[row, head, pl.ds(0, rows_p), pl.ds(0, dims_p)], out.astype(results[0].dtype),
-                       mask=store_mask)
+        pltriton.store(results[0].at[row, head, pl.ds(first_query, rows_p), pl.ds(0, dims_p)],
+                       out.astype(results[0].dtype), mask=mask)
         return
     out_ref, max_ref, total_ref = results
-    pltriton.store(out_ref.at[row, head, part, pl.ds(0, rows_p), pl.ds(0, dims_p)], acc, mask=store_mask)
-    pltriton.store(max_ref.at[row, head, part, pl.ds(0, rows_p)], running_max[:, 0], mask=query_rows[:, 0] < groups)
-    pltriton.store(total_ref.at[row, head, part, pl.ds(0, rows_p)], total[:, 0], mask=query_rows[:, 0] < groups)
+    pltriton.store(out_ref.at[row, head, part, pl.ds(first_query, rows_p), pl.ds(0, dims_p)], acc, mask=mask)
+    pltriton.store(max_ref.at[row, head, part, pl.ds(first_query, rows_p)], running_max[:, 0], mask=real_rows[:, 0])
+    pltriton.store(total_ref.at[row, head, part, pl.ds(first_query, rows_p)], total[:, 0], mask=real_rows[:, 0])
 
 
 def _precision(dtype):
