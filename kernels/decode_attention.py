@@ -44,7 +44,7 @@ def attend_one_token(queries_and_keys, v_new, k_cache, v_cache, columns, sinks=N
     parts = pl.cdiv(k_cache.shape[1], columns_per_part)
     with_sinks = sinks is not None and parts == 1  # several parts: the sinks join when they are combined
     kernel = functools.partial(_attend_kernel, heads=kv_heads * groups, groups=groups, head_dim=head_dim,
-                               scale=scale, with_sinks=with_sinks, **_sizes(k_cache.shape[1], parts, columns_per_part))
+                               scale=scale, with_sinks=with_sinks, **sizes(k_cache.shape[1], parts, columns_per_part))
     inputs = (queries_and_keys, v_new, columns.astype(jnp.int32), *((sinks.astype(jnp.float32),) if with_sinks else ()))
     out, k_cache, v_cache = call_with_caches(kernel, inputs, (k_cache, v_cache), (batch, kv_heads, groups, head_dim),
                                              queries_and_keys.dtype, grid=(batch, kv_heads, parts), num_warps=4,
@@ -54,11 +54,11 @@ def attend_one_token(queries_and_keys, v_new, k_cache, v_cache, columns, sinks=N
     return out, k_cache, v_cache
 
 
-def _sizes(length: int, parts: int, columns_per_part: int) -> dict:
+def sizes(length: int, parts: int, columns_per_part: int, block: int = BLOCK) -> dict:
     """A kernel's static sizes: the cache's columns, a part's, a block's (a power of two, at least MIN_ROWS: a
     product's dimension)."""
     return dict(length=length, part_len=length if parts == 1 else columns_per_part,
-                block=min(BLOCK, max(MIN_ROWS, pl.next_power_of_2(length))), combined=parts == 1)
+                block=min(block, max(MIN_ROWS, pl.next_power_of_2(length))), combined=parts == 1)
 
 
 def call_with_caches(kernel, inputs, caches, out_shape, dtype, *, grid, num_warps: int, name: str, on_gpu: bool):
@@ -128,7 +128,7 @@ def _attend_kernel(qk_ref, v_new_ref, columns_ref, *refs, heads, groups, head_di
         tile = (row, pl.ds(start, block), head, pl.ds(0, dims_p))
         keys = column_tile(k_in, tile, k_new, last, length, real_dims)
         values = column_tile(v_in, tile, v_new, last, length, real_dims)
-        scores = pl.dot(q, keys.astype(q.dtype), trans_b=True, precision=_precision(q.dtype))
+        scores = pl.dot(q, keys.astype(q.dtype), trans_b=True, precision=precision_for(q.dtype))
         return scores.astype(q.dtype).astype(jnp.float32) * scale, values
 
     sink_logits = None
@@ -177,7 +177,7 @@ def online_softmax(lo, hi, block: int, scores_and_values, shape, sink_logits=Non
         correction = jnp.exp(running_max - new_max)
         probs = jnp.exp(scores - new_max)
         total = total * correction + jnp.sum(probs, axis=1, keepdims=True)
-        acc = acc * correction + pl.dot(probs.astype(values.dtype), values, precision=_precision(values.dtype))
+        acc = acc * correction + pl.dot(probs.astype(values.dtype), values, precision=precision_for(values.dtype))
         return acc, new_max, total
 
     rows = shape[0]
@@ -209,6 +209,6 @@ def store_results(results, index, first_query: int, carry, real_rows, real_dims,
     pltriton.store(total_ref.at[row, head, part, pl.ds(first_query, rows_p)], total[:, 0], mask=real_rows[:, 0])
 
 
-def _precision(dtype):
+def precision_for(dtype):
     """Full float32 products for float32 models (Triton would round their inputs to TF32)."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

@@ -10,16 +10,25 @@ import numpy as np
 import pytest
 
 import jmoe
-from bench.gpu.decode_attention import CASES, attention_agrees
+from bench.gpu.decode_attention import CASES, LATENT_CASES, attention_agrees, latent_attention_agrees
 from jmoe.config import load_config
-from jmoe.model import attention
+from jmoe.model import attention, mla
 from jmoe.model.transformer import empty_kv_cache, step_context
+from jmoe.plan.hlo import triton_grids
+from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 
 @pytest.mark.quick
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[:6]}-w{c[6]}-sinks{c[7]}-{c[8]}-{c[9]}-rot{c[10]}" for c in CASES])
 def test_the_kernel_computes_what_xla_does(case):
     same, detail = attention_agrees(case, on_gpu=False)
+    assert same, detail
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case", LATENT_CASES, ids=[f"{c[:8]}-interleaved{c[8]}-{c[9]}-{c[10]}" for c in LATENT_CASES])
+def test_the_latent_kernel_computes_what_xla_does(case):
+    same, detail = latent_attention_agrees(case, on_gpu=False)
     assert same, detail
 
 
@@ -52,19 +61,22 @@ def decode_logits(module, cfg, prompt, pad_len, steps: int, per_row: bool):
     return np.asarray(jnp.stack(logits))
 
 
-@pytest.mark.parametrize("name", ["gpt_oss_e4k2_window", "qwen3_moe_headdim_tied"])
+@pytest.mark.parametrize("name", ["gpt_oss_e4k2_window", "qwen3_moe_headdim_tied", "deepseek_v3_qlora_groups",
+                                  "deepseek_v3_yarn_plain_q"])
 def test_a_model_decodes_the_same_through_the_kernel(name, hf_checkpoints, monkeypatch):
-    """GPT-OSS (sinks, a window of 4 on every other layer) and Qwen3 (per-head q/k norms, two query heads a kv head):
-    two left-padded rows' logits over 8 greedy decode steps, every decode attention through the interpreted kernel
-    (as a GPU chooses it, in parts of 16 columns) and through XLA's form."""
+    """GPT-OSS (sinks, a window of 4 on every other layer), Qwen3 (per-head q/k norms, two query heads a kv head) and
+    DeepSeek-V3 (latent attention; interleaved rope pairs, then YaRN): two left-padded rows' logits over 8 greedy
+    decode steps, every decode attention through the interpreted kernel (as a GPU chooses it, in parts of 16
+    columns) and through XLA's form."""
     model = jmoe.load(hf_checkpoints[name][0])
     module, cfg = model.module(), model.config
     prompt = jnp.asarray([[0, 0, 5, 9, 2, 7], [4, 1, 8, 3, 6, 2]], jnp.int32)
     pad_len = jnp.asarray([2, 0], jnp.int32)
     want = [decode_logits(module, cfg, prompt, pad_len, 8, per_row) for per_row in (False, True)]
-    monkeypatch.setattr(attention, "platform_dependent", lambda *args, cuda, default: cuda(*args))
-    monkeypatch.setattr(attention, "one_token_by_kernel", functools.partial(attention.one_token_by_kernel,
-                                                                            on_gpu=False, columns_per_part=16))
+    for module_of_form, form in ((attention, "one_token_by_kernel"), (mla, "latent_one_token_by_kernel")):
+        monkeypatch.setattr(module_of_form, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+        monkeypatch.setattr(module_of_form, form, functools.partial(getattr(module_of_form, form), on_gpu=False,
+                                                                    columns_per_part=16))
     for per_row, logits in zip((False, True), want):
         np.testing.assert_allclose(decode_logits(module, cfg, prompt, pad_len, 8, per_row), logits, atol=2e-5)
 
@@ -76,3 +88,14 @@ def test_on_the_cpu_decode_attention_is_xla_s(hf_checkpoints):
     step = str(jax.make_jaxpr(lambda token: module(token, cache, 3, jnp.zeros(1, jnp.int32)).logits)(
         jnp.ones((1, 1), jnp.int32)))
     assert "pallas_call" not in step and "dot_general" in step
+
+
+@pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
+def test_an_h100_decode_attends_by_one_latent_kernel_a_layer(hf_checkpoints):
+    """DeepSeek-V3's decode step compiled for an H100: every layer's latent attention is the kernel, a program per
+    row and block of 16 heads (4 heads: one block) at a 64-column cache (one part), with no score-sized product."""
+    plan = jmoe.plan(hf_checkpoints["deepseek_v3_qlora_groups"][0], target="h100", context=64)
+    decode = plan.programs["decode"]
+    assert decode.error is None, decode.error
+    assert triton_grids(decode.hlo_text, "attend_latent_one_token") == [(1, 1, 1)] * plan.config.num_layers
+    assert "bthr,bsr->bhts" not in decode.hlo_text and "bhts,bsr->bhtr" not in decode.hlo_text  # XLA's products

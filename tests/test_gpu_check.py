@@ -36,8 +36,9 @@ def test_every_kernel_backend_in_every_format_matches_reference_on_cpu(smoke_rep
     # The decode step's bookkeeping and attention kernels against XLA's computations, each case run and passed
     # (interpreted here).
     step_kernels = [c for c in checks
-                    if c["name"].startswith(("choose_experts kernel", "fetch_plan kernel", "attend_one_token kernel"))]
-    cases = len(ROUTING_CASES) + len(PLAN_CASES) + len(decode_attention.CASES)
+                    if c["name"].startswith(("choose_experts kernel", "fetch_plan kernel", "attend_one_token kernel",
+                                             "attend_latent_one_token kernel"))]
+    cases = len(ROUTING_CASES) + len(PLAN_CASES) + len(decode_attention.CASES) + len(decode_attention.LATENT_CASES)
     assert len(step_kernels) == cases and all(c["passed"] for c in step_kernels)
     checks = [c for c in checks if c not in step_kernels]
     assert len(checks) == (len(BACKENDS) - 1) * (len(FORMATS) + 1)  # every backend but reference, bf16 + formats
