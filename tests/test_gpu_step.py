@@ -18,7 +18,7 @@ from jmoe.offload.slots import (LayerSlots, Scratch, admitted_tables, empty_slot
                                stream_and_compute)
 from jmoe.kernels.expert_copy import CHUNK
 from jmoe.plan.hlo import (computations, control_flow, copied_arrays, kernel_count, module_count, scatters,
-                           side_stream_overlaps, triton_grids)
+                           side_stream_overlaps, triton_grids, triton_kernels_reading_host)
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
 
 needs_gpu_compile = pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
@@ -173,6 +173,22 @@ def test_kernel_count_counts_launches_a_run():
     assert kernel_count(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")) == 3 + 1 + 3
     # A chained step's text, its pieces' modules one after another (their computations' names alike): each counted.
     assert kernel_count("\n".join([LOOP_HLO] * 3)) == 3 * (3 + 1 + 5 * 3)
+
+
+HOST_READING_MODULE = """HloModule piece_{i}
+ENTRY %main (p: f32[4], q: f32[4]) -> f32[4] {{
+  %p = f32[4]{{0:S({space})}} parameter(0)
+  %q = f32[4]{{0}} parameter(1)
+  ROOT %custom-call = f32[4]{{0}} custom-call(%p, %q), custom_call_target="__gpu$xla.gpu.triton"
+}}
+"""
+
+
+def test_host_reads_are_counted_in_each_module_of_a_chained_program_s_text():
+    # The second piece's %p lies in device memory: the first's pinned-host %p must not make its kernel count.
+    pieces = [HOST_READING_MODULE.format(i=0, space=5), HOST_READING_MODULE.format(i=1, space=1)]
+    assert triton_kernels_reading_host(pieces[0]) == 1 and triton_kernels_reading_host(pieces[1]) == 0
+    assert triton_kernels_reading_host("".join(pieces)) == 1
 
 
 def test_module_count_counts_the_modules_of_a_chained_program_s_text():

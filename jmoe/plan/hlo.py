@@ -103,10 +103,14 @@ def _lines_with_thread(hlo_text: str):
 
 
 def triton_kernels_reading_host(hlo_text: str) -> int:
-    """Triton kernels whose operands include a pinned-host (memory space S(5)) parameter, or a bitcast of one."""
-    host = set(_HOST_ARRAY.findall(hlo_text))
-    return sum(bool(host & set(_OPERAND.findall(line.split("custom-call(", 1)[1].split(")", 1)[0])))
-               for line in hlo_text.splitlines() if _TRITON_CALL in line)
+    """Triton kernels whose operands include a pinned-host (memory space S(5)) parameter, or a bitcast of one, in
+    each module of the text (names are a module's own: a chained step's pieces reuse them)."""
+    total = 0
+    for module in modules(hlo_text) or [hlo_text]:
+        host = set(_HOST_ARRAY.findall(module))
+        total += sum(bool(host & set(_OPERAND.findall(line.split("custom-call(", 1)[1].split(")", 1)[0])))
+                     for line in module.splitlines() if _TRITON_CALL in line)
+    return total
 
 
 def triton_grids(hlo_text: str, name: str) -> list[tuple[int, int, int]]:
