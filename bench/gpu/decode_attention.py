@@ -85,7 +85,7 @@ def random_step(case, seed: int = 0):
 
     rows, cache_rows, length, kv_heads, groups, head_dim, window, sinks, dtype, _, rotated = case
     rng = np.random.default_rng(seed + length)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    normal = functools.partial(_normal, rng, dtype)
     return (normal(rows, 1, kv_heads * groups, head_dim), normal(rows, 1, kv_heads, head_dim),
             normal(rows, 1, kv_heads, head_dim), normal(cache_rows, length, kv_heads, head_dim),
             normal(cache_rows, length, kv_heads, head_dim), random_rope(rng, rows, rotated),
@@ -93,16 +93,21 @@ def random_step(case, seed: int = 0):
             jnp.asarray(rng.normal(SINK_MEAN, 1.0, (kv_heads, groups)), jnp.float32) if sinks else None)
 
 
+def _normal(rng, dtype, *shape, scale: float = 1.0):
+    """A normal random array of `shape` and `dtype`, on the device."""
+    import jax.numpy as jnp
+
+    return jnp.asarray(rng.normal(0.0, scale, shape), dtype)
+
+
 def random_latent_step(case, seed: int = 0):
     """(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, kv_b, rope, write_index, mask, columns), MLA of a
     latent-attention decode step of `case` (random_columns' rows)."""
-    import jax.numpy as jnp
-
     from jmoe.config import MLA
 
     rows, cache_rows, length, heads, rank, rope_dim, nope_dim, value_dim, interleaved, dtype, _ = case
     rng = np.random.default_rng(seed + length)
-    normal = lambda *shape, scale=1.0: jnp.asarray(rng.normal(0.0, scale, shape), dtype)  # noqa: E731
+    normal = functools.partial(_normal, rng, dtype)
     mla = MLA(q_lora_rank=0, kv_lora_rank=rank, qk_nope_head_dim=nope_dim, qk_rope_head_dim=rope_dim,
               v_head_dim=value_dim, rope_interleave=interleaved, softmax_scale=(nope_dim + rope_dim) ** -0.5)
     step = (normal(rows, 1, heads, nope_dim), normal(rows, 1, heads, rope_dim), normal(rows, 1, 1, rank),
