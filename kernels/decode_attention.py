@@ -6,7 +6,8 @@ softmax (flash decoding); where the cache is long, its parts' partial results ar
 Why a kernel: XLA:GPU made a one-token attention five kernels a layer (the key and value cache writes, the scores,
 the softmax, the products with the values) and read every column of the cache, filled or not, masking the rest: at
 a serving cache of 32k columns a step read all of them in every layer; and roping the queries and the keys was a
-kernel each. The kernel reads them as one array, roped together (one kernel). The model's XLA form
+kernel each. The kernel reads the queries, the keys (roped together) and the values as one array, one fusion's
+output. The model's XLA form
 (`jmoe.model.attention`) is what every other platform runs; tests/test_decode_attention.py holds the kernel,
 interpreted, to it."""
 
@@ -28,29 +29,29 @@ BLOCK = 64
 MIN_ROWS = 16
 
 
-def attend_one_token(queries_and_keys, v_new, k_cache, v_cache, columns, sinks=None, *, groups: int, scale: float,
-                     on_gpu: bool, columns_per_part: int = COLUMNS_PER_PART):
-    """(out [B, Hkv, G, hd] in the queries' dtype, k_cache, v_cache) for one query token per row.
+def attend_one_token(qkv, k_cache, v_cache, columns, sinks=None, *, groups: int, scale: float, on_gpu: bool,
+                     columns_per_part: int = COLUMNS_PER_PART):
+    """(out [B, Hkv, G, hd] in qkv's dtype, k_cache, v_cache) for one query token per row.
 
-    queries_and_keys [B, Hkv*G + Hkv, hd]: the token's query heads (each kv head's G together, kv head h's from row
-    h*G), then its keys, roped; the keys and v_new [B, Hkv, hd] are written into column columns[b, 1] of rows b < B
-    of k_cache, v_cache [Bc, S, Hkv, hd] (Bc >= B; a column outside the cache is not written). Row b attends to
-    columns columns[b, 0] ..= columns[b, 1] (none if the first is past the last: its output is zeros). `sinks`
-    float32 [Hkv, G]: each query head's sink logit, which joins the softmax's denominator only. Scores are rounded to
-    the queries' dtype before the float32 softmax, as the XLA form's product is. Interpreted where not on_gpu
-    (tests)."""
-    batch, all_heads, head_dim = queries_and_keys.shape
-    kv_heads = all_heads // (groups + 1)
+    qkv [B, Hkv*G + 2*Hkv, hd]: the token's query heads (each kv head's G together, kv head h's from row h*G), its
+    keys (roped, both), then its values; the keys and values are written into column columns[b, 1] of rows b < B of
+    k_cache, v_cache [Bc, S, Hkv, hd] (Bc >= B; a column outside the cache is not written). Row b attends to columns
+    columns[b, 0] ..= columns[b, 1] (none if the first is past the last: its output is zeros). `sinks` [Hkv, G]: each
+    query head's sink logit, which joins the softmax's denominator only. Scores are rounded to the queries' dtype
+    before the float32 softmax, as the XLA form's product is. Interpreted where not on_gpu (tests)."""
+    batch, all_heads, head_dim = qkv.shape
+    kv_heads = all_heads // (groups + 2)
     parts = pl.cdiv(k_cache.shape[1], columns_per_part)
     with_sinks = sinks is not None and parts == 1  # several parts: the sinks join when they are combined
-    kernel = functools.partial(_attend_kernel, heads=kv_heads * groups, groups=groups, head_dim=head_dim,
-                               scale=scale, with_sinks=with_sinks, **sizes(k_cache.shape[1], parts, columns_per_part))
-    inputs = (queries_and_keys, v_new, columns.astype(jnp.int32), *((sinks.astype(jnp.float32),) if with_sinks else ()))
+    kernel = functools.partial(_attend_kernel, heads=kv_heads * groups, kv_heads=kv_heads, groups=groups,
+                               head_dim=head_dim, scale=scale, with_sinks=with_sinks,
+                               **sizes(k_cache.shape[1], parts, columns_per_part))
+    inputs = (qkv, columns.astype(jnp.int32), *((sinks,) if with_sinks else ()))
     out, k_cache, v_cache = call_with_caches(kernel, inputs, (k_cache, v_cache), (batch, kv_heads, groups, head_dim),
-                                             queries_and_keys.dtype, grid=(batch, kv_heads, parts), num_warps=4,
+                                             qkv.dtype, grid=(batch, kv_heads, parts), num_warps=4,
                                              name="attend_one_token", on_gpu=on_gpu)
     if parts > 1:
-        out = combine_parts(*out, sinks).astype(queries_and_keys.dtype)
+        out = combine_parts(*out, sinks).astype(qkv.dtype)
     return out, k_cache, v_cache
 
 
@@ -93,7 +94,7 @@ def call_with_caches(kernel, inputs, caches, out_shape, dtype, *, grid, num_warp
 def combine_parts(out, running_max, total, sinks=None):
     """The softmax-weighted output [B, Hkv, G, hd] of parts' unnormalised outputs out [B, Hkv, P, G, hd], running
     maxima and sums of exponentials [B, Hkv, P, G] (a part that saw no column: -inf and 0), a sink logit per query
-    head [Hkv, G] joining the denominator."""
+    head [Hkv, G] (any float dtype) joining the denominator."""
     best = jnp.max(running_max, axis=2)
     if sinks is not None:
         best = jnp.maximum(best, sinks.astype(jnp.float32))
@@ -106,7 +107,7 @@ def combine_parts(out, running_max, total, sinks=None):
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
-def _attend_kernel(qk_ref, v_new_ref, columns_ref, *refs, heads, groups, head_dim, length, part_len, block, scale,
+def _attend_kernel(qkv_ref, columns_ref, *refs, heads, kv_heads, groups, head_dim, length, part_len, block, scale,
                    combined, with_sinks):
     """One (row, kv head, part): the new column written by part 0, then the part's visible columns in blocks."""
     sinks_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
@@ -116,10 +117,11 @@ def _attend_kernel(qk_ref, v_new_ref, columns_ref, *refs, heads, groups, head_di
     query_rows = jax.lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
     dims = jax.lax.broadcasted_iota(jnp.int32, (1, dims_p), 1)
     real_dims = dims < head_dim
-    q = pltriton.load(qk_ref.at[row, pl.ds(head * groups, rows_p), pl.ds(0, dims_p)],
+    q = pltriton.load(qkv_ref.at[row, pl.ds(head * groups, rows_p), pl.ds(0, dims_p)],
                       mask=jnp.logical_and(query_rows < groups, real_dims), other=0)
-    k_new = pltriton.load(qk_ref.at[pl.ds(row, 1), heads + head, pl.ds(0, dims_p)], mask=real_dims, other=0)
-    v_new = pltriton.load(v_new_ref.at[pl.ds(row, 1), head, pl.ds(0, dims_p)], mask=real_dims, other=0)
+    k_new = pltriton.load(qkv_ref.at[pl.ds(row, 1), heads + head, pl.ds(0, dims_p)], mask=real_dims, other=0)
+    v_new = pltriton.load(qkv_ref.at[pl.ds(row, 1), heads + kv_heads + head, pl.ds(0, dims_p)], mask=real_dims,
+                          other=0)
     k_new, v_new = k_new.astype(k_out.dtype), v_new.astype(v_out.dtype)  # as the cache holds them
     first, last = columns_ref[row, 0], columns_ref[row, 1]
     write_new_column(((k_out, k_new), (v_out, v_new)), row, head, last, length, part == 0, dims_p, real_dims)
@@ -133,7 +135,8 @@ def _attend_kernel(qk_ref, v_new_ref, columns_ref, *refs, heads, groups, head_di
 
     sink_logits = None
     if with_sinks:
-        sink_logits = pltriton.load(sinks_ref.at[head, pl.ds(0, rows_p)], mask=query_rows[:, 0] < groups, other=0.0)
+        sink_logits = pltriton.load(sinks_ref.at[head, pl.ds(0, rows_p)], mask=query_rows[:, 0] < groups,
+                                    other=0.0).astype(jnp.float32)
     carry = online_softmax(*part_bounds(first, last, part, part_len, length), block, scores_and_values,
                            (rows_p, dims_p), sink_logits)
     store_results(results, (row, head, part), 0, carry, query_rows < groups, real_dims, combined)

@@ -59,7 +59,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         groups = cfg.num_heads // cfg.num_kv_heads
-        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, groups)
+        sinks = None if self.sinks is None else self.sinks[...].reshape(cfg.num_kv_heads, groups)
         forms = dict(sinks=sinks, scale=cfg.head_dim ** -0.5)
         args = (q, k, v, k_cache, v_cache, context.rope, context.write_index, context.mask(window))
         if t == 1:  # decode: one kernel on a GPU, which reads only the columns a row sees
@@ -78,8 +78,8 @@ def written_and_attended(q, k, v, k_cache, v_cache, rope: RoPE, write_index, mas
     """(out [B, Hkv, T*G, hd], k_cache, v_cache) in XLA: queries q [B, T, H, hd] and keys k [B, T, Hkv, hd] roped,
     keys and values v written into the caches [Bc, S, Hkv, hd] from `write_index` (write_cache), then the queries
     attending to the cache columns mask [B, T, S'] shows (S' <= S: the first S'); out holds each kv head's G = H / Hkv
-    query heads, token-major. `sinks` float32 [Hkv, G] or None; `columns`: unused, the kernel's form of a decode
-    step's mask (one_token_by_kernel)."""
+    query heads, token-major. `sinks` [Hkv, G] (each head's sink logit) or None; `columns`: unused, the kernel's form
+    of a decode step's mask (one_token_by_kernel)."""
     b, t, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -107,18 +107,20 @@ def one_token_by_kernel(q, k, v, k_cache, v_cache, rope: RoPE, write_index, mask
                         on_gpu: bool = True, columns_per_part: int = COLUMNS_PER_PART):
     """written_and_attended of one token per row (T = 1) as the Pallas kernel (interpreted where not on_gpu): `columns`
     int32 [B, 2], each row's first and last visible column, says what its mask does (and the last is where the
-    token is written: write_index, unused). The queries and keys are roped as one array, which the kernel reads as it
-    is: roped apart, each was a kernel of its own, and slicing them out of one array two more."""
+    token is written: write_index, unused). The queries and keys, roped, and the values go to the kernel as one
+    array, made by one fusion: roped apart, the queries and keys were a kernel each, and a projection's bias made
+    the values' cast one more."""
     b, _, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    queries_and_keys = apply_rope(jnp.concatenate([q, k], axis=2), rope).reshape(b, heads + kv_heads, head_dim)
-    return attend_one_token(queries_and_keys, v[:, 0], k_cache, v_cache, columns, sinks, groups=heads // kv_heads,
-                            scale=scale, on_gpu=on_gpu, columns_per_part=columns_per_part)
+    roped = apply_rope(jnp.concatenate([q, k], axis=2), rope)
+    qkv = jnp.concatenate([roped, v.astype(roped.dtype)], axis=2).reshape(b, heads + 2 * kv_heads, head_dim)
+    return attend_one_token(qkv, k_cache, v_cache, columns, sinks, groups=heads // kv_heads, scale=scale,
+                            on_gpu=on_gpu, columns_per_part=columns_per_part)
 
 
 def _attend(q, keys, values, mask, sinks, scale: float):
     """q [B, Hkv, M*G, hd] (M queries, G query heads per kv head), keys/values [B, Hkv, S, hd], mask [B, M, S],
-    sinks float32 [Hkv, G] or None -> [B, Hkv, M*G, hd]."""
+    sinks [Hkv, G] or None -> [B, Hkv, M*G, hd]."""
     b, kv_heads, rows, _ = q.shape
     queries, visible = mask.shape[1], keys.shape[2]
     groups = rows // queries
@@ -129,7 +131,7 @@ def _attend(q, keys, values, mask, sinks, scale: float):
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1)
     else:  # each head's sink logit joins the softmax as one more column, then is dropped
-        sink = jnp.broadcast_to(sinks.reshape(1, kv_heads, 1, groups, 1), (*scores.shape[:-1], 1))
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, 1, groups, 1), (*scores.shape[:-1], 1))
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     probs = probs.astype(values.dtype).reshape(b, kv_heads, rows, visible)
     return jnp.einsum("bkms,bksd->bkmd", probs, values)
