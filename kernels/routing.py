@@ -1,9 +1,10 @@
 """A MoE layer's choice of experts from its router's scores: each token's top-k experts, their weights (the chosen
 scores, normalised, scaled, cast) and -1 for the ids of tokens that route nowhere (padding).
 
-Where the program is lowered for a CUDA GPU this is one Pallas kernel (Triton), a program per token. XLA:GPU made
-it three kernels after the router's own (a sort for top_k, the chosen scores' gather, their normalisation and cast),
-four more for DeepSeek-V3's groups (the sort of each group's best two, their sums, the groups' sort, the mask),
+Where the program is lowered for a CUDA GPU this is one Pallas kernel (Triton), a program per token, which also
+applies the router's bias, rounding and softmax or sigmoid to its sums. XLA:GPU made it three kernels after the
+router's own (a sort for top_k, the chosen scores' gather, their normalisation and cast), one more where the router
+had a bias or a sigmoid, four more for DeepSeek-V3's groups (the sort of each group's best two, their sums, the groups' sort, the mask),
 each a launch in a one-row decode step, whose kernels are a few microseconds of work each (gpu_check's Mixtral-shaped
 resident step on an H100, 2026-11-27: 93 kernels, 1.24-1.66 ms against 0.28 ms of HBM reads). Elsewhere it is the
 same computation in XLA (`chosen_weights` after lax.top_k); tests/test_bookkeeping_kernels.py holds the kernel,
@@ -25,18 +26,44 @@ TRITON_PARAMS = pltriton.CompilerParams(num_warps=1, num_stages=1)
 
 
 def choose_experts(scores, valid, *, top_k: int, weigh=None, bias=None, groups: tuple[int, int] = (1, 1),
-                   normalize: bool, eps: float = 0.0, scale: float = 1.0, dtype):
+                   activation: str | None = None, logits_bias=None, logits_dtype=None, normalize: bool,
+                   eps: float = 0.0, scale: float = 1.0, dtype):
     """ids int32 [N, top_k] and weights [N, top_k] of `dtype` for scores float32 [N, E] and valid bool [N].
 
-    A token's ids are the `top_k` experts of the highest selection scores, highest first (ties: the lower expert
-    first, as lax.top_k; -inf scores are never preferred to finite ones), -1 where not `valid`. The selection scores
-    are `scores` plus `bias` (float32 [E], if given), limited to the experts of the best groups[1] of groups[0]
-    equal groups (`group_limited`). Its weights are the chosen experts' entries of `weigh` (float32 [N, E], default
-    `scores`), divided by their sum plus `eps` if `normalize`, times `scale`."""
-    args = (scores, scores if weigh is None else weigh, valid, bias)
-    options = dict(top_k=top_k, groups=tuple(groups), normalize=normalize, eps=eps, scale=scale, dtype=dtype)
+    `activation` ("softmax" or "sigmoid", ROUTER_ACTIVATIONS) is applied to the scores first (they are then a
+    router's float32 sums, and weigh must be None), after `logits_bias` [E] (a linear router's bias) is added and the
+    sum rounded to `logits_dtype` (if given; as jmoe.model.layers.project rounds): in the kernel, where XLA made the
+    bias and rounding, or a sigmoid, a kernel of its own after the router's product. A token's ids are the `top_k`
+    experts of the highest selection scores, highest first (ties: the lower expert first, as lax.top_k; -inf scores
+    are never preferred to finite ones), -1 where not `valid`. The selection scores are the scores plus `bias`
+    ([E], if given), limited to the experts of the best groups[1] of groups[0] equal groups (`group_limited`). Its
+    weights are the chosen experts' entries of `weigh` (float32 [N, E], default the scores), divided by their sum
+    plus `eps` if `normalize`, times `scale`."""
+    if activation is not None and weigh is not None:
+        raise ValueError(f"choose_experts weighs by the activated scores: activation={activation!r} with weigh given")
+    args = (scores, scores if weigh is None else weigh, valid, bias, logits_bias)
+    options = dict(top_k=top_k, groups=tuple(groups), activation=activation, logits_dtype=logits_dtype,
+                   normalize=normalize, eps=eps, scale=scale, dtype=dtype)
     return platform_dependent(*args, cuda=functools.partial(choose_by_kernel, on_gpu=True, **options),
                               default=functools.partial(choose_in_xla, **options))
+
+
+def router_logits(sums, logits_bias=None, logits_dtype=None):
+    """A linear router's logits from its float32 sums [N, E]: plus its bias [E], rounded to `logits_dtype`."""
+    if logits_bias is not None:
+        sums = sums + logits_bias.astype(jnp.float32)
+    return sums if logits_dtype is None else sums.astype(logits_dtype)
+
+
+def activated(logits, activation: str | None):
+    """A router's float32 scores from its logits [N, E] (None: the logits are the scores)."""
+    if activation is None:
+        return logits
+    return ROUTER_ACTIVATIONS[activation](logits.astype(jnp.float32))
+
+
+# Router activations the choice applies, by name: functions of float32 logits [N, E].
+ROUTER_ACTIVATIONS = {"softmax": functools.partial(jax.nn.softmax, axis=-1), "sigmoid": jax.nn.sigmoid}
 
 
 def group_limited(scores, num_groups: int, top_groups: int):
@@ -61,18 +88,25 @@ def chosen_weights(ids, weigh, valid, *, normalize: bool, eps: float = 0.0, scal
     return jnp.where(valid[:, None], ids.astype(jnp.int32), -1), weights.astype(dtype)
 
 
-def choose_in_xla(scores, weigh, valid, bias, *, top_k, groups, **options):
-    """`choose_experts` in XLA (weigh given; bias None: none), what every platform but a GPU runs."""
+def choose_in_xla(scores, weigh, valid, bias, logits_bias=None, *, top_k, groups, activation=None, logits_dtype=None,
+                  **options):
+    """`choose_experts` in XLA (weigh given: the scores themselves where an activation applies; a bias None: none),
+    what every platform but a GPU runs."""
+    if activation is not None:
+        scores = weigh = activated(router_logits(scores, logits_bias, logits_dtype), activation)
     selection = group_limited(scores if bias is None else scores + bias.astype(jnp.float32), *groups)
     return chosen_weights(jax.lax.top_k(selection, top_k)[1], weigh, valid, **options)
 
 
-def choose_by_kernel(scores, weigh, valid, bias, *, top_k, groups, normalize, eps, scale, dtype, on_gpu: bool):
-    """`choose_experts` as the Pallas kernel (weigh given; bias None: none): Triton where on_gpu, else interpreted
-    (tests)."""
+def choose_by_kernel(scores, weigh, valid, bias, logits_bias=None, *, top_k, groups, normalize, eps, scale, dtype,
+                     on_gpu: bool, activation=None, logits_dtype=None):
+    """`choose_experts` as the Pallas kernel (weigh given, unread where an activation applies; a bias None: none):
+    Triton where on_gpu, else interpreted (tests)."""
     num_tokens, num_experts = scores.shape
-    biases = () if bias is None else (bias.astype(jnp.float32).reshape(1, -1),)
+    # In their own dtype: the kernel casts them (a cast before it would be a kernel of its own).
+    biases = tuple(b.reshape(1, -1) for b in (logits_bias, bias) if b is not None)
     kernel = functools.partial(_choose_kernel, top_k=top_k, num_experts=num_experts, groups=groups,
+                               activation=activation, logits_bias=logits_bias is not None, logits_dtype=logits_dtype,
                                normalize=normalize, eps=eps, scale=scale)
     return pl.pallas_call(
         kernel,
@@ -89,20 +123,27 @@ def choose_by_kernel(scores, weigh, valid, bias, *, top_k, groups, normalize, ep
     )(scores, weigh, valid.astype(jnp.int32), *biases)
 
 
-def _choose_kernel(scores_ref, weigh_ref, valid_ref, *refs, top_k, num_experts, groups, normalize, eps, scale):
-    """One token: its selection scores (group_limited's groups, each a round over the experts), then top_k rounds of
-    "the highest score not yet taken, the lowest expert among equals"."""
-    *bias_refs, ids_ref, weights_ref = refs  # a bias ref if the scores have one
+def _choose_kernel(scores_ref, weigh_ref, valid_ref, *refs, top_k, num_experts, groups, activation, logits_bias,
+                   logits_dtype, normalize, eps, scale):
+    """One token: its scores (activated), its selection scores (group_limited's groups, each a round over the
+    experts), then top_k rounds of "the highest score not yet taken, the lowest expert among equals"."""
+    *bias_refs, ids_ref, weights_ref = refs  # the logits' bias, the selection's, where given
+    logits_bias_ref, bias_refs = (bias_refs[0], bias_refs[1:]) if logits_bias else (None, bias_refs)
     token = pl.program_id(0)
     experts = jax.lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(num_experts)), 1)
     ranks = jax.lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(top_k)), 1)
     real = experts < num_experts
     row = (pl.ds(token, 1), pl.ds(0, experts.shape[1]))
-    scores = pltriton.load(scores_ref.at[row], mask=real, other=-jnp.inf)
+    scores = pltriton.load(scores_ref.at[row], mask=real, other=-jnp.inf).astype(jnp.float32)
+    if activation is None:
+        weigh = pltriton.load(weigh_ref.at[row], mask=real, other=0.0)
+    else:  # as jax.nn's: padding experts' -inf logits give 0
+        sums_bias = None if logits_bias_ref is None else pltriton.load(logits_bias_ref.at[(pl.ds(0, 1), row[1])],
+                                                                       mask=real, other=0.0).astype(jnp.float32)
+        scores = weigh = activated(router_logits(scores, sums_bias, logits_dtype), activation)
     for ref in bias_refs:
-        scores = scores + pltriton.load(ref.at[(pl.ds(0, 1), row[1])], mask=real, other=0.0)
+        scores = scores + pltriton.load(ref.at[(pl.ds(0, 1), row[1])], mask=real, other=0.0).astype(jnp.float32)
     scores = _group_limited(scores, experts, num_experts, *groups)
-    weigh = pltriton.load(weigh_ref.at[row], mask=real, other=0.0)
     taken = jnp.logical_not(real)
     ids = jnp.zeros(ranks.shape, jnp.int32)
     weights = jnp.zeros(ranks.shape, jnp.float32)

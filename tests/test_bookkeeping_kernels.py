@@ -11,12 +11,13 @@ from bench.gpu.bookkeeping import plan_agrees, routing_agrees
 from jmoe.kernels.routing import choose_by_kernel, choose_experts
 from jmoe.offload.fetch_plan import fetch_plan_fits
 
-# Routing (tokens, experts, top-k, normalize, eps, scale, groups): Mixtral's and a sigmoid router's options (with and
-# without groups, groups of two experts), an expert count and a top-k that are no powers of two (Triton's blocks
-# are), every expert chosen; the last of several tokens padding.
-ROUTINGS = [(1, 8, 2, True, 0.0, 1.0, (1, 1)), (5, 60, 4, False, 0.0, 1.0, (1, 1)),
-            (3, 256, 8, True, 1e-20, 2.5, (8, 4)), (2, 6, 6, True, 0.0, 1.0, (1, 1)),
-            (3, 12, 3, True, 1e-20, 1.0, (6, 2)), (2, 64, 6, False, 1e-20, 1.0, (1, 1))]
+# Routing (tokens, experts, top-k, normalize, eps, scale, groups, router bias): Mixtral's, GPT-OSS's (a router bias)
+# and a sigmoid router's options (with and without groups, groups of two experts), an expert count and a top-k that
+# are no powers of two (Triton's blocks are), every expert chosen; the last of several tokens padding.
+ROUTINGS = [(1, 8, 2, True, 0.0, 1.0, (1, 1), False), (5, 60, 4, False, 0.0, 1.0, (1, 1), True),
+            (3, 256, 8, True, 1e-20, 2.5, (8, 4), False), (2, 6, 6, True, 0.0, 1.0, (1, 1), False),
+            (3, 12, 3, True, 1e-20, 1.0, (6, 2), False), (2, 64, 6, False, 1e-20, 1.0, (1, 1), False),
+            (3, 128, 4, True, 0.0, 1.0, (1, 1), True)]
 # The plan (experts, cache slots, tokens, top-k, scratch slots): one-row steps whose misses are all admitted or partly
 # go to scratch, batches that repeat experts, more misses than scratch slots, sizes no powers of two.
 PLANS = [(8, 2, 1, 2, 2), (8, 4, 3, 2, 2), (60, 6, 2, 4, 3), (16, 3, 4, 3, 1), (32, 8, 1, 4, 4)]

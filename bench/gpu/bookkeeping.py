@@ -1,7 +1,8 @@
-"""bench.gpu_check's check of a decode step's bookkeeping kernels on the device: the choice of experts
-(jmoe.kernels.routing) and miss mode "fetch"'s plan (jmoe.offload.fetch_plan), each as its kernel (Triton on a GPU,
-interpreted elsewhere) against the XLA computation it replaces there, on random inputs with ties and padding: the
-same ids and plans, weights within WEIGHT_TOLERANCE. The offload and family sections would show a wrong kernel only
+"""bench.gpu_check's check of a decode step's bookkeeping kernels on the device: the choice of experts from a
+router's sums (jmoe.kernels.routing: its bias, softmax or sigmoid, top-k and weights) and miss mode "fetch"'s plan
+(jmoe.offload.fetch_plan), each as its kernel (Triton on a GPU, interpreted elsewhere) against the XLA computation
+it replaces there, on random inputs with ties and padding: the same ids and plans, weights within
+WEIGHT_TOLERANCE. The offload and family sections would show a wrong kernel only
 as wrong tokens; these name it."""
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import functools
 import numpy as np
 
 WEIGHT_TOLERANCE = 1e-6  # float32 sums of at most k weights, in another order
-# (tokens, experts, top-k, normalize, eps, scale, (groups, best groups kept)): Mixtral's, GPT-OSS-120B's,
-# DeepSeek-V3's sigmoid router (bias-corrected, the best 4 of 8 groups), and an expert count and top-k that are no
-# powers of two over a few tokens. A case with eps is a sigmoid router's: biased choice, unbiased weights.
-ROUTING_CASES = [(1, 8, 2, True, 0.0, 1.0, (1, 1)), (1, 128, 4, True, 0.0, 1.0, (1, 1)),
-                 (1, 256, 8, True, 1e-20, 2.5, (8, 4)), (4, 60, 6, False, 0.0, 1.0, (1, 1))]
+# (tokens, experts, top-k, normalize, eps, scale, (groups, best groups kept), router bias): Mixtral's, GPT-OSS-120B's
+# (its router's bias), DeepSeek-V3's sigmoid router (bias-corrected, the best 4 of 8 groups), and an expert count and
+# top-k that are no powers of two over a few tokens. A case with eps is a sigmoid router's (float32 logits; biased
+# choice, unbiased weights), the others a softmax router's (its sums plus its bias, if any, rounded to bfloat16).
+ROUTING_CASES = [(1, 8, 2, True, 0.0, 1.0, (1, 1), False), (1, 128, 4, True, 0.0, 1.0, (1, 1), True),
+                 (1, 256, 8, True, 1e-20, 2.5, (8, 4), False), (4, 60, 6, False, 0.0, 1.0, (1, 1), True)]
 # (experts, cache slots, tokens, top-k, scratch slots): one-row steps, all admitted or partly to scratch, a batch.
 PLAN_CASES = [(8, 2, 1, 2, 2), (128, 40, 1, 4, 4), (60, 6, 2, 4, 3), (32, 8, 4, 2, 4)]
 
@@ -47,7 +49,7 @@ def random_layer(rng, num_experts: int, num_cache: int, tokens: int, top_k: int)
 def check(result, on_gpu: bool) -> None:
     """Each case a check of `result` (a SectionResult), whatever the time: a few small programs."""
     for case in ROUTING_CASES:
-        result.attempt(f"choose_experts kernel / (T, E, k) = {case[:3]}, groups {case[6]}", None,
+        result.attempt(f"choose_experts kernel / (T, E, k) = {case[:3]}, groups {case[6]}, router bias {case[7]}", None,
                        functools.partial(routing_agrees, case, on_gpu))
     for case in PLAN_CASES:
         result.attempt(f"fetch_plan kernel / (E, S, T, k, M) = {case}", None,
@@ -61,14 +63,17 @@ def routing_agrees(case, on_gpu: bool) -> tuple[bool, str]:
 
     from jmoe.kernels.routing import choose_by_kernel, choose_in_xla
 
-    tokens, experts, top_k, normalize, eps, scale, groups = case
+    tokens, experts, top_k, normalize, eps, scale, groups, router_bias = case
     rng = np.random.default_rng(experts)
-    scores = jnp.asarray(random_scores(rng, tokens, experts))
-    if eps:  # a sigmoid router: chosen by sigmoid scores plus a bias, weighed by the sigmoid scores
-        scores = jax.nn.sigmoid(scores)
-    bias = jnp.asarray(rng.normal(scale=0.1, size=experts), jnp.float32) if eps else None
-    args = (scores, scores, jnp.arange(tokens) < max(1, tokens - 1), bias)  # the last of several tokens: padding
+    sums = jnp.asarray(random_scores(rng, tokens, experts))
+    bias = jnp.asarray(rng.normal(scale=0.1, size=experts), jnp.float32)
+    args = (sums, sums, jnp.arange(tokens) < max(1, tokens - 1),  # the last of several tokens: padding
+            bias if eps else None, bias.astype(jnp.bfloat16) if router_bias else None)
     options = dict(top_k=top_k, groups=groups, normalize=normalize, eps=eps, scale=scale, dtype=jnp.float32)
+    if eps:  # chosen by sigmoid scores plus a bias, weighed by the sigmoid scores
+        options.update(activation="sigmoid")
+    else:
+        options.update(activation="softmax", logits_dtype=jnp.bfloat16)
     (ids, weights), (kernel_ids, kernel_weights) = (
         jax.jit(functools.partial(choose_in_xla, **options))(*args),
         jax.jit(functools.partial(choose_by_kernel, on_gpu=on_gpu, **options))(*args))

@@ -50,9 +50,14 @@ def project(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> j
     reducing it (three times the weight's bytes, a kernel more: bench/results/dense_layout_h100.md). That rewrite
     multiplies in the dot's result type: asked for float32, the products are exact, where a 16-bit result type
     rounded each to 16 bits before the sum; the kernels are the same."""
-    y = jax.lax.dot_general(x, weight_for(weight, x), (((x.ndim - 1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+    y = products(x, weight)
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def products(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """`project`'s float32 sums, before its bias and rounding: x [..., in] times a weight stored [out, in]."""
+    return jax.lax.dot_general(x, weight_for(weight, x), (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 class Linear(nnx.Module):

@@ -15,8 +15,8 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.kernels import ExpertKernel, ExpertWeights
-from jmoe.kernels.routing import choose_experts, chosen_weights, group_limited
-from jmoe.model.layers import DenseMLP, Experts, Linear, normal_param, project
+from jmoe.kernels.routing import activated, choose_experts, chosen_weights, group_limited, router_logits
+from jmoe.model.layers import DenseMLP, Experts, Linear, normal_param, products, project
 
 
 def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
@@ -26,15 +26,15 @@ def router_probabilities(cfg: ModelConfig, router: tuple[jax.Array, ...], x: jax
     experts of groups outside the best `topk_group` at -inf."""
     if cfg.router == "softmax":
         kernel, *bias = router  # a bias (GPT-OSS) when the config has one
-        logits = project(x, kernel, *bias)
-        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        return activated(project(x, kernel, *bias), "softmax")
     _, bias = router
-    return group_limited(_sigmoid_scores(router, x) + bias.astype(jnp.float32), cfg.n_group, cfg.topk_group)
+    return group_limited(activated(_sigmoid_logits(router, x), "sigmoid") + bias.astype(jnp.float32), cfg.n_group,
+                         cfg.topk_group)
 
 
-def _sigmoid_scores(router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
+def _sigmoid_logits(router: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
     # In float32 from float32 operands, as transformers computes this router whatever the model's dtype.
-    return jax.nn.sigmoid(project(x.astype(jnp.float32), router[0].astype(jnp.float32)))
+    return project(x.astype(jnp.float32), router[0].astype(jnp.float32))
 
 
 class ScoreRouter(nnx.Module):
@@ -84,15 +84,19 @@ class MoEBlock(nnx.Module):
         the forced experts.
         """
         cfg, router = self.cfg, self.router_params()
-        if cfg.router == "softmax":
-            scores, choice, options = router_probabilities(cfg, router, x), {}, {}
+        if cfg.router == "softmax":  # its bias, rounding and softmax, like the choice, in the choice's kernel on a GPU
+            kernel, *bias = router
+            sums = products(x, kernel)
+            logits = dict(logits_bias=bias[0] if bias else None, logits_dtype=x.dtype)
+            choice, options = {}, dict(activation="softmax")
         else:  # chosen by the bias-corrected scores of the best groups (router_probabilities), weighed unbiased
-            scores = _sigmoid_scores(router, x)
+            sums, logits = _sigmoid_logits(router, x), {}
             choice = dict(bias=router[1], groups=(cfg.n_group, cfg.topk_group))
-            options = dict(eps=1e-20, scale=cfg.routed_scaling_factor)
+            options = dict(activation="sigmoid", eps=1e-20, scale=cfg.routed_scaling_factor)
         options.update(normalize=cfg.norm_topk_prob, dtype=x.dtype)
         if forced_ids is None:
-            return choose_experts(scores, token_valid, top_k=cfg.num_experts_per_tok, **choice, **options)
+            return choose_experts(sums, token_valid, top_k=cfg.num_experts_per_tok, **logits, **choice, **options)
+        scores = activated(router_logits(sums, **logits), options.pop("activation"))
         return chosen_weights(forced_ids, scores, token_valid, **options)
 
     def view(self) -> MoELayerView:
