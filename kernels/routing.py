@@ -4,11 +4,11 @@ scores, normalised, scaled, cast) and -1 for the ids of tokens that route nowher
 Where the program is lowered for a CUDA GPU this is one Pallas kernel (Triton), a program per token, which also
 applies the router's bias, rounding and softmax or sigmoid to its sums. XLA:GPU made it three kernels after the
 router's own (a sort for top_k, the chosen scores' gather, their normalisation and cast), one more where the router
-had a bias or a sigmoid, four more for DeepSeek-V3's groups (the sort of each group's best two, their sums, the groups' sort, the mask),
-each a launch in a one-row decode step, whose kernels are a few microseconds of work each (gpu_check's Mixtral-shaped
-resident step on an H100, 2026-11-27: 93 kernels, 1.24-1.66 ms against 0.28 ms of HBM reads). Elsewhere it is the
-same computation in XLA (`chosen_weights` after lax.top_k); tests/test_bookkeeping_kernels.py holds the kernel,
-interpreted, to it."""
+had a bias or a sigmoid, four more for DeepSeek-V3's groups (the sort of each group's best two, their sums, the
+groups' sort, the mask), each a launch in a one-row decode step, whose kernels are a few microseconds of work each
+(gpu_check's Mixtral-shaped resident step on an H100, 2026-11-27: 93 kernels, 1.24-1.66 ms against 0.28 ms of HBM
+reads). Elsewhere it is the same computation in XLA (`chosen_weights` after lax.top_k);
+tests/test_bookkeeping_kernels.py holds the kernel, interpreted, to it."""
 
 from __future__ import annotations
 
