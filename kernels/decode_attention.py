@@ -7,9 +7,8 @@ Why a kernel: XLA:GPU made a one-token attention five kernels a layer (the key a
 the softmax, the products with the values) and read every column of the cache, filled or not, masking the rest: at
 a serving cache of 32k columns a step read all of them in every layer; and roping the queries and the keys was a
 kernel each. The kernel reads the queries, the keys (roped together) and the values as one array, one fusion's
-output. The model's XLA form
-(`jmoe.model.attention`) is what every other platform runs; tests/test_decode_attention.py holds the kernel,
-interpreted, to it."""
+output. The model's XLA form (`jmoe.model.attention`) is what every other platform runs;
+tests/test_decode_attention.py holds the kernel, interpreted, to it."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ def attend_one_token(qkv, k_cache, v_cache, columns, sinks=None, *, groups: int,
                      columns_per_part: int = COLUMNS_PER_PART):
     """(out [B, Hkv, G, hd] in qkv's dtype, k_cache, v_cache) for one query token per row.
 
-    qkv [B, Hkv*G + 2*Hkv, hd]: the token's query heads (each kv head's G together, kv head h's from row h*G), its
-    keys (roped, both), then its values; the keys and values are written into column columns[b, 1] of rows b < B of
+    qkv [B, Hkv*G + 2*Hkv, hd]: the token's query heads (each kv head's G together, kv head h's from row h*G), then
+    its keys (queries and keys roped), then its values; the keys and values are written into column columns[b, 1] of rows b < B of
     k_cache, v_cache [Bc, S, Hkv, hd] (Bc >= B; a column outside the cache is not written). Row b attends to columns
     columns[b, 0] ..= columns[b, 1] (none if the first is past the last: its output is zeros). `sinks` [Hkv, G]: each
     query head's sink logit, which joins the softmax's denominator only. Scores are rounded to the queries' dtype
