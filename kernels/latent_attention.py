@@ -5,9 +5,10 @@ blocks, with an online softmax (jmoe.kernels.decode_attention's loop), the laten
 
 Why a kernel: XLA:GPU made a one-token MLA eleven kernels a layer (the two cache writes, the rope scores, the latent
 scores in split-K pieces and their sum with the mask, the softmax's max, exponentials, sum and division, the product
-with the latents in pieces and their sum) and read every column of both caches, masked. The model's XLA form
-(`jmoe.model.mla`) is what every other platform runs; tests/test_decode_attention.py holds the kernel, interpreted,
-to it."""
+with the latents in pieces and their sum) and read every column of both caches, masked. The queries' absorption into
+the latent space (their product with kv_b's key part) is a kernel of its own too (`absorbed_queries`), which reads
+the weight as it lies. The model's XLA form (`jmoe.model.mla`) is what every other platform runs;
+tests/test_decode_attention.py holds the kernels, interpreted, to it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from jmoe.kernels.decode_attention import (COLUMNS_PER_PART, MIN_ROWS, call_with
                                            online_softmax, part_bounds, precision_for, sizes, store_results,
                                            write_new_column)
 
+# Columns of the latent space a program of absorbed_queries computes, for every row and one head.
+RANK_CHUNK = 128
 # Query heads a program holds: its output is [16, kv_lora_rank] in float32 (DeepSeek-V3: 512 wide) and a block of
 # latents [32, 512]; 128 heads are 8 programs a row and part, each reading the same columns (from L2 after the first).
 HEADS_PER_PROGRAM = MIN_ROWS
@@ -91,3 +94,41 @@ def _latent_kernel(q_ref, ropes_ref, latent_new_ref, columns_ref, latent_in, rop
     carry = online_softmax(*part_bounds(first, last, part, part_len, length), block, scores_and_values,
                            (HEADS_PER_PROGRAM, rank_p))
     store_results(results, (row, only_head, part), first_head, carry, real_rows, real_rank, combined)
+
+
+def absorbed_queries(q, kv_b, *, nope_dim: int, value_dim: int, on_gpu: bool):
+    """q_latent [B, H, r] in q's dtype: each head's query part without rope (the first nope_dim = dn of q
+    [B, H, dn + dr]) times its key part of kv_b [H * (dn + dv), r] (stored [out, in]: head h's rows h * (dn + dv) ..
+    + dn), float32 sums rounded once. A program per (head, chunk
+    of RANK_CHUNK columns) reads its part of the weight once for every row. XLA:GPU made this product a reduction
+    over the weight's middle axis, and wrote the weight's products out transposed first (2 x its bytes more, a
+    kernel more) where a custom call consumed it. Interpreted where not on_gpu (tests)."""
+    batch, heads, _ = q.shape
+    rank = kv_b.shape[1]
+    kernel = functools.partial(_absorb_kernel, rows=batch, nope_dim=nope_dim, stride=nope_dim + value_dim,
+                               rank=rank)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, heads, rank), q.dtype),
+        grid=(heads, pl.cdiv(rank, RANK_CHUNK)),
+        in_specs=[pl.no_block_spec] * 2,
+        out_specs=pl.no_block_spec,
+        interpret=not on_gpu,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1) if on_gpu else None,
+        name="absorbed_queries",
+    )(q, kv_b)
+
+
+def _absorb_kernel(q_ref, kv_b_ref, out_ref, *, rows, nope_dim, stride, rank):
+    head, chunk = pl.program_id(0), pl.program_id(1)
+    rows_p, nope_p = max(MIN_ROWS, pl.next_power_of_2(rows)), pl.next_power_of_2(nope_dim)
+    real_rows = jax.lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0) < rows
+    real_nope = jax.lax.broadcasted_iota(jnp.int32, (1, nope_p), 1) < nope_dim
+    columns = chunk * RANK_CHUNK + jax.lax.broadcasted_iota(jnp.int32, (1, RANK_CHUNK), 1)
+    q = pltriton.load(q_ref.at[pl.ds(0, rows_p), head, pl.ds(0, nope_p)], mask=jnp.logical_and(real_rows, real_nope),
+                      other=0)
+    weight = pltriton.load(kv_b_ref.at[pl.ds(head * stride, nope_p), pl.ds(chunk * RANK_CHUNK, RANK_CHUNK)],
+                           mask=jnp.logical_and(real_nope.T, columns < rank), other=0)
+    out = pl.dot(q, weight.astype(q.dtype), precision=precision_for(q.dtype))
+    pltriton.store(out_ref.at[pl.ds(0, rows_p), head, pl.ds(chunk * RANK_CHUNK, RANK_CHUNK)], out.astype(out_ref.dtype),
+                   mask=jnp.logical_and(real_rows, columns < rank))

@@ -93,9 +93,12 @@ def test_on_the_cpu_decode_attention_is_xla_s(hf_checkpoints):
 @pytest.mark.skipif(not plugin_available(), reason=PLUGIN_HINT)
 def test_an_h100_decode_attends_by_one_latent_kernel_a_layer(hf_checkpoints):
     """DeepSeek-V3's decode step compiled for an H100: every layer's latent attention is the kernel, a program per
-    row and block of 16 heads (4 heads: one block) at a 64-column cache (one part), with no score-sized product."""
+    row and block of 16 heads (4 heads: one block) at a 64-column cache (one part), its queries absorbed by another
+    (a program per head and 128 latent columns: one), with no score-sized product and no weight transposed."""
     plan = jmoe.plan(hf_checkpoints["deepseek_v3_qlora_groups"][0], target="h100", context=64)
-    decode = plan.programs["decode"]
+    decode, layers = plan.programs["decode"], plan.config.num_layers
     assert decode.error is None, decode.error
-    assert triton_grids(decode.hlo_text, "attend_latent_one_token") == [(1, 1, 1)] * plan.config.num_layers
+    assert triton_grids(decode.hlo_text, "attend_latent_one_token") == [(1, 1, 1)] * layers
+    assert triton_grids(decode.hlo_text, "absorbed_queries") == [(plan.config.num_heads, 1, 1)] * layers
+    assert " transpose(" not in decode.hlo_text
     assert "bthr,bsr->bhts" not in decode.hlo_text and "bhts,bsr->bhtr" not in decode.hlo_text  # XLA's products

@@ -101,7 +101,7 @@ def _normal(rng, dtype, *shape, scale: float = 1.0):
 
 
 def random_latent_step(case, seed: int = 0):
-    """(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, kv_b, rope, write_index, mask, columns), MLA of a
+    """(q, latent, k_rope, latent_cache, rope_cache, kv_b, rope, write_index, mask, columns), MLA of a
     latent-attention decode step of `case` (random_columns' rows)."""
     from jmoe.config import MLA
 
@@ -110,7 +110,7 @@ def random_latent_step(case, seed: int = 0):
     normal = functools.partial(_normal, rng, dtype)
     mla = MLA(q_lora_rank=0, kv_lora_rank=rank, qk_nope_head_dim=nope_dim, qk_rope_head_dim=rope_dim,
               v_head_dim=value_dim, rope_interleave=interleaved, softmax_scale=(nope_dim + rope_dim) ** -0.5)
-    step = (normal(rows, 1, heads, nope_dim), normal(rows, 1, heads, rope_dim), normal(rows, 1, 1, rank),
+    step = (normal(rows, 1, heads, nope_dim + rope_dim), normal(rows, 1, 1, rank),
             normal(rows, 1, 1, rope_dim), normal(cache_rows, length, 1, rank), normal(cache_rows, length, 1, rope_dim),
             normal(heads * (nope_dim + value_dim), rank, scale=rank ** -0.5), random_rope(rng, rows, rope_dim),
             *random_columns(rng, rows, length, None))

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jmoe.config import MLA, MLA_NORM_EPS, ModelConfig
 from jmoe.kernels.decode_attention import COLUMNS_PER_PART
-from jmoe.kernels.latent_attention import attend_latent_one_token
+from jmoe.kernels.latent_attention import absorbed_queries, attend_latent_one_token
 from jmoe.kernels.target import platform_dependent
 from jmoe.model.attention import write_cache
 from jmoe.model.layers import Linear, RMSNorm, weight_for
@@ -58,8 +58,8 @@ class MLAttention(nnx.Module):
         q = q.reshape(b, t, cfg.num_heads, dn + m.qk_rope_head_dim)
         compressed = self.kv_a(x)
         latent = self.kv_a_norm(compressed[..., :r])[:, :, None, :]
-        args = (q[..., :dn], q[..., dn:], latent, compressed[..., None, r:], latent_cache, rope_cache,
-                self.kv_b.kernel[...], context.rope, context.write_index, context.mask(window))
+        args = (q, latent, compressed[..., None, r:], latent_cache, rope_cache, self.kv_b.kernel[...], context.rope,
+                context.write_index, context.mask(window))
         if t == 1:  # decode: one kernel on a GPU, which reads only the columns a row sees
             out, latent_cache, rope_cache = platform_dependent(
                 *args, context.decode_columns(window), cuda=functools.partial(latent_one_token_by_kernel, mla=m),
@@ -69,13 +69,14 @@ class MLAttention(nnx.Module):
         return self.o(out.reshape(b, t, -1)), latent_cache, rope_cache
 
 
-def latent_written_and_attended(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, kv_b, rope: RoPE,
-                                write_index, mask, columns=None, *, mla: MLA):
-    """(out [B, T, H, dv], latent_cache, rope_cache) in XLA: the queries' parts q_nope [B, T, H, dn] and q_rope
-    [B, T, H, dr] (unroped), the tokens' latents [B, T, 1, r] and shared keys k_rope [B, T, 1, dr] (unroped) written
-    into the caches from `write_index`, then each query attending to the columns mask [B, T, S'] shows, through
-    kv_b [H * (dn + dv), r] (stored [out, in]). `columns`: unused, the kernel's form of a decode step's mask."""
-    b, t, heads, dn = q_nope.shape
+def latent_written_and_attended(q, latent, k_rope, latent_cache, rope_cache, kv_b, rope: RoPE, write_index, mask,
+                                columns=None, *, mla: MLA):
+    """(out [B, T, H, dv], latent_cache, rope_cache) in XLA: the queries q [B, T, H, dn + dr] (their rope parts
+    unroped), the tokens' latents [B, T, 1, r] and shared keys k_rope [B, T, 1, dr] (unroped) written into the caches
+    from `write_index`, then each query attending to the columns mask [B, T, S'] shows, through kv_b
+    [H * (dn + dv), r] (stored [out, in]). `columns`: unused, the kernel's form of a decode step's mask."""
+    b, t, heads, _ = q.shape
+    q_nope, q_rope = q[..., :mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:]
     q_rope, k_rope = rope_of(q_rope, rope, mla), rope_of(k_rope, rope, mla)
     latent_cache = write_cache(latent_cache, latent, write_index)
     rope_cache = write_cache(rope_cache, k_rope, write_index)
@@ -100,19 +101,17 @@ def latent_written_and_attended(q_nope, q_rope, latent, k_rope, latent_cache, ro
     return out, latent_cache, rope_cache
 
 
-def latent_one_token_by_kernel(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, kv_b, rope: RoPE,
-                               write_index, mask, columns, *, mla: MLA, on_gpu: bool = True,
-                               columns_per_part: int = COLUMNS_PER_PART):
-    """latent_written_and_attended of one token per row (T = 1), absorbed, its attention the Pallas kernel
-    (interpreted where not on_gpu): `columns` int32 [B, 2], each row's first and last visible column, says what its
-    mask does (the last is where the token is written). The queries' and the key's rope parts are roped as one array,
-    which the kernel reads as it is."""
-    b, _, heads, _ = q_nope.shape
-    w_k, w_v = latent_weights(kv_b, q_nope, heads, mla)
-    # XLA:GPU makes this product a reduction over the weight's middle axis, and transposes the weight's products first
-    # (2 x w_k's bytes more a layer) where, in the XLA form, the scores' product folded the transpose away.
-    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_k)[:, 0]
-    ropes = rope_of(jnp.concatenate([q_rope, k_rope], axis=2), rope, mla).reshape(b, heads + 1, -1)
+def latent_one_token_by_kernel(q, latent, k_rope, latent_cache, rope_cache, kv_b, rope: RoPE, write_index, mask,
+                               columns, *, mla: MLA, on_gpu: bool = True, columns_per_part: int = COLUMNS_PER_PART):
+    """latent_written_and_attended of one token per row (T = 1), absorbed, its queries' product with kv_b and its
+    attention Pallas kernels (interpreted where not on_gpu): `columns` int32 [B, 2], each row's first and last
+    visible column, says what its mask does (the last is where the token is written). The queries' and the key's
+    rope parts are roped as one array, which the kernel reads as it is."""
+    b, _, heads, _ = q.shape
+    dn = mla.qk_nope_head_dim
+    q_latent = absorbed_queries(q[:, 0], kv_b, nope_dim=dn, value_dim=mla.v_head_dim, on_gpu=on_gpu)
+    _, w_v = latent_weights(kv_b, q, heads, mla)
+    ropes = rope_of(jnp.concatenate([q[..., dn:], k_rope], axis=2), rope, mla).reshape(b, heads + 1, -1)
     out, latent_cache, rope_cache = attend_latent_one_token(
         q_latent, ropes, latent[:, 0, 0], latent_cache, rope_cache, columns, scale=mla.softmax_scale, on_gpu=on_gpu,
         columns_per_part=columns_per_part)
