@@ -99,10 +99,11 @@ def _latent_kernel(q_ref, ropes_ref, latent_new_ref, columns_ref, latent_in, rop
 def absorbed_queries(q, kv_b, *, nope_dim: int, value_dim: int, on_gpu: bool):
     """q_latent [B, H, r] in q's dtype: each head's query part without rope (the first nope_dim = dn of q
     [B, H, dn + dr]) times its key part of kv_b [H * (dn + dv), r] (stored [out, in]: head h's rows h * (dn + dv) ..
-    + dn), float32 sums rounded once. A program per (head, chunk
-    of RANK_CHUNK columns) reads its part of the weight once for every row. XLA:GPU made this product a reduction
-    over the weight's middle axis, and wrote the weight's products out transposed first (2 x its bytes more, a
-    kernel more) where a custom call consumed it. Interpreted where not on_gpu (tests)."""
+    + dn), float32 sums rounded once. A program per (head, chunk of RANK_CHUNK columns) reads its part of the
+    weight once for every row (a batch's rows, padded to a power of two of at least 16, are one product's). XLA:GPU
+    made this product a reduction over the weight's middle axis, and wrote the weight's products out transposed
+    first (2 x its bytes more, a kernel more) where a custom call consumed it. Interpreted where not on_gpu
+    (tests)."""
     batch, heads, _ = q.shape
     rank = kv_b.shape[1]
     kernel = functools.partial(_absorb_kernel, rows=batch, nope_dim=nope_dim, stride=nope_dim + value_dim,
