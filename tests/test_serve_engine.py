@@ -18,6 +18,7 @@ import pytest
 
 import jmoe
 from jmoe.serve import QueueFullError, RequestError, RequestParams, ServingEngine
+from jmoe.serve import engine as engine_module
 from jmoe.serve.engine import CHOOSE_VARIANTS
 from jmoe.errors import InsufficientMemoryError
 from jmoe.serve import mappings
@@ -588,6 +589,21 @@ def test_background_thread_serves_while_the_rest_compiles_behind_and_drains_on_s
     assert re.fullmatch(r"compiled 1 of 11 programs \(prefill 1 16 16\), about \d+ s left", compiled[0])
     with pytest.raises(QueueFullError, match="shutting down"):
         engine.submit(prompt_ids[0], greedy(2))
+
+
+def test_on_a_gpu_one_decode_program_at_the_whole_context_serves_every_step(model, prompt_ids, monkeypatch):
+    """Where the attention kernel reads only the columns rows have filled (a GPU), the engine keeps one decode program
+    a batch bucket, the whole context's, among the first it compiles; its tokens are generate's (run here on the CPU,
+    where that program reads every column)."""
+    monkeypatch.setattr(engine_module, "gpu_available", lambda: True)
+    engine = ServingEngine(model, max_batch=2, context=512)
+    assert engine.visible_buckets == (512,)
+    first, rest = program_specs(engine)
+    assert ("decode", 512, 1) in [spec.key for spec in first]
+    assert [spec.key for spec in first + rest if spec.key[0] == "decode"] == [("decode", 512, 1), ("decode", 512, 2)]
+    requests = [engine.submit(ids, greedy(5)) for ids in prompt_ids[:2]]
+    run_until_done(engine, requests)
+    assert [tokens_of(r) for r in requests] == [model.generate(ids, max_new_tokens=5)[0] for ids in prompt_ids[:2]]
 
 
 def test_warm_up_runs_every_program_but_leaves_the_expert_cache_as_it_was(prompt_ids, default_two_layers):

@@ -29,6 +29,7 @@ import numpy as np
 
 from jmoe.api import Model, check_finite_layers
 from jmoe.decode.generation import check_token_ids
+from jmoe.kernels.target import gpu_available
 from jmoe.model import empty_kv_cache
 from jmoe.serve.choice import choice_arrays, grammar_complete, has_bias
 from jmoe.serve.chunks import chunk_buckets, chunk_for, later_chunks, streaming_chunk
@@ -50,6 +51,17 @@ MIN_VISIBLE = 64
 # from 5.9 to 7.5 ms at V = 151,936 on two CPU cores (0.31 to 0.36 ms at 4,096), and plain greedy steps run none.
 CHOOSE_VARIANTS = tuple((g, lp, False) for g in (True, False) for lp in (False, True)) + ((True, True, True),
                                                                                         (False, True, True))
+
+
+def decode_visible_buckets(context: int) -> tuple[int, ...]:
+    """The cache columns each decode program's attention reads, one program each. XLA's attention (a CPU's) reads
+    every column it is given, so decodes are compiled for powers of two from MIN_VISIBLE, a step taking the least
+    that holds its rows; a GPU's (jmoe.kernels.decode_attention) reads only the columns its rows have filled, so one
+    program, the whole context's, serves every step there: a server compiles one decode program a batch bucket, not
+    one a length too."""
+    if gpu_available():
+        return (context,)
+    return tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context) for i in range(context.bit_length() + 1)}))
 
 
 class ServingEngine(DecodeSteps):
@@ -91,8 +103,7 @@ class ServingEngine(DecodeSteps):
         self.chunks = chunk_buckets(context, longest)
         self.later_chunks = later_chunks(self.chunks, context)
         self.entry_buckets = tuple(sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)}))
-        self.visible_buckets = tuple(sorted({min(max(MIN_VISIBLE, 1 << i), context)
-                                             for i in range(context.bit_length() + 1)}))
+        self.visible_buckets = decode_visible_buckets(context)
         # A step of first chunks reads only its own columns; a step that continues a long prompt reads them all.
         self.prefill_programs = {v: make_prefill_fn(model, v) for v in (*self.chunks, context)}
         self.decode_programs = {v: make_decode_fn(model, v) for v in self.visible_buckets}

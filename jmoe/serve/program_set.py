@@ -43,14 +43,17 @@ def program_specs(engine) -> tuple[list[ProgramSpec], list[ProgramSpec]]:
             engine.decode_args(np.zeros(entries, np.int32), np.zeros(entries, np.int32), np.zeros(entries, bool),
                                abstract)))
 
+    shortest = engine.visible_buckets[0]  # every step can run it (a GPU's only decode is the whole context's)
     first = ([prefill(1, chunk, chunk) for chunk in engine.chunks if chunk <= FIRST_CHUNK]
              + [choose(1, variant) for variant in engine.choose_programs if variant[0]]
-             + [decode(1, visible) for visible in engine.visible_buckets if visible <= FIRST_VISIBLE])
+             + [decode(1, visible) for visible in engine.visible_buckets if visible <= FIRST_VISIBLE or
+                visible == shortest])
     short, long = [], []
     for entries in engine.entry_buckets:  # the first is 1
         short += [choose(entries, variant) for variant in engine.choose_programs]
         short += [prefill(entries, chunk, chunk) for chunk in engine.chunks]
-        short += [decode(entries, visible) for visible in engine.visible_buckets if visible <= SHORT_VISIBLE]
+        short += [decode(entries, visible) for visible in engine.visible_buckets
+                  if visible <= SHORT_VISIBLE or visible == shortest]
         if entries == 1:
             short.append(ProgramSpec(("mark_prompt",), engine.mark_prompt_program, lambda abstract: engine.mark_args(
                 engine.max_batch, np.zeros(engine.config.vocab_size, bool), abstract)))
@@ -58,7 +61,8 @@ def program_specs(engine) -> tuple[list[ProgramSpec], list[ProgramSpec]]:
                 short.append(ProgramSpec(("copy_row",), engine.copy_row_program, lambda abstract: (
                     engine.engine_arrays(abstract)[2], np.int32(0), np.int32(0))))
                 short += [prefill(entries, chunk, engine.context) for chunk in engine.later_chunks]
-        long += [decode(entries, visible) for visible in engine.visible_buckets if visible > SHORT_VISIBLE]
+        long += [decode(entries, visible) for visible in engine.visible_buckets
+                 if visible > SHORT_VISIBLE and visible != shortest]
         if entries > 1 or engine.prefixes is None:
             long += [prefill(entries, chunk, engine.context) for chunk in engine.later_chunks]
     compiled_first = {spec.key for spec in first}
