@@ -25,23 +25,21 @@ from jmoe.kernels.target import platform_dependent
 TRITON_PARAMS = pltriton.CompilerParams(num_warps=1, num_stages=1)
 
 
-def choose_experts(scores, valid, *, top_k: int, weigh=None, bias=None, groups: tuple[int, int] = (1, 1),
+def choose_experts(scores, valid, *, top_k: int, bias=None, groups: tuple[int, int] = (1, 1),
                    activation: str | None = None, logits_bias=None, logits_dtype=None, normalize: bool,
                    eps: float = 0.0, scale: float = 1.0, dtype):
     """ids int32 [N, top_k] and weights [N, top_k] of `dtype` for scores float32 [N, E] and valid bool [N].
 
     `activation` ("softmax" or "sigmoid", ROUTER_ACTIVATIONS) is applied to the scores first (they are then a
-    router's float32 sums, and weigh must be None), after `logits_bias` [E] (a linear router's bias) is added and the
+    router's float32 sums), after `logits_bias` [E] (a linear router's bias) is added and the
     sum rounded to `logits_dtype` (if given; as jmoe.model.layers.project rounds): in the kernel, where XLA made the
     bias and rounding, or a sigmoid, a kernel of its own after the router's product. A token's ids are the `top_k`
     experts of the highest selection scores, highest first (ties: the lower expert first, as lax.top_k; -inf scores
     are never preferred to finite ones), -1 where not `valid`. The selection scores are the scores plus `bias`
     ([E], if given), limited to the experts of the best groups[1] of groups[0] equal groups (`group_limited`). Its
-    weights are the chosen experts' entries of `weigh` (float32 [N, E], default the scores), divided by their sum
-    plus `eps` if `normalize`, times `scale`."""
-    if activation is not None and weigh is not None:
-        raise ValueError(f"choose_experts weighs by the activated scores: activation={activation!r} with weigh given")
-    args = (scores, scores if weigh is None else weigh, valid, bias, logits_bias)
+    weights are the chosen experts' scores (without `bias`), divided by their sum plus `eps` if `normalize`, times
+    `scale`."""
+    args = (scores, valid, bias, logits_bias)
     options = dict(top_k=top_k, groups=tuple(groups), activation=activation, logits_dtype=logits_dtype,
                    normalize=normalize, eps=eps, scale=scale, dtype=dtype)
     return platform_dependent(*args, cuda=functools.partial(choose_by_kernel, on_gpu=True, **options),
@@ -88,20 +86,18 @@ def chosen_weights(ids, weigh, valid, *, normalize: bool, eps: float = 0.0, scal
     return jnp.where(valid[:, None], ids.astype(jnp.int32), -1), weights.astype(dtype)
 
 
-def choose_in_xla(scores, weigh, valid, bias, logits_bias=None, *, top_k, groups, activation=None, logits_dtype=None,
+def choose_in_xla(scores, valid, bias, logits_bias=None, *, top_k, groups, activation=None, logits_dtype=None,
                   **options):
-    """`choose_experts` in XLA (weigh given: the scores themselves where an activation applies; a bias None: none),
-    what every platform but a GPU runs."""
+    """`choose_experts` in XLA (a bias None: none), what every platform but a GPU runs."""
     if activation is not None:
-        scores = weigh = activated(router_logits(scores, logits_bias, logits_dtype), activation)
+        scores = activated(router_logits(scores, logits_bias, logits_dtype), activation)
     selection = group_limited(scores if bias is None else scores + bias.astype(jnp.float32), *groups)
-    return chosen_weights(jax.lax.top_k(selection, top_k)[1], weigh, valid, **options)
+    return chosen_weights(jax.lax.top_k(selection, top_k)[1], scores, valid, **options)
 
 
-def choose_by_kernel(scores, weigh, valid, bias, logits_bias=None, *, top_k, groups, normalize, eps, scale, dtype,
+def choose_by_kernel(scores, valid, bias, logits_bias=None, *, top_k, groups, normalize, eps, scale, dtype,
                      on_gpu: bool, activation=None, logits_dtype=None):
-    """`choose_experts` as the Pallas kernel (weigh given, unread where an activation applies; a bias None: none):
-    Triton where on_gpu, else interpreted (tests)."""
+    """`choose_experts` as the Pallas kernel (a bias None: none): Triton where on_gpu, else interpreted (tests)."""
     num_tokens, num_experts = scores.shape
     # In their own dtype: the kernel casts them (a cast before it would be a kernel of its own).
     biases = tuple(b.reshape(1, -1) for b in (logits_bias, bias) if b is not None)
@@ -115,15 +111,15 @@ def choose_by_kernel(scores, weigh, valid, bias, logits_bias=None, *, top_k, gro
         grid=(num_tokens,),
         # Whole arrays, read and written by masked loads and stores: Triton's blocks are powers of two, E and k
         # need not be.
-        in_specs=[pl.no_block_spec] * (3 + len(biases)),
+        in_specs=[pl.no_block_spec] * (2 + len(biases)),
         out_specs=[pl.no_block_spec] * 2,
         interpret=not on_gpu,
         compiler_params=TRITON_PARAMS if on_gpu else None,
         name="choose_experts",
-    )(scores, weigh, valid.astype(jnp.int32), *biases)
+    )(scores, valid.astype(jnp.int32), *biases)
 
 
-def _choose_kernel(scores_ref, weigh_ref, valid_ref, *refs, top_k, num_experts, groups, activation, logits_bias,
+def _choose_kernel(scores_ref, valid_ref, *refs, top_k, num_experts, groups, activation, logits_bias,
                    logits_dtype, normalize, eps, scale):
     """One token: its scores (activated), its selection scores (group_limited's groups, each a round over the
     experts), then top_k rounds of "the highest score not yet taken, the lowest expert among equals"."""
@@ -135,12 +131,11 @@ def _choose_kernel(scores_ref, weigh_ref, valid_ref, *refs, top_k, num_experts, 
     real = experts < num_experts
     row = (pl.ds(token, 1), pl.ds(0, experts.shape[1]))
     scores = pltriton.load(scores_ref.at[row], mask=real, other=-jnp.inf).astype(jnp.float32)
-    if activation is None:
-        weigh = pltriton.load(weigh_ref.at[row], mask=real, other=0.0)
-    else:  # as jax.nn's: padding experts' -inf logits give 0
+    if activation is not None:  # as jax.nn's: padding experts' -inf logits give 0
         sums_bias = None if logits_bias_ref is None else pltriton.load(logits_bias_ref.at[(pl.ds(0, 1), row[1])],
                                                                        mask=real, other=0.0).astype(jnp.float32)
-        scores = weigh = activated(router_logits(scores, sums_bias, logits_dtype), activation)
+        scores = activated(router_logits(scores, sums_bias, logits_dtype), activation)
+    weigh = scores  # the weights are the chosen scores before the selection's bias (padding experts never chosen)
     for ref in bias_refs:
         scores = scores + pltriton.load(ref.at[(pl.ds(0, 1), row[1])], mask=real, other=0.0).astype(jnp.float32)
     scores = _group_limited(scores, experts, num_experts, *groups)

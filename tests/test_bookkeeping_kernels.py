@@ -33,7 +33,7 @@ def test_each_kernel_computes_what_xla_does(agrees, case):
 
 def kernel_ids(scores, top_k):
     """The routing kernel's choice for every row of scores, all valid."""
-    return np.asarray(choose_by_kernel(scores, scores, jnp.ones(scores.shape[0], bool), None, top_k=top_k,
+    return np.asarray(choose_by_kernel(scores, jnp.ones(scores.shape[0], bool), None, top_k=top_k,
                                        groups=(1, 1), normalize=False, eps=0.0, scale=1.0, dtype=jnp.float32,
                                        on_gpu=False)[0])
 

@@ -67,7 +67,7 @@ def routing_agrees(case, on_gpu: bool) -> tuple[bool, str]:
     rng = np.random.default_rng(experts)
     sums = jnp.asarray(random_scores(rng, tokens, experts))
     bias = jnp.asarray(rng.normal(scale=0.1, size=experts), jnp.float32)
-    args = (sums, sums, jnp.arange(tokens) < max(1, tokens - 1),  # the last of several tokens: padding
+    args = (sums, jnp.arange(tokens) < max(1, tokens - 1),  # the last of several tokens: padding
             bias if eps else None, bias.astype(jnp.bfloat16) if router_bias else None)
     options = dict(top_k=top_k, groups=groups, normalize=normalize, eps=eps, scale=scale, dtype=jnp.float32)
     if eps:  # chosen by sigmoid scores plus a bias, weighed by the sigmoid scores
