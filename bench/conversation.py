@@ -62,8 +62,8 @@ WARM_PROMPT = list(range(100, 108))  # each server's first completion, before an
 # smoke starts transformers serve, tests/test_bench_conversation.py checks that it reads this bench's tokenizer as
 # jmoe does, and tests/test_serve_engine.py serves without reuse; the report compares the replies with the first
 # engine's when jmoe-no-reuse is not run.
-# Its context leaves the request that decodes through the long prompt's prefill ~500 tokens (~2 s): with 112 (context
-# 128) it ran out before the long prompt went out in 2 of 3 runs beside two busy processes (and once in CI).
+# Its context leaves the request that decodes through the long prompt's prefill ~500 tokens (0.25 s on a Zen 5 guest):
+# with 112 (context 128) it ran out before the long prompt went out in 2 of 3 runs beside two busy processes.
 SMOKE = dict(conversations=2, turns=2, system_tokens=24, user_tokens=(4, 8), reply_tokens=4, long_prompt=40,
              context=512, max_batch=2, rounds=1, engines=["jmoe"])
 
@@ -229,7 +229,7 @@ def decode_during_prefill(server: Server, workload: Workload, args) -> dict:
     """One request decodes (streamed) while the long prompt is sent: the decoding stream's gaps between tokens that
     overlap the long prompt's prefill (from sending it to its first token), and the server's step times then. Tried
     again (TRIES in all) when the long prompt went out only after the decoding request had ended: this process was
-    late, not the server (on a busy machine the /metrics read before sending it took up to 0.7 s)."""
+    late, not the server."""
     # A program still compiling behind the first requests would make the long prompt wait for it, and the decoding
     # request could run out of room first (a smoke run's context is 512): every step here runs a compiled program.
     server.wait_compiled(args.request_timeout)
@@ -245,7 +245,9 @@ def decode_during_prefill(server: Server, workload: Workload, args) -> dict:
 
 def decode_while_sending(server: Server, decoder_prompt: list[int], long_prompt: list[int], args) -> dict | None:
     """decode_during_prefill's measurement, once; None when the decoding request ended before the long prompt was
-    sent."""
+    sent. The server's step times are read from before the decoding request starts: read between its tokens and the
+    long prompt, /metrics (answered between the server's steps, on a busy machine in up to 0.7 s) let a smoke
+    model's request decode its whole room (~500 tokens in 0.25 s) before the long prompt went out."""
     decoding, prefilled = threading.Event(), threading.Event()
 
     def on_token(n: int) -> bool:
@@ -255,11 +257,11 @@ def decode_while_sending(server: Server, decoder_prompt: list[int], long_prompt:
 
     room = args.context - len(decoder_prompt)
     with httpx.Client() as decoder_client, httpx.Client() as long_client, ThreadPoolExecutor(1) as pool:
+        before = jmoe_metrics(server)
         decoder = pool.submit(complete, decoder_client, server, as_text(decoder_prompt), room, args.request_timeout,
                               None, on_token)
         if not decoding.wait(args.request_timeout):
             raise RuntimeError(f"{server.engine}: the decoding request produced no {DECODING_BEFORE} tokens")
-        before = jmoe_metrics(server)
         long = complete(long_client, server, as_text(long_prompt), 1, args.request_timeout)
         prefilled.set()
         after = jmoe_metrics(server)
@@ -405,8 +407,9 @@ def decoding_section(workload: Workload, runs: dict) -> list[str]:
     """The decode-during-prefill table."""
     return [f"A request decoding while another sends a {len(workload.long_prompt)}-token prompt (its "
             f"{DECODER_PROMPT}-token prompt unrelated): the decoding stream's gaps between tokens that overlap the "
-            f"long prompt's prefill (from sending it to its first token); jmoe's mean step times then (/metrics "
-            f"jmoe:step_seconds, by kind). Bound: one prefill step and one decode step.", "",
+            f"long prompt's prefill (from sending it to its first token); jmoe's mean step times from the decoding "
+            f"request's start to the long prompt's first token (/metrics jmoe:step_seconds, by kind; the decoding "
+            f"request's own prefill is one of the prefill steps). Bound: one prefill step and one decode step.", "",
             "| engine | long prompt's prefill (s) | gaps | median gap (ms) | largest gap (ms) | prefill steps | "
             "prefill step (ms) | decode step (ms) | largest gap / bound |",
             "|---|---|---|---|---|---|---|---|---|"] + [prefill_gap_row(engine, runs[engine]) for engine in runs]
