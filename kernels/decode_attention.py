@@ -129,7 +129,7 @@ def _attend_kernel(qkv_ref, columns_ref, *refs, heads, kv_heads, groups, head_di
         tile = (row, pl.ds(start, block), head, pl.ds(0, dims_p))
         keys = column_tile(k_in, tile, k_new, last, length, real_dims)
         values = column_tile(v_in, tile, v_new, last, length, real_dims)
-        scores = pl.dot(q, keys.astype(q.dtype), trans_b=True, precision=precision_for(q.dtype))
+        scores = pltriton.dot(q, keys.astype(q.dtype), trans_b=True, precision=precision_for(q.dtype))
         return scores.astype(q.dtype).astype(jnp.float32) * scale, values
 
     sink_logits = None
@@ -179,7 +179,7 @@ def online_softmax(lo, hi, block: int, scores_and_values, shape, sink_logits=Non
         correction = jnp.exp(running_max - new_max)
         probs = jnp.exp(scores - new_max)
         total = total * correction + jnp.sum(probs, axis=1, keepdims=True)
-        acc = acc * correction + pl.dot(probs.astype(values.dtype), values, precision=precision_for(values.dtype))
+        acc = acc * correction + pltriton.dot(probs.astype(values.dtype), values, precision=precision_for(values.dtype))
         return acc, new_max, total
 
     rows = shape[0]

@@ -87,8 +87,8 @@ def _latent_kernel(q_ref, ropes_ref, latent_new_ref, columns_ref, latent_in, rop
                               real_rank).astype(dtype)
         keys = column_tile(rope_in, (row, columns, only_head, pl.ds(0, rope_p)), key_new, last, length,
                            real_rope).astype(dtype)
-        latent_scores = pl.dot(q_latent, latents, trans_b=True, precision=precision_for(dtype)).astype(dtype)
-        rope_scores = pl.dot(q_rope, keys, trans_b=True, precision=precision_for(dtype)).astype(dtype)
+        latent_scores = pltriton.dot(q_latent, latents, trans_b=True, precision=precision_for(dtype)).astype(dtype)
+        rope_scores = pltriton.dot(q_rope, keys, trans_b=True, precision=precision_for(dtype)).astype(dtype)
         return (latent_scores + rope_scores).astype(jnp.float32) * scale, latents
 
     carry = online_softmax(*part_bounds(first, last, part, part_len, length), block, scores_and_values,
@@ -130,6 +130,6 @@ def _absorb_kernel(q_ref, kv_b_ref, out_ref, *, rows, nope_dim, stride, rank):
                       other=0)
     weight = pltriton.load(kv_b_ref.at[pl.ds(head * stride, nope_p), pl.ds(chunk * RANK_CHUNK, RANK_CHUNK)],
                            mask=jnp.logical_and(real_nope.T, columns < rank), other=0)
-    out = pl.dot(q, weight.astype(q.dtype), precision=precision_for(q.dtype))
+    out = pltriton.dot(q, weight.astype(q.dtype), precision=precision_for(q.dtype))
     pltriton.store(out_ref.at[pl.ds(0, rows_p), head, pl.ds(chunk * RANK_CHUNK, RANK_CHUNK)], out.astype(out_ref.dtype),
                    mask=jnp.logical_and(real_rows, columns < rank))
