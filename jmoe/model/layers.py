@@ -7,11 +7,14 @@ for the grouped GEMM kernels, `w_gate_up` [E, d, 2f] (gate then up on the last a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor, float_bits_views, per_expert_views
+from jmoe.kernels.norm import added_and_normalised
 from jmoe.kernels.quantized import quantized_shapes
 from jmoe.kernels.target import platform_dependent
 
@@ -69,16 +72,38 @@ class Linear(nnx.Module):
         return project(x, self.kernel[...], None if self.bias is None else self.bias[...])
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x [..., d] RMS-normalised over d, times `scale` [d]: in float32, cast back before the scale, as the reference
+    implementations do."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * normed.astype(x.dtype)
+
+
+def added_and_normalised_by_xla(x, addend, scale, *, eps: float):
+    """`added_and_normalised`'s XLA form: the sum, its norm, and its finiteness where added."""
+    if addend is None:
+        return x, rms_norm(x[..., :scale.shape[-1]], scale, eps), None
+    x = x + addend
+    return x, rms_norm(x, scale, eps), jnp.isfinite(x).all(axis=-1)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, dtype):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # Normalise in float32 and cast back before the scale, as the reference implementations do.
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * normed.astype(x.dtype)
+        """x [..., dim], or wider: its first dim columns, normalised (a GPU's kernel reads them in place)."""
+        return self.after_adding(x, None)[1]
+
+    def after_adding(self, x: jax.Array, addend: jax.Array | None):
+        """(x + addend, that normalised, bool [...]: whether each of its rows is finite); `addend` None: (x, x
+        normalised, None). On a GPU one kernel (`jmoe.kernels.norm`): XLA made the residual add and the norm three
+        kernels, two without an add."""
+        by_kernel = functools.partial(added_and_normalised, eps=self.eps, on_gpu=True)
+        by_xla = functools.partial(added_and_normalised_by_xla, eps=self.eps)
+        return platform_dependent(x, addend, self.scale[...], cuda=by_kernel, default=by_xla)
 
 
 def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:

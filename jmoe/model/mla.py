@@ -57,7 +57,7 @@ class MLAttention(nnx.Module):
         q = self.q_b(self.q_a_norm(self.q_a(x))) if m.q_lora_rank else self.q(x)
         q = q.reshape(b, t, cfg.num_heads, dn + m.qk_rope_head_dim)
         compressed = self.kv_a(x)
-        latent = self.kv_a_norm(compressed[..., :r])[:, :, None, :]
+        latent = self.kv_a_norm(compressed)[:, :, None, :]  # its first r columns
         args = (q, latent, compressed[..., None, r:], latent_cache, rope_cache, self.kv_b.kernel[...], context.rope,
                 context.write_index, context.mask(window))
         if t == 1:  # decode: one kernel on a GPU, which reads only the columns a row sees

@@ -22,8 +22,9 @@ from jmoe.model.rope import RoPE, rope_tables
 
 # (moe layer position, x [N, d], expert ids [N, k] with -1 = none, router weights [N, k]) -> y [N, d]
 ExpertCompute = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
-# (decoder layer index, residual stream x [B, T, d]) -> x, run as each layer starts (e.g. to fetch weights)
-BeforeLayer = Callable[[int, jax.Array], jax.Array]
+# (decoder layer index, residual stream: x [B, T, d] and the last layer's output not yet added to it, or None) -> the
+# same, run as each layer starts (e.g. to fetch weights)
+BeforeLayer = Callable[[int, tuple], tuple]
 
 
 class DecoderLayer(nnx.Module):
@@ -160,14 +161,18 @@ def run_decoder_layers(cfg: ModelConfig, layers: list[DecoderLayer], windows: tu
     `expert_compute` and `forced_routing` alike; `before_layer` gets the position in `layers`."""
     b, t, _ = x.shape
     new_cache, routing, finite = [], [], []
+    output = None  # the last layer's MLP output: the next norm adds it to x (on a GPU in its kernel)
     for i, layer in enumerate(layers):
         if before_layer is not None:
-            x = before_layer(i, x)
+            x, output = before_layer(i, (x, output))
+        x, normed, layer_finite = layer.input_norm.after_adding(x, output)
+        if layer_finite is not None:
+            finite.append(layer_finite.all())  # one reduction per layer, read back with the step
         k_cache, v_cache = kv_cache[i]
-        attn_out, k_cache, v_cache = layer.attn(layer.input_norm(x), k_cache, v_cache, context, windows[i])
+        attn_out, k_cache, v_cache = layer.attn(normed, k_cache, v_cache, context, windows[i])
         new_cache.append((k_cache, v_cache))
-        x = x + attn_out
-        h = layer.post_norm(x).reshape(b * t, -1)
+        x, h, _ = layer.post_norm.after_adding(x, attn_out)
+        h = h.reshape(b * t, -1)
         if isinstance(layer.mlp, MoEBlock):
             forced = None if forced_routing is None else forced_routing[len(routing)].reshape(b * t, -1)
             ids, weights = layer.mlp.route(h, context.token_valid, forced)
@@ -179,8 +184,9 @@ def run_decoder_layers(cfg: ModelConfig, layers: list[DecoderLayer], windows: tu
             routing.append(ids.reshape(b, t, -1))
         else:
             y = layer.mlp(h)
-        x = x + y.reshape(b, t, -1)
-        finite.append(jnp.isfinite(x).all())  # one reduction per layer, read back with the step
+        output = y.reshape(b, t, -1)
+    x = x + output
+    finite.append(jnp.isfinite(x).all())
     routing_ids = (jnp.stack(routing) if routing
                    else jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32))
     return x, new_cache, routing_ids, jnp.stack(finite)

@@ -60,10 +60,10 @@ def prefetch_buffer_bytes(groups: LayerGroups, layer_bytes: dict[int, int], num_
 
 
 def layer_fetch_hook(groups: LayerGroups, fetched: tuple[tuple[str, ...], ...], layers: list):
-    """A `before_layer(i, x) -> x` callback for a run of consecutive decoder layers (a whole model's, or a chained
-    step's block: positions count from the run's first): at the start of layer i, copy the offloaded weights of the
-    layers whose copy it issues (`groups.fetched_at`, so the run's first layers' at its start) to the device and put
-    the copies in the (traced) modules. `fetched[j]`: the names within layer j of its weights fetched ahead."""
+    """A `before_layer(i, stream) -> stream` callback for a run of consecutive decoder layers (a whole model's, or a
+    chained step's block: positions count from the run's first): at the start of layer i, copy the offloaded weights
+    of the layers whose copy it issues (`groups.fetched_at`, so the run's first layers' at its start) to the device and
+    put the copies in the (traced) modules. `fetched[j]`: the names within layer j of its weights fetched ahead."""
     variables = [{param_key(path): node for path, node in nnx.iter_graph(layer) if isinstance(node, nnx.Variable)}
                  for layer in layers]
     issue_at: dict[int, list[int]] = {}
@@ -71,14 +71,14 @@ def layer_fetch_hook(groups: LayerGroups, fetched: tuple[tuple[str, ...], ...], 
         if keys:
             issue_at.setdefault(groups.fetched_at(layer), []).append(layer)
 
-    def before_layer(i: int, x: jax.Array) -> jax.Array:
+    def before_layer(i: int, stream: tuple) -> tuple:
         for layer in issue_at.get(i, ()):
             keys = fetched[layer]
             # The barrier makes the copies depend on layer i's input, so they cannot be hoisted earlier.
-            x, host_values = jax.lax.optimization_barrier((x, [variables[layer][k][...] for k in keys]))
+            stream, host_values = jax.lax.optimization_barrier((stream, [variables[layer][k][...] for k in keys]))
             for key, value in zip(keys, host_values):
                 variables[layer][key][...] = to_device(value)
-        return x
+        return stream
 
     return before_layer
 
