@@ -1,7 +1,7 @@
 """RMSNorm, and the residual add before it, as one Pallas kernel (Triton on a GPU): a program per row.
 
-Why a kernel: XLA:GPU made a decoder layer's norm two kernels (the sum of squares, then the multiply), and the
-residual add before the next layer's norm a third (the MLP's output added, materialised, read again by the sum):
+Why a kernel: at decode XLA:GPU made a decoder layer's norm two kernels (the sum of squares, then the multiply), and
+the residual add before the next layer's norm a third (the MLP's output added, materialised, read again by the sum):
 three of the fourteen kernels of a resident Mixtral-shaped decode layer, each launched for a few kilobytes. The
 model's XLA form (`jmoe.model.layers.rms_norm`) is what every other platform runs; tests/test_norm.py holds the
 kernel, interpreted, to it."""

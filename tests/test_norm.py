@@ -34,9 +34,10 @@ def test_an_addend_of_another_width_is_refused():
 
 @pytest.mark.parametrize("name", ["mixtral_e4k2_gqa2", "qwen3_moe_headdim_tied", "deepseek_v3_qlora_groups"])
 def test_a_model_runs_the_same_through_the_kernel(name, hf_checkpoints, monkeypatch):
-    """Mixtral, Qwen3 (per-head q/k norms) and DeepSeek-V3 (the q and latent norms, the latent read from its
-    projection's wider output): two left-padded rows' logits over a prompt and 6 greedy decode steps, every norm and
-    residual add before one through the interpreted kernel and through XLA's form."""
+    """Mixtral, Qwen3 (per-head q/k norms, XLA's form on a GPU too) and DeepSeek-V3 (the q and latent norms, the
+    latent read from its projection's wider output): two left-padded rows' logits over 6 greedy decode steps after a
+    prompt (whose final norm is a row's), every norm of a decode step and the residual add before it through the
+    interpreted kernel and through XLA's form."""
     model = jmoe.load(hf_checkpoints[name][0])
     module, cfg = model.module(), model.config
     prompt = jnp.asarray([[0, 0, 5, 9, 2, 7], [4, 1, 8, 3, 6, 2]], jnp.int32)

@@ -89,9 +89,10 @@ def added_and_normalised_by_xla(x, addend, scale, *, eps: float):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, dtype):
+    def __init__(self, dim: int, *, eps: float, dtype, kernel_on_gpu: bool = True):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
+        self.kernel_on_gpu = kernel_on_gpu  # False: XLA's form everywhere, where XLA fuses it with its neighbours
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., dim], or wider: its first dim columns, normalised (a GPU's kernel reads them in place)."""
@@ -99,10 +100,14 @@ class RMSNorm(nnx.Module):
 
     def after_adding(self, x: jax.Array, addend: jax.Array | None):
         """(x + addend, that normalised, bool [...]: whether each of its rows is finite); `addend` None: (x, x
-        normalised, None). On a GPU one kernel (`jmoe.kernels.norm`): XLA made the residual add and the norm three
-        kernels, two without an add."""
+        normalised, None). x [B, T, d] (or [B, T, wider]). A step of one token a row (decode) on a GPU runs it as one
+        kernel (`jmoe.kernels.norm`): XLA made the residual add and the norm three kernels there, two without an add
+        (for a prompt's rows it fuses the norm's multiply into the projections' GEMMs, where the kernel would add
+        one)."""
         by_kernel = functools.partial(added_and_normalised, eps=self.eps, on_gpu=True)
         by_xla = functools.partial(added_and_normalised_by_xla, eps=self.eps)
+        if not self.kernel_on_gpu or x.shape[-2] != 1:
+            return by_xla(x, addend, self.scale[...])
         return platform_dependent(x, addend, self.scale[...], cuda=by_kernel, default=by_xla)
 
 
