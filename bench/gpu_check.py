@@ -11,9 +11,9 @@ Sections, in order (each with a share of the time budget plus what earlier ones 
 budget does not reach is recorded as "not run: out of time", never skipped silently):
   environment  JAX version, devices, which optional packages the image has (jax-triton, torch, ...)
   kernels      every kernel backend in every expert format against `reference` (bench.gpu.numerics), and the decode
-               step's bookkeeping kernels (the choice of experts, miss mode "fetch"'s plan), its attention kernels
-               and its norm kernel against the XLA computations they replace (bench.gpu.bookkeeping,
-               bench.gpu.decode_attention, bench.gpu.norm)
+               step's bookkeeping kernels (the choice of experts, miss mode "fetch"'s plan), its attention, norm and
+               large projections' kernels against the XLA computations they replace (bench.gpu.bookkeeping,
+               bench.gpu.decode_attention, bench.gpu.norm, bench.gpu.projection)
   families     every family's logits on the device against JAX's CPU backend (a child process)
   offload      tokens and logits at caches 0, 2, E-1, E (fetch, host and direct misses), the disk tier (host rows),
                prefetch, layer groups

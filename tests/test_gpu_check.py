@@ -29,17 +29,18 @@ def test_every_kernel_backend_in_every_format_matches_reference_on_cpu(smoke_rep
     from jmoe.kernels.dispatch import BACKENDS
     from jmoe.kernels.quantized import FORMATS
 
-    from bench.gpu import decode_attention, norm
+    from bench.gpu import decode_attention, norm, projection
     from bench.gpu.bookkeeping import PLAN_CASES, ROUTING_CASES
 
     checks = smoke_report["sections"]["kernels"]["checks"]
-    # The decode step's bookkeeping, attention and norm kernels against XLA's computations, each case run and passed
-    # (interpreted here).
+    # The decode step's bookkeeping, attention, norm and projection kernels against XLA's computations, each case run
+    # and passed (interpreted here).
     step_kernels = [c for c in checks
                     if c["name"].startswith(("choose_experts kernel", "fetch_plan kernel", "attend_one_token kernel",
-                                             "attend_latent_one_token kernel", "rms_norm kernel"))]
+                                             "attend_latent_one_token kernel", "rms_norm kernel",
+                                             "projected_rows kernel"))]
     cases = (len(ROUTING_CASES) + len(PLAN_CASES) + len(decode_attention.CASES) + len(decode_attention.LATENT_CASES)
-             + len(norm.CASES))
+             + len(norm.CASES) + len(projection.CASES))
     assert len(step_kernels) == cases and all(c["passed"] for c in step_kernels)
     checks = [c for c in checks if c not in step_kernels]
     assert len(checks) == (len(BACKENDS) - 1) * (len(FORMATS) + 1)  # every backend but reference, bf16 + formats

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import bookkeeping, decode_attention, norm
+from bench.gpu import bookkeeping, decode_attention, norm, projection
 from bench.gpu.models import FAMILY_CASES, model_config, write_checkpoint
 from bench.gpu.results import OUT_OF_TIME, Budget, SectionResult
 
@@ -100,6 +100,7 @@ def kernels(small: bool, budget: Budget, log) -> SectionResult:
     bookkeeping.check(result, on_gpu=jax.default_backend() == "gpu")
     decode_attention.check(result, on_gpu=jax.default_backend() == "gpu")
     norm.check(result, on_gpu=jax.default_backend() == "gpu")
+    projection.check(result, on_gpu=jax.default_backend() == "gpu")
     return result
 
 

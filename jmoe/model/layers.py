@@ -15,6 +15,7 @@ from flax import nnx
 
 from jmoe.kernels import FORMATS, ExpertWeights, QuantizedTensor, float_bits_views, per_expert_views
 from jmoe.kernels.norm import added_and_normalised
+from jmoe.kernels.projection import projected_rows, read_by_kernel
 from jmoe.kernels.quantized import quantized_shapes
 from jmoe.kernels.target import platform_dependent
 
@@ -52,9 +53,22 @@ def project(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> j
     read once; stored [in, out], the reduction runs down columns, and XLA:GPU wrote the whole product out before
     reducing it (three times the weight's bytes, a kernel more: bench/results/dense_layout_h100.md). That rewrite
     multiplies in the dot's result type: asked for float32, the products are exact, where a 16-bit result type
-    rounded each to 16 bits before the sum; the kernels are the same."""
+    rounded each to 16 bits before the sum; the kernels are the same. A larger weight a GPU reads, for a few rows,
+    by one kernel of its own (`jmoe.kernels.projection`), where XLA made two."""
+    if read_by_kernel(x, weight):
+        return platform_dependent(x, weight, bias, cuda=_projected_by_kernel, default=projected_by_xla)
+    return projected_by_xla(x, weight, bias)
+
+
+def projected_by_xla(x, weight, bias=None):
+    """`project`'s XLA form, whatever the weight's size."""
     y = products(x, weight)
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _projected_by_kernel(x, weight, bias):
+    rows = projected_rows(x.reshape(-1, x.shape[-1]), weight, bias, on_gpu=True)
+    return rows.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def products(x: jax.Array, weight: jax.Array) -> jax.Array:
