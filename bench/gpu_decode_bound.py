@@ -29,8 +29,9 @@ Triton kernels, as the real device's compiler made them. Per variant the link's 
 the resident step, in the same process; the default variant's child first measures whether a jax.device_put issued
 outside a step runs beside it (bench.gpu.transfer_overlap: the primitive of item 4's first design, copies the manager
 would issue before dispatch, not built yet), times a one-row step's expert FFN in its two kernel forms against
-the HBM bound (bench.gpu.kernel_forms, item 5) and a decode step's attention in XLA's form and the kernel's at a few
-part sizes against the same bound (bench.gpu.attention_forms, item 5). Bounds of an offloaded setting: no overlap = resident step + link
+the HBM bound (bench.gpu.kernel_forms, item 5), a decode step's attention in XLA's form and the kernel's at a few
+part sizes against the same bound (bench.gpu.attention_forms, item 5) and its products with large dense weights in
+both forms (bench.gpu.projection_forms, item 5). Bounds of an offloaded setting: no overlap = resident step + link
 bytes / link GB/s; overlap = the larger of the two; its share = bound / measured time per token. The default
 variant's first fetch setting and its prefetch settings are traced (jax.profiler): how much of the copies' time
 overlaps kernels.
@@ -53,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu import attention_forms, kernel_forms, transfer_overlap
+from bench.gpu import attention_forms, kernel_forms, projection_forms, transfer_overlap
 from bench.helpers.common import add_smoke_argument, error_text, smoke_run, write_result
 
 BIG = "gpt-oss-120b shape"  # issue #54 item 7: built in memory (bench.gpu.in_memory), experts past a 24 GB budget
@@ -72,7 +73,8 @@ MISS_MODES = ("fetch", "direct", "host")  # host last: its decode has aborted XL
 # Measured once, in the default variant's child before its settings: name -> (measure(small) -> dict, its Markdown).
 PROBES = {"device_put_overlap": (transfer_overlap.device_put_overlap, transfer_overlap.markdown),  # item 4
           "one_row_forms": (kernel_forms.one_row_forms, kernel_forms.markdown),  # item 5
-          "attention_forms": (attention_forms.attention_forms, attention_forms.markdown)}  # item 5
+          "attention_forms": (attention_forms.attention_forms, attention_forms.markdown),  # item 5
+          "projection_forms": (projection_forms.projection_forms, projection_forms.markdown)}  # item 5
 ROW_KEYS = ("model", "experts", "cache", "step_ms", "resident_step_ms", "mb_moved_per_token", "link_gbs",
             "tokens_per_s", "host_ms")  # the issue's fields of a setting, in its order
 

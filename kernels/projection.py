@@ -38,19 +38,21 @@ def read_by_kernel(x, weight) -> bool:
             and x.dtype == weight.dtype and jnp.issubdtype(x.dtype, jnp.floating))
 
 
-def projected_rows(x, weight, bias=None, *, on_gpu: bool):
+def projected_rows(x, weight, bias=None, *, on_gpu: bool, block_out: int = BLOCK_OUT, block_k: int = BLOCK_K):
     """x [N, K] (N <= MAX_ROWS) times `weight` [O, K] (stored [out, in]), plus `bias` [O]: [N, O] in x's dtype, from
-    float32 products and sums rounded once, as `jmoe.model.layers.project` computes it. Interpreted where not on_gpu
-    (tests)."""
+    float32 products and sums rounded once, as `jmoe.model.layers.project` computes it; a program per `block_out`
+    outputs (powers of two, at least 16), `block_k` columns a step (bench.gpu.projection_forms times others).
+    Interpreted where not on_gpu (tests)."""
     (rows, k), outputs = x.shape, weight.shape[0]
     if rows > MAX_ROWS or weight.shape[1] != k:
         raise ValueError(f"projected_rows: x [N <= {MAX_ROWS}, K] and a weight [O, K]; got x {x.shape}, weight "
                          f"{weight.shape}")
     inputs = (x, weight) if bias is None else (x, weight, bias.reshape(1, outputs))
     return pl.pallas_call(
-        functools.partial(_kernel, rows=rows, k=k, outputs=outputs, has_bias=bias is not None),
+        functools.partial(_kernel, rows=rows, k=k, outputs=outputs, has_bias=bias is not None, block_out=block_out,
+                          block_k=block_k),
         out_shape=jax.ShapeDtypeStruct((rows, outputs), x.dtype),
-        grid=(pl.cdiv(outputs, BLOCK_OUT),),
+        grid=(pl.cdiv(outputs, block_out),),
         # Whole arrays, read and written by masked loads and stores: neither K nor the outputs need be a multiple of
         # a block.
         in_specs=[pl.no_block_spec] * len(inputs),
@@ -61,28 +63,28 @@ def projected_rows(x, weight, bias=None, *, on_gpu: bool):
     )(*inputs)
 
 
-def _kernel(x_ref, w_ref, *refs, rows: int, k: int, outputs: int, has_bias: bool):
-    """One block of BLOCK_OUT outputs for every row: the weight's rows read once, BLOCK_K columns a step."""
+def _kernel(x_ref, w_ref, *refs, rows: int, k: int, outputs: int, has_bias: bool, block_out: int, block_k: int):
+    """One block of `block_out` outputs for every row: the weight's rows read once, `block_k` columns a step."""
     b_ref, out_ref = refs if has_bias else (None, *refs)
-    first = pl.program_id(0) * BLOCK_OUT
+    first = pl.program_id(0) * block_out
     row_ids = jax.lax.broadcasted_iota(jnp.int32, (MIN_ROWS, 1), 0)
-    out_ids = first + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_OUT, 1), 0)
-    columns = jax.lax.broadcasted_iota(jnp.int32, (1, BLOCK_K), 1)
+    out_ids = first + jax.lax.broadcasted_iota(jnp.int32, (block_out, 1), 0)
+    columns = jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
     def step(i, acc):
-        start = i * BLOCK_K
+        start = i * block_k
         cols = columns + start < k
-        xs = pltriton.load(x_ref.at[pl.ds(0, MIN_ROWS), pl.ds(start, BLOCK_K)],
+        xs = pltriton.load(x_ref.at[pl.ds(0, MIN_ROWS), pl.ds(start, block_k)],
                            mask=jnp.logical_and(row_ids < rows, cols), other=0)
-        w = pltriton.load(w_ref.at[pl.ds(first, BLOCK_OUT), pl.ds(start, BLOCK_K)],
+        w = pltriton.load(w_ref.at[pl.ds(first, block_out), pl.ds(start, block_k)],
                           mask=jnp.logical_and(out_ids < outputs, cols), other=0)
         product = pltriton.dot(xs, w.astype(xs.dtype), trans_b=True, precision=precision_for(xs.dtype))
         return acc + product.astype(jnp.float32)
 
-    acc = jax.lax.fori_loop(0, pl.cdiv(k, BLOCK_K), step, jnp.zeros((MIN_ROWS, BLOCK_OUT), jnp.float32))
-    out_cols = first + jax.lax.broadcasted_iota(jnp.int32, (1, BLOCK_OUT), 1)
+    acc = jax.lax.fori_loop(0, pl.cdiv(k, block_k), step, jnp.zeros((MIN_ROWS, block_out), jnp.float32))
+    out_cols = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_out), 1)
     if b_ref is not None:
-        acc += pltriton.load(b_ref.at[pl.ds(0, 1), pl.ds(first, BLOCK_OUT)], mask=out_cols < outputs,
+        acc += pltriton.load(b_ref.at[pl.ds(0, 1), pl.ds(first, block_out)], mask=out_cols < outputs,
                              other=0).astype(jnp.float32)
-    pltriton.store(out_ref.at[pl.ds(0, MIN_ROWS), pl.ds(first, BLOCK_OUT)], acc.astype(out_ref.dtype),
+    pltriton.store(out_ref.at[pl.ds(0, MIN_ROWS), pl.ds(first, block_out)], acc.astype(out_ref.dtype),
                    mask=jnp.logical_and(row_ids < rows, out_cols < outputs))

@@ -129,3 +129,18 @@ def test_the_attention_forms_report_names_each_forms_speed_and_a_failed_shape():
     assert "| shape | MB visible | xla us (share of HBM) | kernel, parts of 256 us (share of HBM) |" in text
     assert "| mixtral-shaped, 1 row, 1k of 4k | 4.19 | 60 (0.02) | 20 (0.90) | 30 (0.90) | 2.00e-03 |" in text
     assert "| gpt-oss-shaped, 8 rows, 8k | **failed**: CompilationError: out of shared memory | | | |" in text
+
+
+def test_the_projection_forms_report_names_each_forms_speed_and_a_failed_shape():
+    from bench.gpu.projection_forms import markdown
+
+    form = {"us": 10.0, "gbs": 2400.0, "share_of_hbm": 0.75}
+    results = {"read_gbs": 3200.0, "calls": 50, "shapes": {
+        "gpt-oss-120b attention output, 1 row": {"mb_read": 23.6, "xla": {**form, "us": 14.0, "share_of_hbm": 0.53},
+                                                 "kernel, 16 x 256": {**form, "difference": 4e-3},
+                                                 "kernel, 32 x 256": {**form, "us": 12.0, "difference": 2e-3}},
+        "deepseek-v3 q_a, 1 row": {"failed": "CompilationError: out of registers"}}}
+    text = "\n".join(markdown(results))
+    assert "| shape | MB read | xla us (share of HBM) | kernel, 16 x 256 us (share of HBM) |" in text
+    assert "| gpt-oss-120b attention output, 1 row | 23.6 | 14 (0.53) | 10 (0.75) | 12 (0.75) | 4.00e-03 |" in text
+    assert "| deepseek-v3 q_a, 1 row | **failed**: CompilationError: out of registers | | | |" in text

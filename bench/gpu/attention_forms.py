@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from bench.gpu.kernel_forms import forms_table
 from bench.helpers.common import error_text, read_bandwidth_gbs
 
 # (name, rows, cache columns, filled columns, kv heads, query heads per kv head, head dim, window, sinks): Mixtral's
@@ -118,19 +119,7 @@ def time_form(fn, step, calls: int) -> tuple[float, np.ndarray]:
 
 
 def markdown(results: dict) -> list[str]:
-    shapes = results["shapes"].values()
-    forms = next((list(row)[1:] for row in shapes if "failed" not in row), [])
-    lines = [f"A decode step's attention, XLA's form and the kernel's at a few part sizes (jmoe.kernels."
-             f"decode_attention; {results['calls']} jitted calls a timing, caches donated, median of 5): the visible "
-             f"keys' and values' bytes over the time, against the device's read bandwidth, {results['read_gbs']:.4g} "
-             f"GB/s (a jitted sum).", "",
-             "| shape | MB visible | " + " | ".join(f"{form} us (share of HBM)" for form in forms)
-             + " | largest difference from XLA's |", "|---" * (len(forms) + 3) + "|"]
-    for name, row in results["shapes"].items():
-        if "failed" in row:
-            lines.append(f"| {name} | **failed**: {row['failed'].replace('|', '/')} |" + " |" * len(forms))
-            continue
-        cells = [f"{row[form]['us']:.4g} ({row[form]['share_of_hbm']:.2f})" for form in forms]
-        difference = max(row[form]["difference"] for form in forms[1:])
-        lines.append(f"| {name} | {row['mb_read']:.4g} | " + " | ".join(cells) + f" | {difference:.2e} |")
-    return lines
+    return [f"A decode step's attention, XLA's form and the kernel's at a few part sizes (jmoe.kernels."
+            f"decode_attention; {results['calls']} jitted calls a timing, caches donated, median of 5): the visible "
+            f"keys' and values' bytes over the time, against the device's read bandwidth, {results['read_gbs']:.4g} "
+            f"GB/s (a jitted sum).", "", *forms_table(results, "MB visible")]

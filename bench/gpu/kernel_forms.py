@@ -65,6 +65,24 @@ def median_us(fn, args, calls: int) -> float:
     return median_seconds(many, 5) / calls * 1e6
 
 
+def forms_table(results: dict, size_header: str) -> list[str]:
+    """The Markdown table of a probe that times a computation's forms over shapes (attention_forms,
+    projection_forms): per shape its bytes (`mb_read`, under `size_header`), each form's us a call and share of the
+    read bandwidth, and the largest difference of a later form from the first's; a failed shape says why."""
+    shapes = results["shapes"].values()
+    forms = next((list(row)[1:] for row in shapes if "failed" not in row), [])
+    lines = [f"| shape | {size_header} | " + " | ".join(f"{form} us (share of HBM)" for form in forms)
+             + f" | largest difference from {forms[0] if forms else 'the first'}'s |", "|---" * (len(forms) + 3) + "|"]
+    for name, row in results["shapes"].items():
+        if "failed" in row:
+            lines.append(f"| {name} | **failed**: {row['failed'].replace('|', '/')} |" + " |" * len(forms))
+            continue
+        cells = [f"{row[form]['us']:.4g} ({row[form]['share_of_hbm']:.2f})" for form in forms]
+        difference = max(row[form]["difference"] for form in forms[1:])
+        lines.append(f"| {name} | {row['mb_read']:.4g} | " + " | ".join(cells) + f" | {difference:.2e} |")
+    return lines
+
+
 def one_row_forms(small: bool) -> dict:
     """Per shape: each form's us a call and GB/s of the chosen experts' bytes, the HBM bound's share, and the
     forms' difference (or why the shape failed: the others still run)."""
