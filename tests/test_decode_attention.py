@@ -61,6 +61,28 @@ def decode_logits(module, cfg, prompt, pad_len, steps: int, per_row: bool):
     return np.asarray(jnp.stack(logits))
 
 
+def padded_rows_logits(model, steps: int = 6):
+    """decode_logits of `model` (a jmoe.Model) for two rows, the first left-padded by 2, each step's write column one
+    per row (a serving step's)."""
+    prompt = jnp.asarray([[0, 0, 5, 9, 2, 7], [4, 1, 8, 3, 6, 2]], jnp.int32)
+    return decode_logits(model.module(), model.config, prompt, jnp.asarray([2, 0], jnp.int32), steps, per_row=True)
+
+
+def gpu_branches_of_layers(monkeypatch, taken) -> list:
+    """jmoe.model.layers' platform choices made as a GPU makes them where `taken(cuda branch)` says so, XLA's form
+    elsewhere; returns the list of the cuda branches offered, filled as steps are traced."""
+    from jmoe.model import layers
+
+    offered = []
+
+    def choose(*args, cuda=None, default, **_):
+        offered.append(cuda)
+        return (cuda if cuda is not None and taken(cuda) else default)(*args)
+
+    monkeypatch.setattr(layers, "platform_dependent", choose)
+    return offered
+
+
 @pytest.mark.parametrize("name", ["gpt_oss_e4k2_window", "qwen3_moe_headdim_tied", "deepseek_v3_qlora_groups",
                                   "deepseek_v3_yarn_plain_q"])
 def test_a_model_decodes_the_same_through_the_kernel(name, hf_checkpoints, monkeypatch):

@@ -13,7 +13,7 @@ from jmoe.kernels import norm
 from jmoe.model import layers
 from jmoe.plan.hlo import triton_grids
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
-from tests.test_decode_attention import decode_logits
+from tests.test_decode_attention import gpu_branches_of_layers, padded_rows_logits
 
 
 @pytest.mark.quick
@@ -39,21 +39,12 @@ def test_a_model_runs_the_same_through_the_kernel(name, hf_checkpoints, monkeypa
     prompt (whose final norm is a row's), every norm of a decode step and the residual add before it through the
     interpreted kernel and through XLA's form."""
     model = jmoe.load(hf_checkpoints[name][0])
-    module, cfg = model.module(), model.config
-    prompt = jnp.asarray([[0, 0, 5, 9, 2, 7], [4, 1, 8, 3, 6, 2]], jnp.int32)
-    pad_len = jnp.asarray([2, 0], jnp.int32)
-    want = decode_logits(module, cfg, prompt, pad_len, 6, per_row=True)
-    calls = []
-
-    def kernel_where_a_gpu_has_one(*args, cuda=None, default, **_):
-        calls.append(cuda)
-        return (default if cuda is None else cuda)(*args)
-
-    monkeypatch.setattr(layers, "platform_dependent", kernel_where_a_gpu_has_one)
+    want = padded_rows_logits(model)
+    offered = gpu_branches_of_layers(monkeypatch, lambda cuda: True)
     monkeypatch.setattr(layers, "added_and_normalised",
                         lambda *args, on_gpu, **kwargs: norm.added_and_normalised(*args, on_gpu=False, **kwargs))
-    np.testing.assert_allclose(decode_logits(module, cfg, prompt, pad_len, 6, per_row=True), want, atol=2e-5)
-    assert any(call is not None for call in calls)
+    np.testing.assert_allclose(padded_rows_logits(model), want, atol=2e-5)
+    assert any(cuda is not None for cuda in offered)
 
 
 def test_on_the_cpu_norms_are_xla_s(hf_checkpoints):

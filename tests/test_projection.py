@@ -2,10 +2,7 @@
 runs it lowered to Triton, against the XLA form every other shape and platform runs (bench.gpu_check's checks,
 bench.gpu.projection); and where XLA:GPU's own matrix-vector rewrite stops, which decides where it runs."""
 
-import json
 import math
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +14,8 @@ from jmoe.kernels import projection
 from jmoe.kernels.projection import LARGE_WEIGHT, MAX_ROWS, projected_rows, read_by_kernel
 from jmoe.model import layers
 from jmoe.plan.programs import PLUGIN_HINT, plugin_available
-from tests.test_decode_attention import decode_logits
+from tests.h100_child import run_in_h100_child
+from tests.test_decode_attention import gpu_branches_of_layers, padded_rows_logits
 
 
 @pytest.mark.quick
@@ -44,27 +42,14 @@ def test_only_a_decode_step_s_products_with_large_weights_of_its_dtype_are_the_k
 
 
 XLA_REWRITE_COMPILE = """
-import json, sys, jax
-jax.config.update("jax_platforms", "cpu")
-import jax.numpy as jnp
-from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec
-from jmoe.kernels.target import compiling_for_gpu
 from jmoe.model.layers import project
 from jmoe.plan.hlo import entry_computation, kernel_count, triton_grids
-from jmoe.plan.targets import compute_capability, load_target
-target = load_target("h100")
-mesh = topologies.make_mesh(topologies.get_topology_desc(platform="cuda", target_config=target.config_text,
-                                                         topology="1x1x1"), (1,), ("x",))
-on_gpu = NamedSharding(mesh, PartitionSpec())
 out = {}
 for k in (4864, 4928):  # a weight [2048, k] of 9.96M and 10.09M elements
     x, w = (jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=on_gpu) for shape in ((1, 1, k), (2048, k)))
-    with jax.set_mesh(mesh), compiling_for_gpu(compute_capability(target.config_text)):
-        mine = jax.jit(project).trace(x, w).lower().compile().as_text()
-    with jax.set_mesh(mesh):  # XLA's own program for the same product, traced for no GPU
-        xla = jax.jit(lambda x, w: jnp.einsum("btk,ok->bto", x, w, preferred_element_type=jnp.float32)
-                      .astype(x.dtype)).trace(x, w).lower().compile().as_text()
+    mine = compiled(project, x, w)
+    xla = compiled(lambda x, w: jnp.einsum("btk,ok->bto", x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+                   x, w, for_gpu=False)
     out[k] = dict(kernels=kernel_count(mine), grids=triton_grids(mine, "projected_rows"),
                   xla_reduction="input_reduce_fusion" in entry_computation(xla), xla_kernels=kernel_count(xla))
 print(json.dumps(out))
@@ -76,9 +61,7 @@ def test_an_h100_reads_a_weight_past_xla_s_rewrite_by_the_kernel():
     """Compiled for an H100 (a child process whose JAX starts on the CPU platform): XLA reads a row times a weight of
     under LARGE_WEIGHT elements as one reduction kernel, which `project` leaves it; one more element and XLA made a
     GEMM and a kernel summing its pieces, which `project` replaces by the kernel, a program per 16 outputs."""
-    result = subprocess.run([sys.executable, "-c", XLA_REWRITE_COMPILE], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    small, large = json.loads(result.stdout.strip().splitlines()[-1]).values()
+    small, large = run_in_h100_child(XLA_REWRITE_COMPILE).values()
     assert small == dict(kernels=1, grids=[], xla_reduction=True, xla_kernels=1)
     assert large == dict(kernels=1, grids=[[2048 // 16, 1, 1]], xla_reduction=False, xla_kernels=2)
 
@@ -90,19 +73,10 @@ def test_a_model_runs_the_same_through_the_kernel(name, hf_checkpoints, monkeypa
     weights are small: as if every one were past XLA's rewrite) through the interpreted kernel and through XLA's
     form."""
     model = jmoe.load(hf_checkpoints[name][0])
-    module, cfg = model.module(), model.config
-    prompt = jnp.asarray([[0, 0, 5, 9, 2, 7], [4, 1, 8, 3, 6, 2]], jnp.int32)
-    pad_len = jnp.asarray([2, 0], jnp.int32)
-    want = decode_logits(module, cfg, prompt, pad_len, 6, per_row=True)
-    calls = []
-
-    def projection_kernel_where_a_gpu_has_one(*args, cuda=None, default, **_):
-        calls.append(cuda)
-        return (cuda if cuda is layers._projected_by_kernel else default)(*args)
-
+    want = padded_rows_logits(model)
     monkeypatch.setattr(layers, "read_by_kernel", lambda x, weight: math.prod(x.shape[:-1]) <= MAX_ROWS)
-    monkeypatch.setattr(layers, "platform_dependent", projection_kernel_where_a_gpu_has_one)
+    offered = gpu_branches_of_layers(monkeypatch, lambda cuda: cuda is layers._projected_by_kernel)
     monkeypatch.setattr(layers, "projected_rows",
                         lambda *args, on_gpu: projection.projected_rows(*args, on_gpu=False))
-    np.testing.assert_allclose(decode_logits(module, cfg, prompt, pad_len, 6, per_row=True), want, atol=2e-5)
-    assert calls.count(layers._projected_by_kernel) >= 6 * cfg.num_layers
+    np.testing.assert_allclose(padded_rows_logits(model), want, atol=2e-5)
+    assert offered.count(layers._projected_by_kernel) >= 6 * model.config.num_layers

@@ -4,8 +4,6 @@ experts: results independent of the cache size within a format, the bytes counte
 
 import functools
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jmoe
+from h100_child import run_in_h100_child
 from hf_models import VOCAB, write_checkpoint
 from jmoe.kernels import FORMATS, QuantizedTensor, moe_ffn, quantize
 from jmoe.kernels.quantized import quantized_shapes
@@ -226,23 +225,9 @@ def test_mixed_or_mismatched_weights_and_triton_are_clear_errors():
 
 
 GPU_KERNEL_COMPILE = """
-import sys, functools, jax
-jax.config.update("jax_platforms", "cpu")
-import jax.numpy as jnp, numpy as np
-from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec
 from jmoe.kernels import ExpertWeights, moe_ffn, quantize
 from jmoe.kernels.expert_copy import copy_experts
-from jmoe.kernels.quantized import QuantizedTensor
-from jmoe.kernels.target import compiling_for_gpu
 from jmoe.plan.hlo import control_flow
-from jmoe.plan.targets import compute_capability, load_target
-target = load_target("h100")
-mesh = topologies.make_mesh(topologies.get_topology_desc(platform="cuda", target_config=target.config_text,
-                                                         topology="1x1x1"), (1,), ("x",))
-on_gpu = NamedSharding(mesh, PartitionSpec())
-def shaped(a):
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu)
 out = {}
 for fmt in sys.argv[1:]:
     q_gate_up, q_down = quantize(np.ones((8, 128, 128), np.float32), fmt), quantize(np.ones((8, 64, 128), np.float32), fmt)
@@ -252,12 +237,10 @@ for fmt in sys.argv[1:]:
     experts = ExpertWeights(q_gate_up, q_down)
     slots = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape[1:]), a.dtype, sharding=on_gpu), experts)
     entries = shaped(jnp.zeros((2,), jnp.int32))
-    with jax.set_mesh(mesh), compiling_for_gpu(compute_capability(target.config_text)):
-        hlo = jax.jit(functools.partial(moe_ffn, backend="pallas")).trace(*args).lower().compile().as_text()
-        copy = jax.jit(functools.partial(copy_experts, on_gpu=True)).trace(slots, experts, entries, entries)
-        copy_hlo = copy.lower().compile().as_text()
+    hlo = compiled(functools.partial(moe_ffn, backend="pallas"), *args)
+    copy_hlo = compiled(functools.partial(copy_experts, on_gpu=True), slots, experts, entries, entries)
     out[fmt] = control_flow(hlo).as_dict(), control_flow(copy_hlo).as_dict()
-print(__import__("json").dumps(out))
+print(json.dumps(out))
 """
 
 
@@ -265,10 +248,7 @@ print(__import__("json").dumps(out))
 def test_quantized_pallas_kernels_compile_to_triton_for_an_h100():
     """The dequantizing Pallas kernels and the expert copies lower to Triton for a GPU (compiled here, for an H100,
     in a child process whose JAX starts on the CPU platform; running them needs a GPU)."""
-    result = subprocess.run([sys.executable, "-c", GPU_KERNEL_COMPILE, *FORMATS], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    flows = json.loads(result.stdout.strip().splitlines()[-1])
+    flows = run_in_h100_child(GPU_KERNEL_COMPILE, *FORMATS)
     for fmt in FORMATS:
         ffn, copy = flows[fmt]
         assert ffn["triton_kernels"] == 2 and ffn["conditionals"] == 0, (fmt, ffn)
