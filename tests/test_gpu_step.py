@@ -90,9 +90,10 @@ def test_h100_programs_have_no_host_syncs_and_run_triton_kernels(many_experts, o
     assert sorted(copies) == sorted((chunks, entries, 1) for entries in demand + planned + ahead)
     # Copies made ahead of need on a second stream with side_stream_copies (#54 item 4): one asynchronous call each.
     # Which compute-stream kernels run beside each is XLA's default scheduler's choice, which follows no rule this
-    # program can set: here 26 and 9 kernels until the norms became kernels, none since (each call's start placed
-    # right before its done), while bench.gpu_decode_programs' Mixtral- and DeepSeek-shaped settings, which the GPU
-    # measures, keep 54, 39, 26, 13 and 59, 38, 19 (bench/results/gpu_decode_programs_h100.md).
+    # program can set: here 26 and 9 kernels until the norms became kernels, none with them (each call's start placed
+    # right before its done), 9 and 9 once the admitted tables were made once (slots.admitted_tables);
+    # bench.gpu_decode_programs' Mixtral- and DeepSeek-shaped settings, which the GPU measures, have 14 a copy and 20
+    # a copy (bench/results/gpu_decode_programs_h100.md).
     overlaps = side_stream_overlaps(decode.hlo_text)
     assert len(overlaps) == (len(planned + ahead) if options.get("side_stream_copies") else 0)
     # The copies read the pinned-host experts as they are (reshaped, no copy in between); so do, in "direct", each

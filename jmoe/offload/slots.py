@@ -153,6 +153,10 @@ def admitted_tables(slots: LayerSlots, experts, destinations) -> tuple[LayerSlot
     slot_of_expert = jnp.where(admitted_to >= 0, admitted_to, slot_of_expert)
     admitted = index_of_match(destinations, experts, num_cache, cached)
     expert_in_slot = jnp.where(admitted >= 0, admitted, slots.expert_in_slot)
+    # Made once, here: XLA:GPU had fused the selects into every later reader (the step's readback among them), which
+    # then read the old tables after the new ones were written in place, so it copied each expert_in_slot first (a
+    # kernel a layer in miss mode "direct").
+    slot_of_expert, expert_in_slot, evicted = jax.lax.optimization_barrier((slot_of_expert, expert_in_slot, evicted))
     return LayerSlots(slots.buffers, slot_of_expert, expert_in_slot), jnp.sum(evicted >= 0, dtype=jnp.int32)
 
 
